@@ -1,0 +1,262 @@
+"""Losses, KL estimators and the proximal approximation against float64 NumPy references."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tidal.algorithms import (
+    aggregate_loss,
+    decoupled_ppo_loss,
+    kl_estimate,
+    loglinear_prox_logp,
+    ppo_policy_loss,
+    reshape_logprobs,
+    value_loss,
+)
+
+# ----------------------------------------------------------------------------- references
+
+
+def ref_surrogate(r, a, lo, hi, dual):
+    out = np.zeros_like(r)
+    for i in np.ndindex(r.shape):
+        u = -a[i] * r[i]
+        c = -a[i] * min(max(r[i], 1 - lo), 1 + hi)
+        loss = max(u, c)
+        if dual is not None and a[i] < 0:
+            loss = min(loss, -dual * a[i])
+        out[i] = loss
+    return out
+
+
+def ref_agg(L, mask, agg, lms=None, max_steps=None):
+    if agg == "token-mean":
+        n = mask.sum()
+        return (L * mask).sum() / max(n, 1)
+    if agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        vals = []
+        for i in range(L.shape[0]):
+            n = mask[i].sum()
+            if n == 0:
+                continue
+            s = (L[i] * mask[i]).sum()
+            vals.append(s / n if agg == "seq-mean-token-mean" else s)
+        return float(np.mean(vals)) if vals else 0.0
+    if agg == "embodied-ratio":
+        return float(np.mean(L / (lms / max_steps) * mask))
+    raise AssertionError
+
+
+def make_batch(shape, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(shape, generator=g, dtype=torch.float64) * 3
+    old = logp + torch.randn(shape, generator=g, dtype=torch.float64) * 0.3
+    adv = torch.randn(shape, generator=g, dtype=torch.float64)
+    mask = torch.rand(shape, generator=g) > 0.25
+    return logp.to(dtype), old.to(dtype), adv.to(dtype), mask
+
+
+# ----------------------------------------------------------------------------- PPO
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (4, 9), (3, 5, 6)])
+@pytest.mark.parametrize("dual", [None, 3.0])
+@pytest.mark.parametrize("lo,hi", [(0.2, 0.2), (0.2, 0.28)])
+def test_ppo_policy_loss_matches_reference(shape, dual, lo, hi):
+    logp, old, adv, mask = make_batch(shape)
+    loss, metrics = ppo_policy_loss(logp, old, adv, mask, lo, hi, dual_clip=dual)
+    r = np.exp(logp.numpy() - old.numpy())
+    ref = ref_surrogate(r, adv.numpy(), lo, hi, dual)
+    m = mask.numpy()
+    assert abs(loss.item() - ref_agg(ref, m, "token-mean")) < 1e-10
+    clipped = np.array([-a * min(max(x, 1 - lo), 1 + hi) > -a * x for x, a in zip(r.ravel(), adv.numpy().ravel())]).reshape(r.shape)
+    assert abs(metrics["clip_frac"].item() - (clipped * m).sum() / max(m.sum(), 1)) < 1e-10
+    if m.any():
+        assert abs(metrics["ratio_max"].item() - r[m].max()) < 1e-10
+        kl = (r - 1) - np.log(r)
+        assert abs(metrics["approx_kl"].item() - kl[m].mean()) < 1e-10
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_ppo_aggregations(agg):
+    logp, old, adv, mask = make_batch((6, 10), seed=3)
+    mask[2] = False  # a sequence with no valid token is left out of the sequence mean
+    loss, _ = ppo_policy_loss(logp, old, adv, mask, 0.2, 0.2, agg=agg)
+    ref = ref_surrogate(np.exp(logp.numpy() - old.numpy()), adv.numpy(), 0.2, 0.2, None)
+    assert abs(loss.item() - ref_agg(ref, mask.numpy(), agg)) < 1e-10
+
+
+def test_embodied_ratio_aggregation():
+    L = torch.rand(8, 4, dtype=torch.float64)
+    mask = torch.rand(8, 4) > 0.3
+    lms = mask.sum(0, keepdim=True).expand(8, 4).double()
+    out = aggregate_loss(L, mask, "embodied-ratio", loss_mask_sum=lms, max_episode_steps=8)
+    assert abs(out.item() - ref_agg(L.numpy(), mask.numpy(), "embodied-ratio", lms.numpy(), 8)) < 1e-12
+    with pytest.raises(ValueError, match="loss_mask_sum and max_episode_steps"):
+        aggregate_loss(L, mask, "embodied-ratio")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ppo_low_precision_inputs(dtype):
+    logp, old, adv, mask = make_batch((5, 8), seed=1)
+    loss64, _ = ppo_policy_loss(logp, old, adv, mask, 0.2, 0.2)
+    loss, _ = ppo_policy_loss(logp.to(dtype), old.to(dtype), adv.to(dtype), mask, 0.2, 0.2)
+    tol = 1e-5 if dtype == torch.float32 else 0.05
+    assert abs(loss.item() - loss64.item()) < tol
+
+
+def test_ppo_gradient_flows_and_vanishes_when_clipped():
+    logp = torch.tensor([0.0, 0.0, 0.0], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([0.0, -1.0, 1.0], dtype=torch.float64)  # ratios 1, e, 1/e
+    adv = torch.tensor([1.0, 1.0, -1.0], dtype=torch.float64)
+    loss, _ = ppo_policy_loss(logp, old, adv, None, 0.2, 0.2)
+    loss.backward()
+    # the first element is inside the trust region; the other two are clipped (no gradient)
+    np.testing.assert_allclose(logp.grad.numpy(), [-1 / 3, 0.0, 0.0], atol=1e-12)
+
+
+def test_ppo_edge_cases_no_nan():
+    logp = torch.tensor([0.0, -80.0, 50.0, float("nan"), float("-inf")], requires_grad=True)
+    old = torch.tensor([-60.0, 0.0, 0.0, 0.0, 0.0])
+    adv = torch.tensor([1.0, -1.0, -2.0, 1.0, 1.0])
+    mask = torch.tensor([True, True, True, False, False])
+    loss, metrics = ppo_policy_loss(logp, old, adv, mask, 0.2, 0.2, dual_clip=3.0)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert all(torch.isfinite(v) for v in metrics.values())
+    none = torch.zeros(5, dtype=torch.bool)
+    loss, metrics = ppo_policy_loss(logp, old, adv, none, 0.2, 0.2)
+    assert loss.item() == 0.0 and all(v.item() == 0.0 for v in metrics.values())
+    zero_adv, _ = ppo_policy_loss(torch.zeros(4), torch.zeros(4), torch.zeros(4), None, 0.2, 0.2)
+    assert zero_adv.item() == 0.0
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    logp = torch.tensor([5.0], dtype=torch.float64)
+    old = torch.tensor([0.0], dtype=torch.float64)
+    adv = torch.tensor([-1.0], dtype=torch.float64)
+    plain, _ = ppo_policy_loss(logp, old, adv, None, 0.2, 0.2)
+    capped, metrics = ppo_policy_loss(logp, old, adv, None, 0.2, 0.2, dual_clip=3.0)
+    assert abs(plain.item() - math.exp(5.0)) < 1e-9
+    assert capped.item() == 3.0 and metrics["dual_clip_frac"].item() == 1.0
+    with pytest.raises(ValueError, match="dual_clip: expected a value > 1"):
+        ppo_policy_loss(logp, old, adv, None, 0.2, 0.2, dual_clip=0.5)
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match=r"old_logp: expected the shape of logp \(3,\), got \(4,\)"):
+        ppo_policy_loss(torch.zeros(3), torch.zeros(4), torch.zeros(3), None, 0.2, 0.2)
+    with pytest.raises(ValueError, match="agg: expected one of token-mean"):
+        ppo_policy_loss(torch.zeros(3), torch.zeros(3), torch.zeros(3), None, 0.2, 0.2, agg="mean")
+    with pytest.raises(ValueError, match="kl kind"):
+        kl_estimate(torch.zeros(3), torch.zeros(3), "k4")
+    with pytest.raises(ValueError, match="cap_mode"):
+        decoupled_ppo_loss(*[torch.zeros(3)] * 4, None, 0.2, 0.2, behav_weight_cap=2.0, cap_mode="drop")
+
+
+# ----------------------------------------------------------------------------- decoupled PPO
+
+
+@pytest.mark.parametrize("cap,mode", [(None, "mask"), (1.5, "mask"), (1.5, "clamp")])
+def test_decoupled_ppo_matches_reference(cap, mode):
+    logp, prox, adv, mask = make_batch((6, 7), seed=5)
+    behave = prox + torch.randn(6, 7, dtype=torch.float64) * 0.5
+    loss, metrics = decoupled_ppo_loss(logp, prox, behave, adv, mask, 0.2, 0.25, behav_weight_cap=cap, cap_mode=mode)
+    r = np.exp(logp.numpy() - prox.numpy())
+    w = np.exp(prox.numpy() - behave.numpy())
+    m = mask.numpy().copy()
+    capped = (w > cap) & m if cap is not None else np.zeros_like(m)
+    if cap is not None and mode == "mask":
+        m = m & ~capped
+    if cap is not None and mode == "clamp":
+        w = np.minimum(w, cap)
+    per = ref_surrogate(r, adv.numpy(), 0.2, 0.25, None) * w
+    assert abs(loss.item() - ref_agg(per, m, "token-mean")) < 1e-10
+    assert abs(metrics["behave_capped_frac"].item() - capped.sum() / mask.numpy().sum()) < 1e-12
+
+
+def test_decoupled_equals_standard_ppo_when_on_policy():
+    logp, old, adv, mask = make_batch((4, 6), seed=7)
+    a, _ = decoupled_ppo_loss(logp, old, old, adv, mask, 0.2, 0.2)
+    b, _ = ppo_policy_loss(logp, old, adv, mask, 0.2, 0.2)
+    assert abs(a.item() - b.item()) < 1e-12
+
+
+# ----------------------------------------------------------------------------- value loss
+
+
+@pytest.mark.parametrize("clip", [None, 0.2])
+@pytest.mark.parametrize("huber", [None, 1.0])
+def test_value_loss_matches_reference(clip, huber):
+    g = torch.Generator().manual_seed(11)
+    v = torch.randn(5, 6, generator=g, dtype=torch.float64) * 2
+    old = v + torch.randn(5, 6, generator=g, dtype=torch.float64) * 0.5
+    ret = torch.randn(5, 6, generator=g, dtype=torch.float64) * 2
+    mask = torch.rand(5, 6, generator=g) > 0.2
+
+    def err(d):
+        if huber is None:
+            return 0.5 * d**2
+        return np.where(np.abs(d) <= huber, 0.5 * d**2, huber * (np.abs(d) - 0.5 * huber))
+
+    e = err(v.numpy() - ret.numpy())
+    if clip is not None:
+        vc = old.numpy() + np.clip(v.numpy() - old.numpy(), -clip, clip)
+        e = np.maximum(e, err(vc - ret.numpy()))
+    loss, metrics = value_loss(v, old, ret, mask, value_clip=clip, huber_delta=huber)
+    assert abs(loss.item() - ref_agg(e, mask.numpy(), "token-mean")) < 1e-10
+    assert torch.isfinite(metrics["explained_variance"])
+
+
+def test_value_clip_needs_old_values():
+    with pytest.raises(ValueError, match="value_clip: needs old_values"):
+        value_loss(torch.zeros(3), None, torch.zeros(3), None, value_clip=0.2)
+
+
+# ----------------------------------------------------------------------------- KL, prox, reshaping
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(-8, 0), min_size=1, max_size=20), st.integers(0, 2**31 - 1))
+def test_kl_estimators(logps, seed):
+    logp = torch.tensor(logps, dtype=torch.float64)
+    ref = logp + torch.randn(len(logps), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    d = (logp - ref).numpy()
+    np.testing.assert_allclose(kl_estimate(logp, ref, "k1").numpy(), d, atol=1e-12)
+    np.testing.assert_allclose(kl_estimate(logp, ref, "k2").numpy(), 0.5 * d**2, atol=1e-12)
+    np.testing.assert_allclose(kl_estimate(logp, ref, "k3").numpy(), np.exp(-d) - 1 + d, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(kl_estimate(logp, ref, "abs").numpy(), np.abs(d), atol=1e-12)
+    assert (kl_estimate(logp, ref, "k3") >= 0).all()
+
+
+def test_k3_is_finite_for_extreme_ratios():
+    out = kl_estimate(torch.tensor([-500.0, 0.0]), torch.tensor([0.0, -500.0]), "k3")
+    assert torch.isfinite(out).all()
+
+
+def test_loglinear_prox_logp():
+    behave = torch.tensor([-1.0, -1.0, -1.0, -1.0, -1.0, -2.0], dtype=torch.float64)
+    logp = torch.tensor([-3.0, -3.0, -3.0, -3.0, -3.0, -0.5], dtype=torch.float64, requires_grad=True)
+    versions = torch.tensor([4, 2, 1, 5, -1, 0])
+    prox = loglinear_prox_logp(behave, logp, versions, current_version=5)
+    alphas = []
+    for vb in versions.tolist():
+        v = 5
+        alphas.append(min(max(((v - 1) - vb) / (v - vb), 0), 1) if (v - vb > 0 and vb >= 0) else 0.0)
+    ref = behave.numpy() + np.array(alphas) * (logp.detach().numpy() - behave.numpy())
+    np.testing.assert_allclose(prox.numpy(), ref, atol=1e-12)
+    assert not prox.requires_grad
+    assert prox[0].item() == -1.0  # one version behind: prox is the behaviour policy
+
+
+def test_reshape_logprobs_levels():
+    lp = torch.randn(4, 3, 2, 7)  # [..., C, action_dim]
+    assert torch.equal(reshape_logprobs(lp, "token"), lp)
+    torch.testing.assert_close(reshape_logprobs(lp, "action"), lp.sum(-1))
+    torch.testing.assert_close(reshape_logprobs(lp, "chunk"), lp.sum((-1, -2)))
+    with pytest.raises(ValueError, match="logprob level"):
+        reshape_logprobs(lp, "episode")

@@ -1,0 +1,281 @@
+"""Advantage estimators and their registry.
+
+Layout (one contract for every estimator, embodied and language alike): **time-major**.
+Per-step tensors are ``[T, B, ...]`` (T steps or tokens, B samples); ``values`` and
+``dones`` carry one extra leading row, ``[T + 1, B, ...]``, where ``dones[t + 1]`` says the
+episode ended after step t and ``values[T]`` bootstraps the last step. A language batch laid
+out ``[B, L]`` is passed as its transpose. Groups (GRPO, RLOO, ...) are contiguous along B.
+
+Results are float32 (float64 for float64 inputs); nothing here normalises unless its name
+or docstring says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tidal.algorithms._tensors import as_mask, check_shape, compute_dtype
+
+AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+_ADVANTAGES: dict[str, AdvantageFn] = {}
+
+
+# ----------------------------------------------------------------------------- primitives
+
+
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor | None,
+    dones: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation.
+
+    rewards ``[T, B, ...]``; values and dones ``[T + 1, B, ...]``.
+    ``delta_t = r_t + gamma * V_{t+1} * (1 - d_{t+1}) - V_t`` and
+    ``A_t = delta_t + gamma * lam * (1 - d_{t+1}) * A_{t+1}``; ``returns = A + V[:-1]``.
+    With ``values=None`` it is the critic-free reward-to-go (gamma = lam = 1), still reset
+    at dones, and advantages equal returns. Returns ``(advantages, returns)``, ``[T, B, ...]``.
+    """
+    horizon, rest = rewards.shape[0], tuple(rewards.shape[1:])
+    check_shape("dones", dones, (horizon + 1, *rest))
+    dtype = compute_dtype(rewards)
+    if values is None:
+        gamma = lam = 1.0
+        v = torch.zeros((horizon + 1, *rest), dtype=dtype, device=rewards.device)
+    else:
+        check_shape("values", values, (horizon + 1, *rest))
+        v = values.detach().to(dtype)
+    r = rewards.detach().to(dtype)
+    not_done = 1.0 - dones[1:].to(dtype)
+    advantages = torch.empty_like(r)
+    running = torch.zeros(rest, dtype=dtype, device=rewards.device)
+    for t in reversed(range(horizon)):
+        delta = r[t] + gamma * v[t + 1] * not_done[t] - v[t]
+        running = delta + gamma * lam * not_done[t] * running
+        advantages[t] = running
+    return advantages, advantages + v[:-1]
+
+
+def group_normalize(
+    scores: torch.Tensor,
+    group_size: int,
+    std: bool = True,
+    leave_one_out: bool = False,
+    unbiased: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Normalise scores within contiguous groups of ``group_size`` along dim 0.
+
+    ``(s - mean_g) / (std_g + eps)``. ``std=False`` only centres (the Dr.GRPO form);
+    ``leave_one_out=True`` subtracts the mean of the *other* members (RLOO). A group of one
+    has no baseline to learn from and yields 0; a zero-variance group yields 0, never NaN.
+    """
+    n = scores.shape[0]
+    if group_size < 1 or n % group_size != 0:
+        raise ValueError(
+            f"group_size: expected a positive divisor of the batch size {n}, got {group_size}"
+        )
+    g = scores.detach().to(compute_dtype(scores)).reshape(n // group_size, group_size, *scores.shape[1:])
+    if leave_one_out and group_size > 1:
+        baseline = (g.sum(1, keepdim=True) - g) / (group_size - 1)
+    else:
+        baseline = g.mean(1, keepdim=True)
+    out = g - baseline
+    if std:
+        if group_size > 1:
+            spread = g.std(1, keepdim=True, correction=1 if unbiased else 0)
+        else:
+            spread = torch.zeros_like(baseline)
+        out = out / (spread + eps)
+    return out.reshape(scores.shape)
+
+
+def masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    eps: float = 1e-8,
+    shift_mean: bool = True,
+) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps)`` with mean and (population) variance taken over the
+    masked elements only. Elements outside the mask come back as 0; an empty mask gives 0s.
+    ``shift_mean=False`` adds the mean back (scale only)."""
+    m = as_mask(mask, x)
+    xf = x.detach().to(compute_dtype(x))
+    count = m.sum()
+    if count == 0:
+        return torch.zeros_like(xf)
+    mean = torch.where(m, xf, 0.0).sum() / count
+    var = torch.where(m, (xf - mean) ** 2, 0.0).sum() / count
+    out = (xf - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(m, out, 0.0)
+
+
+# ----------------------------------------------------------------------------- embodied helpers
+
+
+def reduce_chunk_level(
+    rewards: torch.Tensor, dones: torch.Tensor, reward_type: str = "chunk"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn per-action rewards of action chunks into per-step rewards.
+
+    rewards ``[T, B, C]`` and dones ``[T + 1, B, C]`` (C actions per chunk).
+    ``"chunk"``: one step per chunk, rewards summed over the chunk, dones max-reduced →
+    ``[T, B]`` and ``[T + 1, B]``. ``"action"``: every action is a step, in time order →
+    ``[T * C, B]`` and ``[T * C + 1, B]`` (the first row keeps the last action's done).
+    """
+    if rewards.dim() != 3:
+        raise ValueError(f"rewards: expected [T, B, C], got shape {tuple(rewards.shape)}")
+    horizon, batch, chunk = rewards.shape
+    check_shape("dones", dones, (horizon + 1, batch, chunk))
+    if reward_type == "chunk":
+        return rewards.sum(-1), dones.amax(-1)
+    if reward_type == "action":
+        flat_r = rewards.permute(0, 2, 1).reshape(horizon * chunk, batch)
+        flat_d = dones[1:].permute(0, 2, 1).reshape(horizon * chunk, batch)
+        return flat_r, torch.cat([dones[:1, :, -1], flat_d], 0)
+    raise ValueError(f"reward_type: expected 'chunk' or 'action', got {reward_type!r}")
+
+
+def loss_mask_from_dones(dones: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rollouts without auto-reset: steps after each env's first done are masked.
+
+    dones ``[T + 1, B, ...]`` (``dones[0]`` belongs to the previous rollout and is ignored).
+    Returns ``loss_mask`` ``[T, B, ...]`` (bool; the step that ends the episode is valid) and
+    ``loss_mask_sum`` ``[T, B, ...]``: each env's count of valid steps, repeated along T so it
+    survives flattening and shuffling.
+    """
+    if dones.shape[0] < 2:
+        raise ValueError(f"dones: expected [T + 1, B] with T >= 1, got shape {tuple(dones.shape)}")
+    d = dones[1:].long()
+    ended_before = torch.cumsum(d, 0) - d
+    loss_mask = ended_before == 0
+    loss_mask_sum = loss_mask.sum(0, keepdim=True).expand_as(loss_mask).to(torch.float32)
+    return loss_mask, loss_mask_sum
+
+
+def episode_scores(rewards: torch.Tensor, dones: torch.Tensor) -> torch.Tensor:
+    """Sum of each env's rewards up to and including its first done: ``[T, B]`` → ``[B]``."""
+    check_shape("dones", dones, (rewards.shape[0] + 1, *rewards.shape[1:]))
+    loss_mask, _ = loss_mask_from_dones(dones)
+    return torch.where(loss_mask, rewards.to(compute_dtype(rewards)), 0.0).sum(0)
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register an estimator under ``name``. It is called with keyword arguments only
+    (``rewards``, ``mask``, ``values``, ``dones``, ``gamma``, ``lam``, ``group_size``, ``kl``,
+    ``kl_coef``, ...; time-major as this module describes), must accept ``**kwargs`` it does
+    not use, and returns ``(advantages, returns)`` shaped like ``rewards``."""
+
+    def decorator(fn: AdvantageFn) -> AdvantageFn:
+        if name in _ADVANTAGES:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        _ADVANTAGES[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_advantage(name: str) -> AdvantageFn:
+    try:
+        return _ADVANTAGES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown advantage estimator {name!r}; registered: {', '.join(list_advantages())}"
+        ) from None
+
+
+def list_advantages() -> list[str]:
+    return sorted(_ADVANTAGES)
+
+
+def _outcome_scores(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One score per sample: the sum of its valid rewards, ``[T, B]`` → ``[B]``."""
+    return torch.where(mask, rewards.to(compute_dtype(rewards)), 0.0).sum(0)
+
+
+def _broadcast(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, per_sample.unsqueeze(0), 0.0)
+
+
+def _discounted_returns(
+    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float
+) -> torch.Tensor:
+    """Reverse cumulative sum with discount, restarting wherever the mask is off."""
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[0])
+    for t in reversed(range(token_rewards.shape[0])):
+        running = (token_rewards[t] + gamma * running) * mask[t]
+        returns[t] = running
+    return returns
+
+
+def _reinforce_pp(
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    kl: torch.Tensor | None,
+    kl_coef: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score at the last valid step, minus a per-step KL penalty, discounted returns,
+    whitened over all valid steps of the batch."""
+    horizon = mask.shape[0]
+    last = horizon - 1 - torch.flip(mask.long(), [0]).argmax(0)
+    token_rewards = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
+    token_rewards.scatter_(0, last.unsqueeze(0), (scores * mask.any(0)).unsqueeze(0))
+    if kl is not None:
+        check_shape("kl", kl, mask.shape)
+        token_rewards = token_rewards - kl_coef * torch.where(mask, kl.to(scores.dtype), 0.0)
+    returns = _discounted_returns(token_rewards, mask, gamma)
+    return masked_whiten(returns, mask), returns
+
+
+@register_advantage("gae")
+def _gae(*, rewards, values=None, dones=None, gamma=1.0, lam=1.0, **_):
+    if dones is None:
+        dones = torch.zeros((rewards.shape[0] + 1, *rewards.shape[1:]), dtype=torch.bool)
+    return compute_gae(rewards, values, dones, gamma, lam)
+
+
+def _group_estimator(**norm_kwargs) -> AdvantageFn:
+    def estimator(*, rewards, mask=None, group_size=1, eps=1e-6, **_):
+        m = as_mask(mask, rewards)
+        scores = _outcome_scores(rewards, m)
+        adv = group_normalize(scores, group_size, eps=eps, **norm_kwargs)
+        return _broadcast(adv, m), _broadcast(scores, m)
+
+    return estimator
+
+
+register_advantage("grpo")(_group_estimator(std=True))
+register_advantage("dr_grpo")(_group_estimator(std=False))
+register_advantage("rloo")(_group_estimator(std=False, leave_one_out=True))
+
+
+@register_advantage("raw")
+def _raw(*, rewards, mask=None, **_):
+    """Plain REINFORCE: each sample's score, no baseline, on every valid step."""
+    m = as_mask(mask, rewards)
+    scores = _broadcast(_outcome_scores(rewards, m), m)
+    return scores, scores
+
+
+@register_advantage("reinpp")
+def _reinpp(*, rewards, mask=None, gamma=1.0, kl=None, kl_coef=0.0, **_):
+    m = as_mask(mask, rewards)
+    return _reinforce_pp(_outcome_scores(rewards, m), m, gamma, kl, kl_coef)
+
+
+@register_advantage("reinpp_baseline")
+def _reinpp_baseline(*, rewards, mask=None, group_size=1, gamma=1.0, kl=None, kl_coef=0.0, **_):
+    m = as_mask(mask, rewards)
+    centred = group_normalize(_outcome_scores(rewards, m), group_size, std=False)
+    return _reinforce_pp(centred, m, gamma, kl, kl_coef)
