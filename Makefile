@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 lint: setup
-	$(VENV)/bin/ruff check tidal tests benchmarks
+	$(VENV)/bin/ruff check .
 
 test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -1,0 +1,94 @@
+"""Worker classes used by the runtime tests (importable by Ray worker processes)."""
+
+import asyncio
+import os
+import time
+
+import torch
+
+from tidal.runtime import Worker, async_recv_batch, recv_batch, recv_weights, send_batch
+
+
+class EchoWorker(Worker):
+    def __init__(self, offset=0):
+        self.offset = offset
+        self.counter = 0
+
+    def info(self):
+        return {"rank": self.rank, "world_size": self.world_size, "group": self.group_name,
+                "device": self.device, "local_rank": self.local_rank, "pid": os.getpid()}
+
+    def add(self, x):
+        return x + self.rank + self.offset
+
+    def env(self, *names):
+        return {n: os.environ.get(n) for n in names}
+
+    def node_id(self):
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def sleep(self, seconds):
+        time.sleep(seconds)
+        return self.rank
+
+    def fail_on(self, rank):
+        if self.rank == rank:
+            raise KeyError(f"boom on {rank}")
+        return self.rank
+
+    def die_on(self, rank):
+        if self.rank == rank:
+            os._exit(1)
+        time.sleep(60)
+
+    async def async_add(self, x):
+        await asyncio.sleep(0.01)
+        return x * 10 + self.rank
+
+    async def consume(self, channel, key, n):
+        return [await channel.get(key=key, async_op=True, timeout=30) for _ in range(n)]
+
+    def produce(self, channel, key, n):
+        for i in range(n):
+            channel.put((self.rank, i), key=key)
+        return n
+
+    def long_compute_then_report(self, seconds):
+        time.sleep(seconds)
+        self.counter += 1
+        return self.counter
+
+    def allreduce(self):
+        import torch.distributed as dist
+
+        self.init_distributed("gloo")
+        t = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(t)
+        return t.item()
+
+    def send_shard(self, channel, src_world, dst_world, per_rank):
+        base = self.rank * per_rank
+        batch = {"x": torch.arange(base, base + per_rank), "meta": {"y": torch.arange(base, base + per_rank) * 2.0}}
+        send_batch(channel, batch, self.rank, src_world, dst_world, tag="t")
+        return per_rank
+
+    def recv_shard(self, channel, src_world, dst_world, global_batch):
+        out = recv_batch(channel, self.rank, src_world, dst_world, global_batch, tag="t", timeout=60)
+        return out["x"].tolist(), out["meta"]["y"].tolist()
+
+    async def async_recv_shard(self, channel, src_world, dst_world, global_batch):
+        out = await async_recv_batch(channel, self.rank, src_world, dst_world, global_batch, tag="t", timeout=60)
+        return out["x"].tolist()
+
+    def load_weights(self, channel):
+        model = torch.nn.Linear(3, 2)
+        update = recv_weights(channel, self.rank, timeout=60)
+        model.load_state_dict(update.state_dict)
+        return update.version, model.weight.sum().item()
+
+
+class BrokenWorker(Worker):
+    def __init__(self):
+        raise RuntimeError("cannot start")

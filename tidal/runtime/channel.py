@@ -1,0 +1,382 @@
+"""Channels: named, keyed FIFO queues between the driver and workers of any group.
+
+Per key, items come out in the order they went in. ``put`` waits while a key holds
+``maxsize`` items (back-pressure); ``get`` waits for an item; ``get_batch`` waits until the
+queued weight reaches a target and takes that many items at once. Every wait has a timeout;
+a timed-out operation takes nothing and loses nothing.
+
+Backends: on ``local`` the queues live in this process and items pass by reference
+(zero-copy). On ``ray`` the queues live in a small Ray actor that holds only object
+references: the producer puts the item in the object store once and the consumer reads it
+from there, so payloads never pass through the channel actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import threading
+from collections import defaultdict, deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+from tidal.runtime.errors import ChannelTimeoutError
+from tidal.runtime.handle import DEFAULT_TIMEOUT
+
+DEFAULT_KEY = "default"
+_RAY_REPLY_MARGIN = 30.0  # extra time the caller gives the channel actor to answer
+
+
+@dataclass
+class _Getter:
+    future: cf.Future
+    target_weight: float | None  # None: one item
+
+
+class ChannelStore:
+    """Thread-safe keyed queues whose waits are ``concurrent.futures.Future``s, so that any
+    thread can wait on them and any event loop can await them."""
+
+    def __init__(self, name: str, maxsize: int = 0):
+        if maxsize < 0:
+            raise ValueError(f"channel {name!r}: maxsize must be >= 0, got {maxsize}")
+        self.name, self.maxsize = name, maxsize
+        self._lock = threading.Lock()
+        self._items: dict[Hashable, deque] = defaultdict(deque)
+        self._weights: dict[Hashable, float] = defaultdict(float)
+        self._getters: dict[Hashable, deque[_Getter]] = defaultdict(deque)
+        self._putters: dict[Hashable, deque] = defaultdict(deque)
+
+    def put(self, key: Hashable, item: Any, weight: float = 1.0) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        with self._lock:
+            if self.maxsize and len(self._items[key]) >= self.maxsize:
+                self._putters[key].append((fut, item, weight))
+                return fut
+            fut.set_running_or_notify_cancel()
+            self._append(key, item, weight)
+            self._serve(key)
+        fut.set_result(None)
+        return fut
+
+    def get(self, key: Hashable) -> cf.Future:
+        return self._add_getter(key, None)
+
+    def get_batch(self, key: Hashable, target_weight: float) -> cf.Future:
+        if target_weight <= 0:
+            raise ValueError(f"channel {self.name!r}: get_batch target_weight must be > 0, got {target_weight}")
+        return self._add_getter(key, float(target_weight))
+
+    def qsize(self, key: Hashable) -> int:
+        with self._lock:
+            return len(self._items.get(key, ()))
+
+    def keys(self) -> list:
+        with self._lock:
+            return [k for k, q in self._items.items() if q]
+
+    def _add_getter(self, key: Hashable, target: float | None) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        with self._lock:
+            self._getters[key].append(_Getter(fut, target))
+            self._serve(key)
+        return fut
+
+    def _append(self, key, item, weight) -> None:
+        self._items[key].append((item, weight))
+        self._weights[key] += weight
+
+    def _pop(self, key):
+        item, weight = self._items[key].popleft()
+        self._weights[key] -= weight
+        return item, weight
+
+    def _serve(self, key) -> None:
+        """Hand queued items to waiting getters (FIFO), then admit waiting putters; repeat."""
+        getters, items, putters = self._getters[key], self._items[key], self._putters[key]
+        progress = True
+        while progress:
+            progress = False
+            while getters and items:
+                head = getters[0]
+                if head.target_weight is not None and self._weights[key] < head.target_weight - 1e-12:
+                    break
+                getters.popleft()
+                if not head.future.set_running_or_notify_cancel():
+                    continue  # the waiter gave up; its place goes to the next one
+                if head.target_weight is None:
+                    head.future.set_result(self._pop(key)[0])
+                else:
+                    taken, total = [], 0.0
+                    while total < head.target_weight - 1e-12:
+                        item, weight = self._pop(key)
+                        taken.append(item)
+                        total += weight
+                    head.future.set_result(taken)
+                progress = True
+            while putters and (not self.maxsize or len(items) < self.maxsize):
+                fut, item, weight = putters.popleft()
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                self._append(key, item, weight)
+                fut.set_result(None)
+                progress = True
+
+
+def _wait_or_cancel(fut: cf.Future, timeout: float, on_timeout: Callable[[], Exception]):
+    """Wait for a store future; on timeout withdraw it, unless it was served meanwhile."""
+    try:
+        return fut.result(timeout)
+    except cf.TimeoutError:
+        if fut.cancel():
+            raise on_timeout() from None
+        return fut.result()
+
+
+async def _await_or_cancel(fut: cf.Future, timeout: float | None, on_timeout: Callable[[], Exception]):
+    try:
+        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), timeout)
+    except TimeoutError:
+        if fut.cancel():
+            raise on_timeout() from None
+        return fut.result()
+
+
+class AsyncWork:
+    """The result of an ``async_op=True`` channel operation: ``wait()`` it or ``await`` it."""
+
+    def __init__(self, future: cf.Future, on_timeout: Callable[[], Exception], timeout: float | None):
+        self._future, self._on_timeout, self._timeout = future, on_timeout, timeout
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        timeout = timeout if timeout is not None else (self._timeout or DEFAULT_TIMEOUT)
+        return _wait_or_cancel(self._future, timeout, self._on_timeout)
+
+    async def async_wait(self, timeout: float | None = None) -> Any:
+        timeout = timeout if timeout is not None else (self._timeout or DEFAULT_TIMEOUT)
+        return await _await_or_cancel(self._future, timeout, self._on_timeout)
+
+    def __await__(self):
+        return self.async_wait().__await__()
+
+
+class Channel:
+    """A named channel. Create it on the driver with ``Channel.create(name, cluster)`` and pass
+    it to workers as an argument; it works the same from the driver and from any rank."""
+
+    def __init__(self, name: str, backend: str, store: ChannelStore | None = None, actor=None):
+        self.name, self.backend = name, backend
+        self._store, self._actor = store, actor
+
+    @classmethod
+    def create(cls, name: str, cluster, maxsize: int = 0) -> Channel:
+        if cluster.backend == "local":
+            return cls(name, "local", store=ChannelStore(name, maxsize))
+        return cls(name, "ray", actor=_create_channel_actor(name, cluster.namespace, maxsize))
+
+    # -- operations -------------------------------------------------------------------
+
+    def put(self, item: Any, key: Hashable = DEFAULT_KEY, weight: float = 1.0, async_op: bool = False,
+            timeout: float | None = None):
+        """Append ``item`` under ``key``; waits while the key is full (``maxsize``)."""
+        if self._store is not None:
+            fut = self._store.put(key, item, weight)
+        else:
+            fut = self._ray_put([_ray_put_object(item)], key, weight, timeout)
+        return self._finish(fut, "put", key, async_op, timeout)
+
+    def put_shared(self, item: Any, keys: list[Hashable], weight: float = 1.0, timeout: float | None = None) -> None:
+        """Deliver one item under several keys with a single object-store write (e.g. the same
+        weights to every rank of a group). Receivers must treat it as read-only."""
+        boxed = [_ray_put_object(item)] if self._store is None else None
+        for key in keys:
+            if self._store is not None:
+                fut = self._store.put(key, item, weight)
+            else:
+                fut = self._ray_put(boxed, key, weight, timeout)
+            self._finish(fut, "put", key, False, timeout)
+
+    def get(self, key: Hashable = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None):
+        """Take the oldest item under ``key``, waiting for one."""
+        if self._store is not None:
+            fut = self._store.get(key)
+        else:
+            fut = self._ray_get("get", key, timeout)
+        return self._finish(fut, "get", key, async_op, timeout)
+
+    def get_batch(self, target_weight: float, key: Hashable = DEFAULT_KEY, async_op: bool = False,
+                  timeout: float | None = None):
+        """Take, at once, the oldest items whose weights add up to at least ``target_weight``."""
+        if self._store is not None:
+            fut = self._store.get_batch(key, target_weight)
+        else:
+            fut = self._ray_get("get_batch", key, timeout, target_weight)
+        return self._finish(fut, "get_batch", key, async_op, timeout)
+
+    def qsize(self, key: Hashable = DEFAULT_KEY) -> int:
+        if self._store is not None:
+            return self._store.qsize(key)
+        import ray
+
+        return ray.get(self._actor.qsize.remote(key), timeout=DEFAULT_TIMEOUT)
+
+    def empty(self, key: Hashable = DEFAULT_KEY) -> bool:
+        return self.qsize(key) == 0
+
+    def close(self) -> None:
+        if self._actor is not None:
+            import ray
+
+            ray.kill(self._actor, no_restart=True)
+            self._actor = None
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    def _timeout_error(self, op: str, key, timeout: float) -> Callable[[], Exception]:
+        return lambda: ChannelTimeoutError(self.name, op, key, timeout)
+
+    def _finish(self, fut: cf.Future, op: str, key, async_op: bool, timeout: float | None):
+        limit = DEFAULT_TIMEOUT if timeout is None else timeout
+        on_timeout = self._timeout_error(op, key, limit)
+        if self._actor is not None:
+            # the channel actor enforces the timeout itself (atomically); give it time to answer
+            on_timeout = self._timeout_error(op + " (no answer from the channel actor)", key, limit)
+            limit += _RAY_REPLY_MARGIN
+        if async_op:
+            return AsyncWork(fut, on_timeout, limit)
+        return _wait_or_cancel(fut, limit, on_timeout)
+
+    def _ray_put(self, boxed: list, key, weight: float, timeout: float | None) -> cf.Future:
+        limit = DEFAULT_TIMEOUT if timeout is None else timeout
+        reply = self._actor.put.remote(key, boxed, weight, limit).future()
+        return _chain(reply, lambda status: self._unpack(status, "put", key, limit))
+
+    def _ray_get(self, op: str, key, timeout: float | None, target_weight: float | None = None) -> cf.Future:
+        limit = DEFAULT_TIMEOUT if timeout is None else timeout
+        if op == "get":
+            reply = self._actor.get.remote(key, limit).future()
+        else:
+            reply = self._actor.get_batch.remote(key, target_weight, limit).future()
+
+        def fetch(status):
+            boxed = self._unpack(status, op, key, limit)
+            if op == "get":
+                return boxed[0].future()
+            return _gather([b[0].future() for b in boxed])
+
+        return _chain(reply, fetch)
+
+    def _unpack(self, status, op, key, limit):
+        ok, value = status
+        if not ok:
+            raise ChannelTimeoutError(self.name, op, key, limit)
+        return value
+
+
+def _ray_put_object(item: Any):
+    import ray
+
+    return ray.put(item)
+
+
+def _chain(fut: cf.Future, then: Callable[[Any], Any]) -> cf.Future:
+    """A future for ``then(fut.result())``; if ``then`` returns a future, its result."""
+    out: cf.Future = cf.Future()
+
+    def done(f: cf.Future):
+        try:
+            value = then(f.result())
+        except BaseException as exc:
+            out.set_exception(exc)
+            return
+        if isinstance(value, cf.Future):
+            value.add_done_callback(lambda g: _copy_outcome(g, out))
+        else:
+            out.set_result(value)
+
+    fut.add_done_callback(done)
+    return out
+
+
+def _copy_outcome(src: cf.Future, dst: cf.Future) -> None:
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.result())
+
+
+def _gather(futures: list[cf.Future]) -> cf.Future:
+    out: cf.Future = cf.Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+    if not futures:
+        out.set_result([])
+
+    def done(_):
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            try:
+                out.set_result([f.result() for f in futures])
+            except BaseException as exc:
+                out.set_exception(exc)
+
+    for f in futures:
+        f.add_done_callback(done)
+    return out
+
+
+class _ChannelActor:
+    """Holds the queues of one channel on the ray backend; items are boxed object refs."""
+
+    def __init__(self, name: str, maxsize: int):
+        self.store = ChannelStore(name, maxsize)
+
+    async def _await(self, fut: cf.Future, timeout: float):
+        try:
+            return True, await _await_or_cancel(fut, timeout, lambda: TimeoutError())
+        except TimeoutError:
+            return False, None
+
+    async def put(self, key, boxed: list, weight: float, timeout: float):
+        return await self._await(self.store.put(key, boxed, weight), timeout)
+
+    async def get(self, key, timeout: float):
+        return await self._await(self.store.get(key), timeout)
+
+    async def get_batch(self, key, target_weight: float, timeout: float):
+        return await self._await(self.store.get_batch(key, target_weight), timeout)
+
+    def qsize(self, key) -> int:
+        return self.store.qsize(key)
+
+
+def _create_channel_actor(name: str, namespace: str, maxsize: int):
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    actor_name = f"tidal.channel.{name}"
+    try:
+        ray.get_actor(actor_name, namespace=namespace)
+    except ValueError:
+        pass
+    else:
+        raise ValueError(f"channel {name!r} already exists in Ray namespace {namespace!r}")
+    here = ray.get_runtime_context().get_node_id()
+    return (
+        ray.remote(_ChannelActor)
+        .options(
+            name=actor_name,
+            namespace=namespace,
+            num_cpus=0,
+            max_concurrency=10000,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+        )
+        .remote(name, maxsize)
+    )

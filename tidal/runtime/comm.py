@@ -1,0 +1,124 @@
+"""Redistributing a batch between worker groups of different sizes.
+
+A global batch is laid out in contiguous blocks: source rank s holds items
+``[s * B/S, (s + 1) * B/S)``, destination rank d receives ``[d * B/D, (d + 1) * B/D)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+from tidal.runtime.batch import batch_size, merge_batches, split_batch
+from tidal.runtime.channel import Channel
+
+
+class CommMapper:
+    @staticmethod
+    def _check(batch_size: int, src_world_size: int, dst_world_size: int) -> None:
+        for what, world in (("source", src_world_size), ("destination", dst_world_size)):
+            if world < 1:
+                raise ValueError(f"the {what} group size must be >= 1, got {world}")
+            if batch_size % world != 0:
+                raise ValueError(
+                    f"batch size {batch_size} is not divisible by the {what} group size {world}"
+                )
+
+    @staticmethod
+    def get_dst_ranks(batch_size: int, src_world_size: int, dst_world_size: int, src_rank: int) -> list[tuple[int, int]]:
+        """``[(dst_rank, size), ...]`` for the block held by ``src_rank``, in batch order."""
+        CommMapper._check(batch_size, src_world_size, dst_world_size)
+        if not 0 <= src_rank < src_world_size:
+            raise ValueError(f"src_rank {src_rank} is out of range 0-{src_world_size - 1}")
+        per_src, per_dst = batch_size // src_world_size, batch_size // dst_world_size
+        begin, end = src_rank * per_src, (src_rank + 1) * per_src
+        out = []
+        while begin < end:
+            dst = begin // per_dst
+            size = min((dst + 1) * per_dst, end) - begin
+            out.append((dst, size))
+            begin += size
+        return out
+
+    @staticmethod
+    def get_src_ranks(batch_size: int, src_world_size: int, dst_world_size: int, dst_rank: int) -> list[tuple[int, int]]:
+        """``[(src_rank, size), ...]`` that together make up ``dst_rank``'s block, in batch order."""
+        CommMapper._check(batch_size, src_world_size, dst_world_size)
+        if not 0 <= dst_rank < dst_world_size:
+            raise ValueError(f"dst_rank {dst_rank} is out of range 0-{dst_world_size - 1}")
+        per_src, per_dst = batch_size // src_world_size, batch_size // dst_world_size
+        begin, end = dst_rank * per_dst, (dst_rank + 1) * per_dst
+        out = []
+        while begin < end:
+            src = begin // per_src
+            size = min((src + 1) * per_src, end) - begin
+            out.append((src, size))
+            begin += size
+        return out
+
+    @staticmethod
+    def build_channel_key(src_rank: int, dst_rank: int, extra: Hashable = "") -> str:
+        return f"{src_rank}->{dst_rank}" + (f":{extra}" if extra != "" else "")
+
+
+def send_batch(
+    channel: Channel,
+    batch: Any,
+    src_rank: int,
+    src_world_size: int,
+    dst_world_size: int,
+    tag: Hashable = "",
+    async_op: bool = False,
+):
+    """Split this source rank's share of a batch by the mapper and put each shard on the key of
+    the destination rank it belongs to. Returns the put results (``AsyncWork`` if async)."""
+    local = batch_size(batch)
+    routes = CommMapper.get_dst_ranks(local * src_world_size, src_world_size, dst_world_size, src_rank)
+    shards = split_batch(batch, [size for _, size in routes])
+    return [
+        channel.put(shard, key=CommMapper.build_channel_key(src_rank, dst, tag), async_op=async_op)
+        for (dst, _), shard in zip(routes, shards)
+    ]
+
+
+def _check_shard(shard: Any, src: int, dst_rank: int, expected: int, tag) -> None:
+    got = batch_size(shard)
+    if got != expected:
+        raise ValueError(f"route {src}->{dst_rank} ({tag!r}): expected a shard of {expected} items, got {got}")
+
+
+def recv_batch(
+    channel: Channel,
+    dst_rank: int,
+    src_world_size: int,
+    dst_world_size: int,
+    global_batch_size: int,
+    tag: Hashable = "",
+    timeout: float | None = None,
+) -> Any:
+    """Receive the shards that make up this destination rank's block and merge them."""
+    shards = []
+    for src, size in CommMapper.get_src_ranks(global_batch_size, src_world_size, dst_world_size, dst_rank):
+        shard = channel.get(key=CommMapper.build_channel_key(src, dst_rank, tag), timeout=timeout)
+        _check_shard(shard, src, dst_rank, size, tag)
+        shards.append(shard)
+    return merge_batches(shards)
+
+
+async def async_recv_batch(
+    channel: Channel,
+    dst_rank: int,
+    src_world_size: int,
+    dst_world_size: int,
+    global_batch_size: int,
+    tag: Hashable = "",
+    timeout: float | None = None,
+) -> Any:
+    """``recv_batch`` for ``async def`` methods: waits without blocking the rank's event loop."""
+    shards = []
+    for src, size in CommMapper.get_src_ranks(global_batch_size, src_world_size, dst_world_size, dst_rank):
+        key = CommMapper.build_channel_key(src, dst_rank, tag)
+        shard = await channel.get(key=key, async_op=True, timeout=timeout)
+        _check_shard(shard, src, dst_rank, size, tag)
+        shards.append(shard)
+    return merge_batches(shards)

@@ -1,0 +1,46 @@
+"""Errors the runtime raises: each names the group, rank, method, channel or key involved."""
+
+from __future__ import annotations
+
+
+class PlacementError(ValueError):
+    """A placement that cannot be realised on this cluster."""
+
+
+class WorkerError(RuntimeError):
+    """A method failed on a remote rank; the message carries the remote traceback."""
+
+    def __init__(self, group: str, rank: int, method: str, error: str, remote_traceback: str = ""):
+        self.group, self.rank, self.method = group, rank, method
+        self.error, self.remote_traceback = error, remote_traceback
+        message = f"{group}[rank {rank}].{method} failed: {error}"
+        if remote_traceback:
+            message += f"\n--- remote traceback ({group} rank {rank}) ---\n{remote_traceback.rstrip()}"
+        super().__init__(message)
+
+    def __reduce__(self):
+        return type(self), (self.group, self.rank, self.method, self.error, self.remote_traceback)
+
+
+class WorkerTimeoutError(TimeoutError):
+    """Some ranks had not answered within the timeout."""
+
+    def __init__(self, group: str, method: str, pending_ranks: list[int], timeout: float):
+        self.group, self.method, self.pending_ranks, self.timeout = group, method, pending_ranks, timeout
+        super().__init__(
+            f"{group}.{method}: ranks {pending_ranks} had not answered after {timeout:g} s"
+        )
+
+    def __reduce__(self):
+        return type(self), (self.group, self.method, self.pending_ranks, self.timeout)
+
+
+class ChannelTimeoutError(TimeoutError):
+    """A channel operation waited longer than its timeout; nothing was taken or lost."""
+
+    def __init__(self, channel: str, op: str, key, timeout: float):
+        self.channel, self.op, self.key, self.timeout = channel, op, key, timeout
+        super().__init__(f"channel {channel!r}: {op}(key={key!r}) timed out after {timeout:g} s")
+
+    def __reduce__(self):
+        return type(self), (self.channel, self.op, self.key, self.timeout)

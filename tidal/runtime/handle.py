@@ -1,0 +1,88 @@
+"""``Handle``: the pending result of one method called on several ranks of a group."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tidal.runtime.errors import WorkerError, WorkerTimeoutError
+
+# Every wait has a bound; this is the one used when the caller gives none.
+DEFAULT_TIMEOUT = float(os.environ.get("TIDAL_WAIT_TIMEOUT", "3600"))
+
+
+@dataclass
+class CallResult:
+    """What a rank sends back for one call: a value, or the error with its traceback."""
+
+    value: Any = None
+    error: str | None = None
+    traceback: str = ""
+    duration: float = 0.0
+
+
+class Handle:
+    def __init__(self, group: str, method: str, ranks: list[int], futures: list[cf.Future]):
+        self.group, self.method, self.ranks = group, method, ranks
+        self._futures = futures
+        self._results: dict[int, CallResult] = {}
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        """Per-rank results in rank order. Raises as soon as any rank fails, naming it."""
+        timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        pending = set(self._futures)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerTimeoutError(self.group, self.method, self._pending_ranks(pending), timeout)
+            finished, pending = cf.wait(pending, timeout=left, return_when=cf.FIRST_COMPLETED)
+            for fut in finished:
+                self._collect(fut)
+        return [self._results[r].value for r in self.ranks]
+
+    async def async_wait(self, timeout: float | None = None) -> list[Any]:
+        timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+        wrapped = {asyncio.wrap_future(f): f for f in self._futures}
+        pending = set(wrapped)
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerTimeoutError(
+                    self.group, self.method, self._pending_ranks({wrapped[p] for p in pending}), timeout
+                )
+            finished, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            for fut in finished:
+                self._collect(wrapped[fut])
+        return [self._results[r].value for r in self.ranks]
+
+    def __await__(self):
+        return self.async_wait().__await__()
+
+    def durations(self) -> dict[int, float]:
+        """Seconds each finished rank spent in the method."""
+        return {r: res.duration for r, res in self._results.items()}
+
+    def _rank_of(self, fut: cf.Future) -> int:
+        return self.ranks[self._futures.index(fut)]
+
+    def _pending_ranks(self, pending) -> list[int]:
+        return sorted(self._rank_of(f) for f in pending)
+
+    def _collect(self, fut: cf.Future) -> None:
+        rank = self._rank_of(fut)
+        try:
+            result: CallResult = fut.result()
+        except Exception as exc:  # the rank itself died (e.g. its process was killed)
+            raise WorkerError(self.group, rank, self.method, f"rank died: {type(exc).__name__}: {exc}") from exc
+        if result.error is not None:
+            raise WorkerError(self.group, rank, self.method, result.error, result.traceback)
+        self._results[rank] = result

@@ -1,0 +1,41 @@
+"""Moving model weights from rank 0 of one group to every rank of another, with a version."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from tidal.runtime.channel import Channel
+from tidal.runtime.comm import CommMapper
+
+
+@dataclass
+class WeightsUpdate:
+    version: int
+    state_dict: dict[str, torch.Tensor]
+
+
+def send_weights(
+    channel: Channel,
+    state_dict: dict[str, torch.Tensor],
+    version: int,
+    dst_world_size: int,
+    tag: Hashable = "weights",
+    timeout: float | None = None,
+) -> None:
+    """One object-store write (ray) or one shared reference (local), read by every receiver."""
+    update = WeightsUpdate(version, {k: v.detach() for k, v in state_dict.items()})
+    keys = [CommMapper.build_channel_key(0, dst, tag) for dst in range(dst_world_size)]
+    channel.put_shared(update, keys, timeout=timeout)
+
+
+def recv_weights(channel: Channel, dst_rank: int, tag: Hashable = "weights", timeout: float | None = None) -> WeightsUpdate:
+    """The next update for this rank. Copy the tensors (``load_state_dict`` does) before
+    changing them: on the local backend every receiver shares the sender's tensors."""
+    return channel.get(key=CommMapper.build_channel_key(0, dst_rank, tag), timeout=timeout)
+
+
+async def async_recv_weights(channel: Channel, dst_rank: int, tag: Hashable = "weights", timeout: float | None = None) -> WeightsUpdate:
+    return await channel.get(key=CommMapper.build_channel_key(0, dst_rank, tag), async_op=True, timeout=timeout)
