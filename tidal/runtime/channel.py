@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import dataclasses
+import pickle
 import threading
 from collections import defaultdict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
+
+import cloudpickle
 
 from tidal.runtime.errors import ChannelTimeoutError
 from tidal.runtime.handle import DEFAULT_TIMEOUT
@@ -184,38 +188,31 @@ class Channel:
             timeout: float | None = None):
         """Append ``item`` under ``key``; waits while the key is full (``maxsize``)."""
         if self._store is not None:
-            fut = self._store.put(key, item, weight)
-        else:
-            fut = self._ray_put([_ray_put_object(item)], key, weight, timeout)
-        return self._finish(fut, "put", key, async_op, timeout)
+            return self._finish(self._store.put(key, item, weight), "put", key, async_op, timeout)
+        return self._ray_op("put", key, async_op, timeout, _box(item), weight)
 
     def put_shared(self, item: Any, keys: list[Hashable], weight: float = 1.0, timeout: float | None = None) -> None:
         """Deliver one item under several keys with a single object-store write (e.g. the same
         weights to every rank of a group). Receivers must treat it as read-only."""
-        boxed = [_ray_put_object(item)] if self._store is None else None
+        boxed = None if self._store is not None else _box(item, force_ref=True)
         for key in keys:
             if self._store is not None:
-                fut = self._store.put(key, item, weight)
+                self._finish(self._store.put(key, item, weight), "put", key, False, timeout)
             else:
-                fut = self._ray_put(boxed, key, weight, timeout)
-            self._finish(fut, "put", key, False, timeout)
+                self._ray_op("put", key, False, timeout, boxed, weight)
 
     def get(self, key: Hashable = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None):
         """Take the oldest item under ``key``, waiting for one."""
         if self._store is not None:
-            fut = self._store.get(key)
-        else:
-            fut = self._ray_get("get", key, timeout)
-        return self._finish(fut, "get", key, async_op, timeout)
+            return self._finish(self._store.get(key), "get", key, async_op, timeout)
+        return self._ray_op("get", key, async_op, timeout)
 
     def get_batch(self, target_weight: float, key: Hashable = DEFAULT_KEY, async_op: bool = False,
                   timeout: float | None = None):
         """Take, at once, the oldest items whose weights add up to at least ``target_weight``."""
         if self._store is not None:
-            fut = self._store.get_batch(key, target_weight)
-        else:
-            fut = self._ray_get("get_batch", key, timeout, target_weight)
-        return self._finish(fut, "get_batch", key, async_op, timeout)
+            return self._finish(self._store.get_batch(key, target_weight), "get_batch", key, async_op, timeout)
+        return self._ray_op("get_batch", key, async_op, timeout, target_weight)
 
     def qsize(self, key: Hashable = DEFAULT_KEY) -> int:
         if self._store is not None:
@@ -242,33 +239,39 @@ class Channel:
     def _finish(self, fut: cf.Future, op: str, key, async_op: bool, timeout: float | None):
         limit = DEFAULT_TIMEOUT if timeout is None else timeout
         on_timeout = self._timeout_error(op, key, limit)
-        if self._actor is not None:
-            # the channel actor enforces the timeout itself (atomically); give it time to answer
-            on_timeout = self._timeout_error(op + " (no answer from the channel actor)", key, limit)
-            limit += _RAY_REPLY_MARGIN
         if async_op:
             return AsyncWork(fut, on_timeout, limit)
         return _wait_or_cancel(fut, limit, on_timeout)
 
-    def _ray_put(self, boxed: list, key, weight: float, timeout: float | None) -> cf.Future:
-        limit = DEFAULT_TIMEOUT if timeout is None else timeout
-        reply = self._actor.put.remote(key, boxed, weight, limit).future()
-        return _chain(reply, lambda status: self._unpack(status, "put", key, limit))
+    def _ray_op(self, op: str, key, async_op: bool, timeout: float | None, *args):
+        """Call the channel actor, which enforces ``timeout`` itself (atomically: a timed-out
+        get takes nothing); the caller gives it a margin to answer."""
+        import ray
 
-    def _ray_get(self, op: str, key, timeout: float | None, target_weight: float | None = None) -> cf.Future:
         limit = DEFAULT_TIMEOUT if timeout is None else timeout
+        reply = getattr(self._actor, op).remote(key, *args, limit)
+        if async_op:
+            fut = _chain(reply.future(), lambda status: self._unbox_async(status, op, key, limit))
+            on_timeout = self._timeout_error(op + " (no answer from the channel actor)", key, limit)
+            return AsyncWork(fut, on_timeout, limit + _RAY_REPLY_MARGIN)
+        try:
+            status = ray.get(reply, timeout=limit + _RAY_REPLY_MARGIN)
+        except ray.exceptions.GetTimeoutError:
+            raise ChannelTimeoutError(self.name, op + " (no answer from the channel actor)", key, limit) from None
+        value = self._unpack(status, op, key, limit)
         if op == "get":
-            reply = self._actor.get.remote(key, limit).future()
-        else:
-            reply = self._actor.get_batch.remote(key, target_weight, limit).future()
+            return _unbox(value)
+        if op == "get_batch":
+            return [_unbox(v) for v in value]
+        return None
 
-        def fetch(status):
-            boxed = self._unpack(status, op, key, limit)
-            if op == "get":
-                return boxed[0].future()
-            return _gather([b[0].future() for b in boxed])
-
-        return _chain(reply, fetch)
+    def _unbox_async(self, status, op, key, limit):
+        value = self._unpack(status, op, key, limit)
+        if op == "get":
+            return _unbox_future(value)
+        if op == "get_batch":
+            return _gather([_unbox_future(v) for v in value])
+        return None
 
     def _unpack(self, status, op, key, limit):
         ok, value = status
@@ -277,10 +280,47 @@ class Channel:
         return value
 
 
-def _ray_put_object(item: Any):
+# Payloads below this travel inline in the channel actor's call; larger ones go through the
+# object store once (put by the producer, read by the consumer, never by the channel actor).
+INLINE_LIMIT_BYTES = 100 * 1024
+
+
+def _payload_bytes(item: Any) -> int:
+    import numpy as np
+    import torch
+
+    if isinstance(item, torch.Tensor):
+        return item.numel() * item.element_size()
+    if isinstance(item, np.ndarray):
+        return item.nbytes
+    if isinstance(item, dict):
+        return sum(_payload_bytes(v) for v in item.values())
+    if isinstance(item, (list, tuple)):
+        return sum(_payload_bytes(v) for v in item)
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        return sum(_payload_bytes(getattr(item, f.name)) for f in dataclasses.fields(item))
+    return 0
+
+
+def _box(item: Any, force_ref: bool = False) -> tuple:
     import ray
 
-    return ray.put(item)
+    if force_ref or _payload_bytes(item) >= INLINE_LIMIT_BYTES:
+        return ("ref", [ray.put(item)])  # in a list, so Ray passes the reference, not the value
+    # pickled here so the channel actor never needs the item's classes
+    return ("inline", cloudpickle.dumps(item))
+
+
+def _unbox(boxed: tuple) -> Any:
+    import ray
+
+    kind, value = boxed
+    return ray.get(value[0]) if kind == "ref" else pickle.loads(value)
+
+
+def _unbox_future(boxed: tuple) -> cf.Future | Any:
+    kind, value = boxed
+    return value[0].future() if kind == "ref" else pickle.loads(value)
 
 
 def _chain(fut: cf.Future, then: Callable[[Any], Any]) -> cf.Future:
@@ -310,7 +350,15 @@ def _copy_outcome(src: cf.Future, dst: cf.Future) -> None:
         dst.set_result(src.result())
 
 
-def _gather(futures: list[cf.Future]) -> cf.Future:
+def _resolved(value: Any) -> cf.Future:
+    fut: cf.Future = cf.Future()
+    fut.set_result(value)
+    return fut
+
+
+def _gather(items: list) -> cf.Future:
+    """One future for a list of futures (or plain values), in order."""
+    futures = [f if isinstance(f, cf.Future) else _resolved(f) for f in items]
     out: cf.Future = cf.Future()
     remaining = [len(futures)]
     lock = threading.Lock()
@@ -344,7 +392,7 @@ class _ChannelActor:
         except TimeoutError:
             return False, None
 
-    async def put(self, key, boxed: list, weight: float, timeout: float):
+    async def put(self, key, boxed: tuple, weight: float, timeout: float):
         return await self._await(self.store.put(key, boxed, weight), timeout)
 
     async def get(self, key, timeout: float):
