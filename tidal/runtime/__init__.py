@@ -14,7 +14,7 @@ from tidal.runtime.errors import (
     WorkerError,
     WorkerTimeoutError,
 )
-from tidal.runtime.handle import Handle
+from tidal.runtime.handle import Handle, wait_all
 from tidal.runtime.placement import ComponentPlacement, parse_devices
 from tidal.runtime.weights import WeightsUpdate, async_recv_weights, recv_weights, send_weights
 from tidal.runtime.worker import Worker, WorkerGroup
@@ -43,4 +43,5 @@ __all__ = [
     "send_batch",
     "send_weights",
     "split_batch",
+    "wait_all",
 ]

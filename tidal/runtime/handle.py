@@ -86,3 +86,22 @@ class Handle:
         if result.error is not None:
             raise WorkerError(self.group, rank, self.method, result.error, result.traceback)
         self._results[rank] = result
+
+
+def wait_all(handles: list[Handle], timeout: float | None = None) -> list[list[Any]]:
+    """Wait for several handles at once; the first failure anywhere raises at once (a rank
+    waiting on a peer that failed would otherwise hold the caller until the timeout)."""
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    owner = {f: h for h in handles for f in h._futures}
+    pending = set(owner)
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            late = [h for h in handles if any(f in pending for f in h._futures)]
+            h = late[0]
+            raise WorkerTimeoutError(h.group, h.method, h._pending_ranks({f for f in h._futures if f in pending}), timeout)
+        finished, pending = cf.wait(pending, timeout=left, return_when=cf.FIRST_COMPLETED)
+        for fut in finished:
+            owner[fut]._collect(fut)
+    return [[h._results[r].value for r in h.ranks] for h in handles]

@@ -1,0 +1,167 @@
+"""The adapter contract, the registry, and stepping in action chunks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from tidal.data import EnvOutput
+
+
+class VectorEnvAdapter(Protocol):
+    """``num_envs`` copies of an env stepped together. No auto-reset: the caller resets
+    finished copies with ``reset(mask=...)``; a copy stepped after its episode ended restarts
+    first, and the caller ignores what it reports until it resets it. Arrays are NumPy,
+    batch-first."""
+
+    num_envs: int
+    observation_space: gym.Space  # of one copy
+    action_space: gym.Space  # of one copy
+    max_episode_steps: int | None
+
+    def reset(self, seeds: list[int] | None = None, mask: np.ndarray | None = None) -> np.ndarray: ...
+
+    def step(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
+
+    def close(self) -> None: ...
+
+
+_ENVS: dict[str, Callable[..., VectorEnvAdapter]] = {}
+
+
+def register_env(name: str):
+    """Register an adapter factory ``factory(num_envs=..., **kwargs) -> VectorEnvAdapter``."""
+
+    def decorator(factory):
+        if name in _ENVS:
+            raise ValueError(f"env adapter {name!r} is already registered")
+        _ENVS[name] = factory
+        return factory
+
+    return decorator
+
+
+def get_env_adapter(name: str):
+    try:
+        return _ENVS[name]
+    except KeyError:
+        raise ValueError(f"env.adapter: unknown adapter {name!r}; registered: {', '.join(sorted(_ENVS))}") from None
+
+
+def list_env_adapters() -> list[str]:
+    return sorted(_ENVS)
+
+
+def make_env(adapter: str, num_envs: int, **kwargs) -> VectorEnvAdapter:
+    return get_env_adapter(adapter)(num_envs=num_envs, **kwargs)
+
+
+@dataclass
+class EpisodeStats:
+    """Returns and lengths of the episodes that ended, collected between two ``drain`` calls."""
+
+    returns: list[float] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+
+    def drain(self) -> dict[str, list]:
+        out = {"returns": self.returns, "lengths": self.lengths}
+        self.returns, self.lengths = [], []
+        return out
+
+
+class ChunkedEnv:
+    """Steps an adapter ``C`` actions at a time and reports an ``EnvOutput`` of ``[B, C]``.
+
+    With ``auto_reset`` an env whose episode ended in a chunk is reset at the end of the
+    chunk (its ``final_obs`` is kept). Without it, an env stays in its ended episode until the
+    next ``reset``; its later steps are for the actor to mask. Within a chunk, actions after
+    an env's done have no effect on what it reports.
+    """
+
+    def __init__(self, env: VectorEnvAdapter, auto_reset: bool, seeds: list[int]):
+        self.env, self.auto_reset = env, auto_reset
+        self.num_envs = env.num_envs
+        self.seeds = seeds
+        self.stats = EpisodeStats()
+        self._returns = np.zeros(self.num_envs)
+        self._lengths = np.zeros(self.num_envs, dtype=np.int64)
+        self._counting = np.ones(self.num_envs, dtype=bool)  # episodes still to be reported
+        self.last_obs: torch.Tensor | None = None
+
+    def reset(self, seed_offset: int = 0) -> EnvOutput:
+        """Reset every copy (copies that share a seed start identically) and forget running
+        episodes."""
+        obs = self.env.reset(seeds=[s + seed_offset for s in self.seeds])
+        self._returns[:] = 0
+        self._lengths[:] = 0
+        self._counting[:] = True
+        self.last_obs = _as_tensor(obs)
+        return EnvOutput(obs=self.last_obs)
+
+    def step(self, actions: np.ndarray) -> EnvOutput:
+        """``actions``: ``[B, C, ...]`` in the env's action space."""
+        batch, chunk = actions.shape[:2]
+        rewards = np.zeros((batch, chunk), dtype=np.float32)
+        terms = np.zeros((batch, chunk), dtype=bool)
+        truncs = np.zeros((batch, chunk), dtype=bool)
+        alive = np.ones(batch, dtype=bool)
+        steps_taken = np.zeros(batch, dtype=np.int64)
+        final_obs = None
+        for c in range(chunk):
+            steps_taken += alive
+            obs, reward, term, trunc = self.env.step(actions[:, c])
+            rewards[:, c] = np.where(alive, reward, 0.0)
+            terms[:, c] = term & alive
+            truncs[:, c] = trunc & alive
+            ended = (term | trunc) & alive
+            if ended.any():
+                final_obs = obs.copy() if final_obs is None else final_obs
+                final_obs[ended] = obs[ended]
+            alive &= ~ended
+        self._account(rewards, steps_taken, ~alive)
+        ended_any = ~alive
+        if final_obs is None:
+            final = None
+        else:
+            final = _as_tensor(np.where(_expand(ended_any, obs), final_obs, obs))
+        if self.auto_reset and ended_any.any():
+            obs = obs.copy()
+            obs[ended_any] = self.env.reset(mask=ended_any)[ended_any]
+        self.last_obs = _as_tensor(obs)
+        return EnvOutput(
+            obs=self.last_obs,
+            final_obs=final,
+            rewards=torch.from_numpy(rewards),
+            terminations=torch.from_numpy(terms),
+            truncations=torch.from_numpy(truncs),
+            dones=torch.from_numpy(terms | truncs),
+        )
+
+    def _account(self, rewards: np.ndarray, steps: np.ndarray, ended: np.ndarray) -> None:
+        self._returns += np.where(self._counting, rewards.sum(1), 0.0)
+        self._lengths += np.where(self._counting, steps, 0)
+        for i in np.nonzero(ended & self._counting)[0]:
+            self.stats.returns.append(float(self._returns[i]))
+            self.stats.lengths.append(int(self._lengths[i]))
+        if self.auto_reset:
+            self._returns[ended] = 0
+            self._lengths[ended] = 0
+        else:
+            self._counting &= ~ended
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def _expand(mask: np.ndarray, like: np.ndarray) -> np.ndarray:
+    return mask.reshape(mask.shape + (1,) * (like.ndim - 1))
+
+
+def _as_tensor(x: Any) -> torch.Tensor:
+    t = torch.from_numpy(np.asarray(x))
+    return t.float() if t.dtype == torch.float64 else t

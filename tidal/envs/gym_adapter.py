@@ -1,0 +1,59 @@
+"""The gymnasium adapter: any env id ``gymnasium.make_vec`` can build (classic control, MuJoCo,
+MetaWorld when installed, user-registered ids)."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+
+from tidal.envs.base import register_env
+
+
+@register_env("gymnasium")
+class GymnasiumVectorEnv:
+    def __init__(
+        self,
+        num_envs: int,
+        env_id: str,
+        vectorization_mode: str = "sync",
+        max_episode_steps: int | None = None,
+        env_kwargs: dict | None = None,
+    ):
+        try:
+            spec = gym.spec(env_id)
+        except gym.error.Error as exc:
+            raise ValueError(f"env.id: gymnasium has no env {env_id!r} ({exc})") from None
+        kwargs = dict(env_kwargs or {})
+        if max_episode_steps is not None:
+            kwargs["max_episode_steps"] = max_episode_steps
+        self.env = gym.make_vec(
+            env_id,
+            num_envs=num_envs,
+            vectorization_mode=vectorization_mode,
+            vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.DISABLED},
+            **kwargs,
+        )
+        self.num_envs = num_envs
+        self.observation_space = self.env.single_observation_space
+        self.action_space = self.env.single_action_space
+        self.max_episode_steps = max_episode_steps or spec.max_episode_steps
+        self._ended = np.zeros(num_envs, dtype=bool)
+
+    def reset(self, seeds: list[int] | None = None, mask: np.ndarray | None = None) -> np.ndarray:
+        if mask is not None:
+            obs, _ = self.env.reset(options={"reset_mask": mask})
+            self._ended &= ~mask
+        else:
+            obs, _ = self.env.reset(seed=seeds)
+            self._ended[:] = False
+        return obs
+
+    def step(self, actions: np.ndarray):
+        if self._ended.any():  # gymnasium refuses to step an ended copy: restart it quietly
+            self.env.reset(options={"reset_mask": self._ended})
+        obs, reward, term, trunc, _ = self.env.step(actions)
+        self._ended = term | trunc
+        return obs, reward, term, trunc
+
+    def close(self) -> None:
+        self.env.close()

@@ -1,0 +1,209 @@
+"""Policies behind one interface, and the registry that builds them from config.
+
+A policy acts on a batch of observations (``act``), re-evaluates stored inputs and actions
+(``evaluate``) and values observations (``value``). Log-probabilities and entropies are per
+action dimension, ``[B, C, A]`` (C actions per chunk, A dimensions per action; a discrete
+action is one dimension), so the loss can work at token, action or chunk level.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch import nn
+from torch.distributions import Categorical, Normal
+
+_POLICIES: dict[str, Callable[..., EmbodiedPolicy]] = {}
+
+
+def register_policy(name: str):
+    def decorator(factory):
+        if name in _POLICIES:
+            raise ValueError(f"policy {name!r} is already registered")
+        _POLICIES[name] = factory
+        return factory
+
+    return decorator
+
+
+def build_policy(name: str, observation_space: gym.Space, action_space: gym.Space, num_action_chunks: int, **kwargs) -> EmbodiedPolicy:
+    try:
+        factory = _POLICIES[name]
+    except KeyError:
+        raise ValueError(f"model.name: unknown policy {name!r}; registered: {', '.join(sorted(_POLICIES))}") from None
+    return factory(observation_space=observation_space, action_space=action_space, num_action_chunks=num_action_chunks, **kwargs)
+
+
+@dataclass
+class PolicyStep:
+    actions: torch.Tensor  # [B, C] (discrete) or [B, C, A] (continuous), the policy's own space
+    logprobs: torch.Tensor  # [B, C, A]
+    values: torch.Tensor | None  # [B]
+    inputs: dict[str, torch.Tensor]  # what `evaluate` needs to recompute this step
+
+
+class RunningNorm(nn.Module):
+    """Running mean and variance of observations (Chan's parallel update), kept as buffers so
+    they travel with the weights and the checkpoints."""
+
+    def __init__(self, shape: tuple[int, ...], clip: float = 10.0, eps: float = 1e-8):
+        super().__init__()
+        self.clip, self.eps = clip, eps
+        self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
+        self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
+        self.register_buffer("count", torch.tensor(1e-4, dtype=torch.float64))
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, *self.mean.shape).to(torch.float64)
+        batch_mean, batch_var, n = x.mean(0), x.var(0, correction=0), x.shape[0]
+        delta, total = batch_mean - self.mean, self.count + n
+        self.mean += delta * n / total
+        self.var.copy_((self.var * self.count + batch_var * n + delta**2 * self.count * n / total) / total)
+        self.count.copy_(total)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = (x - self.mean) / torch.sqrt(self.var + self.eps)
+        return out.clamp(-self.clip, self.clip).to(x.dtype)
+
+
+class EmbodiedPolicy(nn.Module):
+    """The interface every embodied policy implements (MLP, CNN, VLA-style token policies)."""
+
+    obs_norm: RunningNorm | None = None
+
+    def prepare(self, raw_obs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the networks consume for these raw observations (normalised if enabled)."""
+        obs = raw_obs.float()
+        return {"obs": self.obs_norm(obs) if self.obs_norm is not None else obs}
+
+    def act(self, inputs: dict[str, torch.Tensor], deterministic: bool = False) -> PolicyStep:
+        raise NotImplementedError
+
+    def evaluate(self, inputs: dict[str, torch.Tensor], actions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``logprobs`` and ``entropy`` ``[N, C, A]``, ``values`` ``[N]`` (if it has a critic)."""
+        raise NotImplementedError
+
+    def forward(self, inputs: dict[str, torch.Tensor], actions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Training entry point (what DDP wraps): the same as ``evaluate``."""
+        return self.evaluate(inputs, actions)
+
+    def value(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def env_actions(self, actions: torch.Tensor) -> np.ndarray:
+        """Actions as the env takes them, ``[B, C, ...]``."""
+        raise NotImplementedError
+
+
+def _layer(n_in: int, n_out: int, gain: float) -> nn.Linear:
+    layer = nn.Linear(n_in, n_out)
+    nn.init.orthogonal_(layer.weight, gain)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+def _mlp(n_in: int, hidden: list[int], n_out: int, activation: str, out_gain: float) -> nn.Sequential:
+    act = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}.get(activation)
+    if act is None:
+        raise ValueError(f"model.activation: expected tanh, relu or gelu, got {activation!r}")
+    layers, width = [], n_in
+    for h in hidden:
+        layers += [_layer(width, h, math.sqrt(2)), act()]
+        width = h
+    layers.append(_layer(width, n_out, out_gain))
+    return nn.Sequential(*layers)
+
+
+@register_policy("mlp")
+class MLPActorCritic(EmbodiedPolicy):
+    """Separate actor and critic MLPs (orthogonal init). Discrete actions: a categorical per
+    chunk position. Continuous: a diagonal Gaussian with a learned, state-independent log-std,
+    optionally squashed by tanh into the action bounds (with the change-of-variables term in
+    the log-prob; the entropy reported is the Gaussian's, before squashing)."""
+
+    def __init__(
+        self,
+        observation_space: gym.Space,
+        action_space: gym.Space,
+        num_action_chunks: int = 1,
+        hidden_sizes: tuple[int, ...] = (64, 64),
+        activation: str = "tanh",
+        critic: bool = True,
+        obs_norm: bool = False,
+        init_log_std: float = 0.0,
+        squash: bool = False,
+    ):
+        super().__init__()
+        if not isinstance(observation_space, gym.spaces.Box) or len(observation_space.shape) != 1:
+            raise ValueError(f"model 'mlp': needs a flat Box observation space, got {observation_space}")
+        obs_dim = observation_space.shape[0]
+        self.chunks = num_action_chunks
+        self.discrete = isinstance(action_space, gym.spaces.Discrete)
+        if self.discrete:
+            self.num_actions, self.action_dim = int(action_space.n), 1
+            out = self.chunks * self.num_actions
+        elif isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1:
+            self.action_dim = action_space.shape[0]
+            out = self.chunks * self.action_dim
+            self.log_std = nn.Parameter(torch.full((self.chunks, self.action_dim), float(init_log_std)))
+            self.register_buffer("low", torch.as_tensor(action_space.low, dtype=torch.float32))
+            self.register_buffer("high", torch.as_tensor(action_space.high, dtype=torch.float32))
+        else:
+            raise ValueError(f"model 'mlp': needs a Discrete or flat Box action space, got {action_space}")
+        self.squash = squash and not self.discrete
+        self.actor = _mlp(obs_dim, list(hidden_sizes), out, activation, 0.01)
+        self.critic = _mlp(obs_dim, list(hidden_sizes), 1, activation, 1.0) if critic else None
+        self.obs_norm = RunningNorm((obs_dim,)) if obs_norm else None
+
+    def _dist(self, obs: torch.Tensor):
+        head = self.actor(obs)
+        if self.discrete:
+            return Categorical(logits=head.view(-1, self.chunks, self.num_actions))
+        mean = head.view(-1, self.chunks, self.action_dim)
+        return Normal(mean, self.log_std.exp().expand_as(mean))
+
+    def _logprob(self, dist, actions: torch.Tensor) -> torch.Tensor:
+        if self.discrete:
+            return dist.log_prob(actions).unsqueeze(-1)
+        logp = dist.log_prob(actions)
+        if self.squash:  # a = tanh(u): log p(a) = log p(u) - log(1 - tanh(u)^2), stably
+            logp = logp - 2.0 * (math.log(2.0) - actions - torch.nn.functional.softplus(-2.0 * actions))
+            logp = logp - torch.log((self.high - self.low) / 2.0)  # the affine map into the bounds
+        return logp
+
+    def act(self, inputs, deterministic=False) -> PolicyStep:
+        obs = inputs["obs"]
+        dist = self._dist(obs)
+        if deterministic:
+            actions = dist.probs.argmax(-1) if self.discrete else dist.mean
+        else:
+            actions = dist.sample()
+        values = self.critic(obs).squeeze(-1) if self.critic is not None else None
+        return PolicyStep(actions=actions, logprobs=self._logprob(dist, actions), values=values, inputs=inputs)
+
+    def evaluate(self, inputs, actions):
+        obs = inputs["obs"]
+        dist = self._dist(obs)
+        entropy = dist.entropy()
+        out = {"logprobs": self._logprob(dist, actions), "entropy": entropy.unsqueeze(-1) if self.discrete else entropy}
+        if self.critic is not None:
+            out["values"] = self.critic(obs).squeeze(-1)
+        return out
+
+    def value(self, inputs) -> torch.Tensor:
+        if self.critic is None:
+            raise ValueError("model.critic is false: this policy has no value head")
+        return self.critic(inputs["obs"]).squeeze(-1)
+
+    def env_actions(self, actions: torch.Tensor) -> np.ndarray:
+        if self.discrete:
+            return actions.numpy()
+        if self.squash:
+            return (self.low + (torch.tanh(actions) + 1.0) * 0.5 * (self.high - self.low)).numpy()
+        return torch.maximum(torch.minimum(actions, self.high), self.low).numpy()

@@ -1,0 +1,5 @@
+"""Training loops."""
+
+from tidal.runners.embodied import EmbodiedRunner
+
+__all__ = ["EmbodiedRunner"]

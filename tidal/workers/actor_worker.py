@@ -1,0 +1,257 @@
+"""The actor worker: receives trajectories, computes advantages from the registry, and trains
+the policy with PPO (micro-batches, gradient accumulation, data parallel over ranks)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from tidal.algorithms import (
+    get_advantage,
+    loss_mask_from_dones,
+    masked_whiten,
+    ppo_policy_loss,
+    reduce_chunk_level,
+    reshape_logprobs,
+    value_loss,
+)
+from tidal.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from tidal.config import EmbodiedConfig
+from tidal.data import Trajectory
+from tidal.runtime import Channel, CommMapper, Worker, merge_batches, send_weights
+from tidal.workers.rollout_worker import make_policy
+from tidal.workers.routes import TRAJECTORY_TAG, Topology
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "linear":
+            return 1.0 - progress
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+    return factor
+
+
+def _time_major(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(0, 1)
+
+
+def _flatten_steps(x: torch.Tensor) -> torch.Tensor:
+    """``[T, B, ...]`` → ``[T * B, ...]``."""
+    return x.reshape(-1, *x.shape[2:])
+
+
+class ActorWorker(Worker):
+    def __init__(self, cfg: EmbodiedConfig, topology: Topology, observation_space: gym.Space, action_space: gym.Space,
+                 max_episode_steps: int | None = None):
+        self.cfg, self.topo = cfg, topology
+        torch.manual_seed(cfg.actor.seed)
+        self.policy = make_policy(cfg, observation_space, action_space)
+        self.model = self.policy
+        if self.world_size > 1:
+            self.init_distributed()
+            self.model = torch.nn.parallel.DistributedDataParallel(self.policy)
+        a = cfg.actor
+        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=a.lr, eps=a.adam_eps, weight_decay=a.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(a.lr_schedule, a.warmup_steps, cfg.runner.max_steps))
+        self.version = 0  # training steps applied to the weights
+        self.global_step = 0
+        self.skipped_steps = 0
+        self.max_chunk_steps = math.ceil((max_episode_steps or cfg.rollout.num_steps) / cfg.env.num_action_chunks)
+        self.batch: dict[str, torch.Tensor] | None = None
+        self.traj: Trajectory | None = None
+
+    # -- weights -------------------------------------------------------------------------
+
+    def send_weights(self, weights_ch: Channel) -> int:
+        if self.rank == 0:
+            send_weights(weights_ch, self.policy.state_dict(), self.version, self.topo.rollout)
+        return self.version
+
+    # -- data ----------------------------------------------------------------------------
+
+    async def recv_trajectories(self, actor_ch: Channel, timeout: float = 600.0) -> int:
+        sources = self.topo.env * self.topo.stages
+        shards = []
+        for src, size in CommMapper.get_src_ranks(self.topo.total_num_envs, sources, self.world_size, self.rank):
+            key = CommMapper.build_channel_key(src, self.rank, TRAJECTORY_TAG)
+            shard: Trajectory = await actor_ch.get(key=key, async_op=True, timeout=timeout)
+            if shard.rewards.shape[0] != size:
+                raise ValueError(f"trajectory from source {src}: expected {size} envs, got {shard.rewards.shape[0]}")
+            shards.append(shard)
+        self.traj = merge_batches(shards)
+        return self.traj.rewards.shape[0]
+
+    def compute_advantages(self) -> dict[str, float]:
+        """Advantages and returns from the registry, then the flat, time-major sample batch."""
+        cfg, alg, traj = self.cfg, self.cfg.algorithm, self.traj
+        if self.policy.obs_norm is not None and traj.raw_obs is not None:
+            self.policy.obs_norm.update(traj.raw_obs)
+        rewards = _time_major(traj.rewards).float() * alg.reward_scale  # [T, B, C]
+        dones = _time_major(traj.dones)  # [T + 1, B, C]
+        steps, batch, chunk = rewards.shape
+        r, d = reduce_chunk_level(rewards, dones, alg.reward_type)
+        if cfg.env.auto_reset:
+            mask = torch.ones_like(r, dtype=torch.bool)
+            mask_sum = torch.full(r.shape, float(r.shape[0]))
+        else:
+            mask, mask_sum = loss_mask_from_dones(d)
+        values = _time_major(traj.prev_values).float() if traj.prev_values is not None else None
+        adv, ret = get_advantage(alg.adv_type)(rewards=r, values=values, dones=d, mask=mask, gamma=alg.gamma,
+                                               lam=alg.gae_lambda, group_size=cfg.env.group_size)
+        if alg.normalize_advantages and alg.adv_type == "gae":
+            adv = masked_whiten(adv, mask)
+        metrics = {
+            "rollout/reward_per_step": float(r[mask].mean()) if mask.any() else 0.0,
+            "rollout/advantage_mean": float(adv[mask].mean()) if mask.any() else 0.0,
+            "rollout/return_target_mean": float(ret[mask].mean()) if mask.any() else 0.0,
+            "rollout/valid_fraction": float(mask.float().mean()),
+            "rollout/policy_version_lag": float(self.version - traj.versions.float().mean()),
+        }
+        if alg.reward_type == "action":  # [T * C, B] → [T, B, C]: one advantage per action
+            adv, ret = (x.reshape(steps, chunk, batch).transpose(1, 2) for x in (adv, ret))
+            mask, mask_sum = (x.reshape(steps, chunk, batch).transpose(1, 2) for x in (mask, mask_sum))
+        self.batch = {
+            **{f"in.{k}": _flatten_steps(_time_major(v)) for k, v in traj.forward_inputs.items()},
+            "actions": _flatten_steps(_time_major(traj.actions)),
+            "old_logprobs": _flatten_steps(_time_major(traj.prev_logprobs)),
+            "advantages": _flatten_steps(adv),
+            "returns": _flatten_steps(ret),
+            "mask": _flatten_steps(mask),
+            "mask_sum": _flatten_steps(mask_sum),
+        }
+        if values is not None:
+            self.batch["old_values"] = _flatten_steps(values[:-1])
+        return metrics
+
+    # -- training ------------------------------------------------------------------------
+
+    def run_training(self) -> dict[str, float]:
+        alg, act = self.cfg.algorithm, self.cfg.actor
+        per_rank = act.global_batch_size // self.world_size
+        accumulation = per_rank // act.micro_batch_size
+        size = self.batch["advantages"].shape[0]
+        if size % per_rank:
+            raise ValueError(f"actor rank {self.rank}: {size} samples do not divide into per-rank batches of {per_rank}")
+        generator = torch.Generator().manual_seed(act.seed + 1000 * self.rank + self.global_step)
+        critic_only = self.global_step < alg.critic_warmup_steps
+        self.model.train()
+        metrics: dict[str, list[float]] = {}
+        for _ in range(alg.update_epochs):
+            order = torch.randperm(size, generator=generator)
+            epoch_kl = []
+            for start in range(0, size, per_rank):
+                idx = order[start:start + per_rank]
+                self.optimizer.zero_grad(set_to_none=True)
+                for m in range(accumulation):
+                    micro = {k: v[idx[m * act.micro_batch_size:(m + 1) * act.micro_batch_size]] for k, v in self.batch.items()}
+                    sync = contextlib.nullcontext() if m == accumulation - 1 or self.world_size == 1 else self.model.no_sync()
+                    with sync:
+                        loss, info = self._micro_loss(micro, critic_only)
+                        (loss / accumulation).backward()
+                    for k, v in info.items():
+                        metrics.setdefault(k, []).append(v)
+                    epoch_kl.append(info["train/approx_kl"])
+                self._optimizer_step(metrics)
+            if alg.target_kl is not None and np.mean(epoch_kl) > alg.target_kl:
+                break
+        self.scheduler.step()
+        self.global_step += 1
+        self.version += 1
+        out = {k: float(np.mean(v)) for k, v in metrics.items()}
+        out["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        out["train/skipped_steps"] = float(self.skipped_steps)
+        return self._all_reduce_mean(out)
+
+    def _micro_loss(self, micro: dict[str, torch.Tensor], critic_only: bool):
+        alg = self.cfg.algorithm
+        inputs = {k[3:]: v for k, v in micro.items() if k.startswith("in.")}
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.actor.bf16)
+        with autocast:
+            out = self.model(inputs, micro["actions"])
+        level = alg.logprob_type
+        logp = reshape_logprobs(out["logprobs"].float(), level)
+        old = reshape_logprobs(micro["old_logprobs"], level)
+        adv, mask, mask_sum = (self._broadcast(micro[k], logp) for k in ("advantages", "mask", "mask_sum"))
+        pg_loss, pg = ppo_policy_loss(logp, old, adv, mask, alg.clip_ratio_low, alg.clip_ratio_high, alg.dual_clip,
+                                      agg=alg.loss_agg, loss_mask_sum=mask_sum, max_episode_steps=self.max_chunk_steps)
+        entropy = reshape_logprobs(out["entropy"].float(), level)
+        entropy_mean = torch.where(mask, entropy, 0.0).sum() / mask.sum().clamp(min=1)
+        info = {"train/policy_loss": pg_loss.item(), "train/entropy": entropy_mean.item(),
+                **{f"train/{k}": v.item() for k, v in pg.items()}}
+        loss = torch.zeros(())
+        if not critic_only:
+            loss = pg_loss - alg.entropy_bonus * entropy_mean
+        if "values" in out and "old_values" in micro:
+            step_mask = micro["mask"] if micro["mask"].dim() == 1 else micro["mask"].any(-1)
+            v_loss, v = value_loss(out["values"].float(), micro["old_values"], self._step_returns(micro["returns"]),
+                                   step_mask, alg.value_clip, alg.huber_delta)
+            loss = loss + alg.vf_coef * v_loss
+            info.update({"train/value_loss": v_loss.item(), **{f"train/{k}": x.item() for k, x in v.items()}})
+        return loss, info
+
+    @staticmethod
+    def _broadcast(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Per-step (``[N]``) or per-action (``[N, C]``) values spread to the log-prob level."""
+        while x.dim() < like.dim():
+            x = x.unsqueeze(-1)
+        if x.dim() > like.dim():  # per-action values at chunk level cannot happen (validated)
+            raise ValueError(f"cannot spread {tuple(x.shape)} onto log-probs of {tuple(like.shape)}")
+        return x.expand_as(like)
+
+    @staticmethod
+    def _step_returns(returns: torch.Tensor) -> torch.Tensor:
+        return returns if returns.dim() == 1 else returns[:, 0]
+
+    def _optimizer_step(self, metrics: dict[str, list[float]]) -> None:
+        max_norm = self.cfg.actor.max_grad_norm
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        if max_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        if torch.isfinite(norm):
+            self.optimizer.step()
+        else:  # a non-finite gradient would poison the weights: skip this step, count it
+            self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics.setdefault("train/grad_norm", []).append(float(norm))
+
+    def _all_reduce_mean(self, metrics: dict[str, float]) -> dict[str, float]:
+        if self.world_size == 1:
+            return metrics
+        import torch.distributed as dist
+
+        keys = sorted(metrics)
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(t)
+        return dict(zip(keys, (t / self.world_size).tolist()))
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def save(self, path: str, meta: dict) -> str | None:
+        if self.rank != 0:
+            return None
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "rng": rng_state()}
+        meta = {**meta, "version": self.version, "global_step": self.global_step, "skipped_steps": self.skipped_steps}
+        return str(save_checkpoint(path, self.policy.state_dict(), state, meta))
+
+    def load(self, path: str) -> dict:
+        model_state, state, meta = load_checkpoint(path)
+        self.policy.load_state_dict(model_state)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        self.version, self.global_step = meta["version"], meta["global_step"]
+        self.skipped_steps = meta.get("skipped_steps", 0)
+        return meta

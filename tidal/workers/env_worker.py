@@ -1,0 +1,171 @@
+"""The env worker: steps its share of vectorised envs in action chunks, talks to the rollout
+over channels stage by stage, and assembles the trajectories it sends to the actor."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tidal.config import EmbodiedConfig
+from tidal.data import ChunkActions, EnvOutput, Trajectory
+from tidal.envs import ChunkedEnv, make_env
+from tidal.runtime import Channel, Worker, async_recv_batch, send_batch
+from tidal.workers.routes import TRAJECTORY_TAG, Topology, action_tag, obs_tag, reward_tags
+
+
+class _StageRecorder:
+    """Collects one stage's chunk steps of an epoch and stacks them batch-first."""
+
+    def __init__(self, first_dones: torch.Tensor):
+        self.inputs, self.actions, self.logprobs, self.values, self.versions = [], [], [], [], []
+        self.raw_obs, self.rewards = [], []
+        self.terms, self.truncs, self.dones = [first_dones], [first_dones], [first_dones]
+
+    def add_policy(self, act: ChunkActions, raw_obs: torch.Tensor) -> None:
+        self.inputs.append(act.forward_inputs)
+        self.actions.append(act.actions)
+        self.logprobs.append(act.logprobs)
+        self.versions.append(act.version)
+        self.raw_obs.append(raw_obs)
+
+    def add_env(self, out: EnvOutput) -> None:
+        self.rewards.append(out.rewards.clone())
+        self.terms.append(out.terminations)
+        self.truncs.append(out.truncations)
+        self.dones.append(out.dones)
+
+    def add_bootstrap(self, needs: torch.Tensor, final_values: torch.Tensor, gamma: float) -> None:
+        """A truncated episode's last reward gains ``gamma * V(final_obs)``; the done then stops
+        the recursion, so the value of the reset observation never leaks across episodes."""
+        rows = needs.nonzero().flatten()
+        if len(rows):
+            position = self.dones[-1][rows].float().argmax(-1)
+            self.rewards[-1][rows, position] += gamma * final_values[rows]
+
+    def trajectory(self) -> Trajectory:
+        stack = lambda xs: torch.stack(xs, 1)  # noqa: E731  [B, T, ...]
+        keys = self.inputs[0].keys()
+        return Trajectory(
+            forward_inputs={k: stack([i[k] for i in self.inputs]) for k in keys},
+            actions=stack(self.actions),
+            prev_logprobs=stack(self.logprobs),
+            prev_values=stack(self.values) if self.values and self.values[0] is not None else None,
+            rewards=stack(self.rewards),
+            terminations=stack(self.terms),
+            truncations=stack(self.truncs),
+            dones=stack(self.dones),
+            raw_obs=stack(self.raw_obs),
+            versions=stack(self.versions),
+        )
+
+
+class EnvWorker(Worker):
+    def __init__(self, cfg: EmbodiedConfig, topology: Topology):
+        self.cfg, self.topo = cfg, topology
+        env = cfg.env
+        self.stages = env.pipeline_stage_num
+        self.stage_envs = env.total_num_envs // (self.world_size * self.stages)
+        self.gamma = cfg.algorithm.gamma
+        self.bootstrap = cfg.algorithm.adv_type == "gae"
+        self.bootstrap_on = "truncations" if cfg.algorithm.bootstrap_type == "truncated" else "dones"
+        self.envs = [
+            ChunkedEnv(self._make(self.stage_envs), env.auto_reset, self._seeds(s, self.stage_envs, env.group_size))
+            for s in range(self.stages)
+        ]
+        eval_envs = env.eval_num_envs // self.world_size
+        self.eval_env = ChunkedEnv(self._make(eval_envs), False, [cfg.runner.seed + 10**6 + self.rank * eval_envs + i for i in range(eval_envs)])
+        self.epoch = 0
+        self._obs = [e.reset().obs for e in self.envs]
+        chunk = env.num_action_chunks
+        self._last_dones = [torch.zeros(self.stage_envs, chunk, dtype=torch.bool) for _ in range(self.stages)]
+        self.max_episode_steps = self.envs[0].env.max_episode_steps
+
+    def _make(self, num_envs: int):
+        env = self.cfg.env
+        return make_env(env.adapter, num_envs, env_id=env.id, vectorization_mode=env.vectorization_mode,
+                        max_episode_steps=env.max_episode_steps, env_kwargs=dict(env.kwargs))
+
+    def _seeds(self, stage: int, count: int, group_size: int) -> list[int]:
+        """Envs ``g * group_size .. (g + 1) * group_size - 1`` (global numbering) share a seed."""
+        first = (self.rank * self.stages + stage) * count
+        return [self.cfg.runner.seed + (first + i) // group_size for i in range(count)]
+
+    # -- one training epoch -------------------------------------------------------------
+
+    async def interact(self, rollout_ch: Channel, env_ch: Channel, actor_ch: Channel,
+                       reward_ch: Channel | None = None, timeout: float = 600.0) -> dict:
+        """Step ``rollout.num_steps`` chunks per env, then send the trajectories to the actor."""
+        steps = self.cfg.rollout.num_steps
+        if not self.cfg.env.auto_reset:  # every epoch starts fresh episodes (same seed per group)
+            self._obs = [e.reset(seed_offset=self.epoch * self.cfg.env.total_num_envs).obs for e in self.envs]
+            self._last_dones = [torch.zeros_like(d) for d in self._last_dones]
+        recorders = [_StageRecorder(d) for d in self._last_dones]
+        needs = [torch.zeros(self.stage_envs, dtype=torch.bool) for _ in range(self.stages)]
+        for s in range(self.stages):
+            self._send_obs(rollout_ch, EnvOutput(obs=self._obs[s]), "train", s)
+        for t in range(steps + 1):
+            for s in range(self.stages):
+                act: ChunkActions = await self._recv_actions(env_ch, "train", s, timeout)
+                rec = recorders[s]
+                if t > 0 and act.final_values is not None:
+                    rec.add_bootstrap(needs[s], act.final_values, self.gamma)
+                rec.values.append(act.values)
+                if t == steps:
+                    continue
+                rec.add_policy(act, self._obs[s])
+                out = self.envs[s].step(act.env_actions.numpy())
+                if reward_ch is not None:
+                    out.rewards = await self._model_rewards(reward_ch, env_ch, out, s, timeout)
+                needs[s] = getattr(out, self.bootstrap_on).any(-1) if self.bootstrap else torch.zeros_like(needs[s])
+                rec.add_env(out)
+                self._obs[s] = out.obs
+                # final_obs always travels (a copy of obs where nothing ended): shards merge alike
+                final_obs = out.final_obs if out.final_obs is not None else out.obs
+                self._send_obs(rollout_ch, EnvOutput(obs=out.obs, final_obs=final_obs, needs_bootstrap=needs[s]),
+                               "train", s)
+        for s, rec in enumerate(recorders):
+            self._last_dones[s] = rec.dones[-1]
+            send_batch(actor_ch, rec.trajectory(), self.rank * self.stages + s,
+                       self.world_size * self.stages, self.topo.actor, tag=TRAJECTORY_TAG)
+        self.epoch += 1
+        episodes = [e.stats.drain() for e in self.envs]
+        return {
+            "returns": [r for ep in episodes for r in ep["returns"]],
+            "lengths": [n for ep in episodes for n in ep["lengths"]],
+            "env_steps": steps * self.stage_envs * self.stages * self.cfg.env.num_action_chunks,
+        }
+
+    def eval_horizon(self) -> int:
+        """Chunk steps that take every eval env through one whole episode."""
+        return math.ceil((self.max_episode_steps or 1000) / self.cfg.env.num_action_chunks)
+
+    async def evaluate(self, rollout_ch: Channel, env_ch: Channel, timeout: float = 600.0) -> dict:
+        """Run every eval env through one episode with the rollout's deterministic policy."""
+        out = self.eval_env.reset(seed_offset=self.epoch * 7919)
+        self.eval_env.stats.drain()
+        for _ in range(self.eval_horizon()):
+            self._send_obs(rollout_ch, EnvOutput(obs=out.obs), "eval", 0)
+            act = await self._recv_actions(env_ch, "eval", 0, timeout)
+            out = self.eval_env.step(act.env_actions.numpy())
+        return self.eval_env.stats.drain()
+
+    # -- routing ------------------------------------------------------------------------
+
+    def _send_obs(self, rollout_ch: Channel, out: EnvOutput, mode: str, stage: int) -> None:
+        send_batch(rollout_ch, out, self.rank, self.world_size, self.topo.rollout, tag=obs_tag(mode, stage))
+
+    async def _recv_actions(self, env_ch: Channel, mode: str, stage: int, timeout: float) -> ChunkActions:
+        return await async_recv_batch(env_ch, self.rank, self.topo.rollout, self.world_size,
+                                      self.topo.stage_batch(mode), tag=action_tag(mode, stage), timeout=timeout)
+
+    async def _model_rewards(self, reward_ch: Channel, env_ch: Channel, out: EnvOutput, stage: int, timeout: float) -> torch.Tensor:
+        tag_in, tag_out = reward_tags(stage)
+        send_batch(reward_ch, out, self.rank, self.world_size, self.topo.reward, tag=tag_in)
+        rewards = await async_recv_batch(env_ch, self.rank, self.topo.reward, self.world_size,
+                                         self.topo.stage_batch("train"), tag=tag_out, timeout=timeout)
+        return rewards["rewards"]
+
+    def close(self) -> None:
+        for e in [*self.envs, self.eval_env]:
+            e.close()

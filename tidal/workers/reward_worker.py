@@ -1,0 +1,69 @@
+"""The reward worker: a group that receives env outputs and returns rewards, e.g. a learned
+reward model replacing or shaping the env reward. Reward models register by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tidal.config import EmbodiedConfig
+from tidal.data import EnvOutput
+from tidal.runtime import Channel, Worker, async_recv_batch, send_batch
+from tidal.workers.routes import Topology, reward_tags
+
+RewardModel = Callable[[EnvOutput], torch.Tensor]  # -> rewards [B, C]
+_REWARD_MODELS: dict[str, Callable[..., RewardModel]] = {}
+
+
+def register_reward_model(name: str):
+    def decorator(factory):
+        if name in _REWARD_MODELS:
+            raise ValueError(f"reward model {name!r} is already registered")
+        _REWARD_MODELS[name] = factory
+        return factory
+
+    return decorator
+
+
+def build_reward_model(name: str, **kwargs) -> RewardModel:
+    try:
+        return _REWARD_MODELS[name](**kwargs)
+    except KeyError:
+        raise ValueError(f"reward.name: unknown reward model {name!r}; registered: {', '.join(sorted(_REWARD_MODELS))}") from None
+
+
+@register_reward_model("scale")
+def _scale(scale: float = 1.0) -> RewardModel:
+    """``scale * r``: the env reward rescaled."""
+    return lambda out: out.rewards * scale
+
+
+@register_reward_model("termination_penalty")
+def _termination_penalty(penalty: float = 1.0) -> RewardModel:
+    """Shaping: ``-penalty`` where an episode terminated (not where it was truncated)."""
+    return lambda out: -penalty * out.terminations.float()
+
+
+class RewardWorker(Worker):
+    def __init__(self, cfg: EmbodiedConfig, topology: Topology):
+        self.cfg, self.topo = cfg, topology
+        self.model = build_reward_model(cfg.reward.name, **dict(cfg.reward.kwargs))
+        self.mode = cfg.reward.mode
+
+    async def compute_rewards(self, reward_ch: Channel, env_ch: Channel, timeout: float = 600.0) -> int:
+        """Serve every env step of one rollout epoch, stage by stage."""
+        batch = self.topo.stage_batch("train")
+        served = 0
+        for _ in range(self.cfg.rollout.num_steps):
+            for s in range(self.topo.stages):
+                tag_in, tag_out = reward_tags(s)
+                out: EnvOutput = await async_recv_batch(reward_ch, self.rank, self.topo.env, self.world_size,
+                                                        batch, tag=tag_in, timeout=timeout)
+                with torch.no_grad():
+                    rewards = self.model(out).float()
+                if self.mode == "add":
+                    rewards = out.rewards + rewards
+                send_batch(env_ch, {"rewards": rewards}, self.rank, self.world_size, self.topo.env, tag=tag_out)
+                served += 1
+        return served

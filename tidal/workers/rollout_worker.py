@@ -1,0 +1,70 @@
+"""The rollout worker: merges env shards, runs the policy (no grad, eval mode) and sends an
+action chunk back to each env rank, stamped with its policy version."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import torch
+
+from tidal.config import EmbodiedConfig
+from tidal.data import ChunkActions, EnvOutput
+from tidal.models import build_policy
+from tidal.runtime import Channel, Worker, async_recv_batch, async_recv_weights, send_batch
+from tidal.workers.routes import Topology, action_tag, obs_tag
+
+
+def make_policy(cfg: EmbodiedConfig, observation_space: gym.Space, action_space: gym.Space):
+    m = cfg.model
+    return build_policy(m.name, observation_space, action_space, cfg.env.num_action_chunks,
+                        hidden_sizes=tuple(m.hidden_sizes), activation=m.activation, critic=m.critic,
+                        obs_norm=m.obs_norm, init_log_std=m.init_log_std, squash=m.squash)
+
+
+class RolloutWorker(Worker):
+    def __init__(self, cfg: EmbodiedConfig, topology: Topology, observation_space: gym.Space, action_space: gym.Space):
+        self.cfg, self.topo = cfg, topology
+        torch.manual_seed(cfg.runner.seed + 7 * self.rank + 1)
+        self.policy = make_policy(cfg, observation_space, action_space).eval()
+        self.version = -1  # no weights received yet
+
+    async def sync_weights(self, weights_ch: Channel, timeout: float = 600.0) -> int:
+        update = await async_recv_weights(weights_ch, self.rank, timeout=timeout)
+        self.policy.load_state_dict(update.state_dict)
+        self.version = update.version
+        return self.version
+
+    async def generate(self, rollout_ch: Channel, env_ch: Channel, mode: str = "train",
+                       num_steps: int | None = None, timeout: float = 600.0) -> int:
+        """Answer ``num_steps`` chunk steps of every pipeline stage (train: ``rollout.num_steps``
+        plus one whose values bootstrap the last step)."""
+        stages = self.topo.stages if mode == "train" else 1
+        steps = self.cfg.rollout.num_steps + 1 if mode == "train" else num_steps
+        deterministic = mode == "eval" and self.cfg.rollout.eval_deterministic
+        batch = self.topo.stage_batch(mode)
+        for _ in range(steps):
+            for s in range(stages):
+                out: EnvOutput = await async_recv_batch(rollout_ch, self.rank, self.topo.env, self.world_size,
+                                                        batch, tag=obs_tag(mode, s), timeout=timeout)
+                answer = self._act(out, deterministic, with_values=mode == "train")
+                send_batch(env_ch, answer, self.rank, self.world_size, self.topo.env, tag=action_tag(mode, s))
+        return steps
+
+    @torch.no_grad()
+    def _act(self, out: EnvOutput, deterministic: bool, with_values: bool) -> ChunkActions:
+        inputs = self.policy.prepare(out.obs)
+        step = self.policy.act(inputs, deterministic=deterministic)
+        final_values = None
+        if with_values and out.needs_bootstrap is not None and step.values is not None:
+            final_values = torch.zeros_like(step.values)
+            if out.final_obs is not None and bool(out.needs_bootstrap.any()):
+                rows = out.needs_bootstrap
+                final_values[rows] = self.policy.value(self.policy.prepare(out.final_obs[rows]))
+        return ChunkActions(
+            actions=step.actions,
+            env_actions=torch.as_tensor(self.policy.env_actions(step.actions)),
+            logprobs=step.logprobs,
+            values=step.values if with_values else None,
+            final_values=final_values,
+            forward_inputs=step.inputs,
+            version=torch.full((step.actions.shape[0],), self.version, dtype=torch.int64),
+        )
