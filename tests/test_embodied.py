@@ -1,0 +1,108 @@
+"""The embodied pipeline end to end: learning, pipelining, chunks, reward worker, resume, Ray."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tidal.config import EmbodiedConfig, load_config
+from tidal.runners import EmbodiedRunner
+from tidal.runtime import WorkerError
+from tidal.workers.env_worker import _StageRecorder
+from tidal.workers.reward_worker import register_reward_model
+
+EXAMPLES = Path(__file__).parent.parent / "examples" / "embodied"
+REQUIRED_KEYS = {"step", "env_steps", "time/step", "rollout/return_mean", "train/policy_loss", "train/value_loss",
+                 "train/entropy", "train/approx_kl", "train/clip_frac", "train/grad_norm"}
+
+
+def run(config, tmp_path, *overrides):
+    cfg = load_config(EmbodiedConfig, config, [f"runner.run_dir={tmp_path}", "runner.progress=false", *overrides])
+    runner = EmbodiedRunner(cfg)
+    try:
+        return runner.run()
+    finally:
+        runner.close()
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_cartpole_ppo_solves_within_100k_steps(tmp_path):
+    summary = run(EXAMPLES / "cartpole_ppo.yaml", tmp_path)
+    assert summary["best_eval_return"] >= 475, summary
+    assert summary["solved_at_env_steps"] <= 100_000
+    rows = read_metrics(summary["run_dir"])
+    assert REQUIRED_KEYS <= set(rows[0])
+    assert any(r.get("eval/return_mean") is not None for r in rows)
+    assert [r["env_steps"] for r in rows] == sorted(r["env_steps"] for r in rows)
+    run_dir = Path(summary["run_dir"])
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "train.log").is_file()
+    assert any((run_dir / "tensorboard").iterdir())
+
+
+TINY = [
+    "env.total_num_envs=4", "env.pipeline_stage_num=2", "env.num_action_chunks=3", "env.eval_num_envs=2",
+    "rollout.num_steps=8", "actor.global_batch_size=16", "actor.micro_batch_size=8", "runner.max_steps=2",
+    "runner.eval_interval=1", "runner.save_interval=1", "runner.target_eval_return=null",
+]
+
+
+def test_pipelined_chunked_run_without_auto_reset_with_reward_worker_and_resume(tmp_path):
+    overrides = [*TINY, "env.auto_reset=false", "reward.enabled=true", "reward.name=termination_penalty",
+                 "reward.mode=add", "runner.experiment=tiny", "algorithm.logprob_type=action"]
+    summary = run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *overrides)
+    rows = read_metrics(summary["run_dir"])
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[-1]["env_steps"] == 2 * 4 * 8 * 3
+    assert all(r["eval/return_mean"] is not None for r in rows)
+    assert 0 < rows[0]["rollout/valid_fraction"] <= 1
+    checkpoints = Path(summary["run_dir"]) / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "step_000002"
+
+    resumed = run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *overrides, "runner.max_steps=3",
+                  f"runner.resume_from={checkpoints}")
+    assert resumed["run_dir"] == summary["run_dir"]
+    rows = read_metrics(summary["run_dir"])
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[-1]["env_steps"] == 3 * 4 * 8 * 3
+    assert rows[-1]["version"] == 2  # the rollout got the resumed weights (trained twice)
+
+
+@register_reward_model("test_explodes")
+def _explodes():
+    def model(out):
+        raise ArithmeticError("reward model exploded")
+
+    return model
+
+
+def test_a_failing_worker_is_named_with_its_traceback(tmp_path):
+    with pytest.raises(WorkerError, match=r"reward\[rank 0\].compute_rewards failed: ArithmeticError: reward model exploded"):
+        run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *TINY, "reward.enabled=true", "reward.name=test_explodes",
+            "runner.timeout_s=60")
+
+
+def test_truncated_episode_is_bootstrapped_not_terminal():
+    rec = _StageRecorder(torch.zeros(3, 2, dtype=torch.bool))
+    from tidal.data import EnvOutput
+
+    dones = torch.tensor([[False, True], [False, False], [True, False]])
+    rec.add_env(EnvOutput(obs=torch.zeros(3, 1), rewards=torch.ones(3, 2), terminations=torch.tensor([[False, False], [False, False], [True, False]]),
+                          truncations=torch.tensor([[False, True], [False, False], [False, False]]), dones=dones))
+    needs = torch.tensor([True, False, False])  # only the truncated env
+    rec.add_bootstrap(needs, torch.tensor([10.0, 20.0, 30.0]), gamma=0.5)
+    assert rec.rewards[-1].tolist() == [[1.0, 6.0], [1.0, 1.0], [1.0, 1.0]]
+
+
+@pytest.mark.ray
+def test_ray_backend_disaggregated_with_data_parallel_actor(tmp_path):
+    summary = run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, "cluster.backend=ray", "cluster.devices_per_node=4",
+                  "cluster.placement={env: '0', rollout: '1', actor: '2-3'}", "runner.max_steps=3", "runner.eval_interval=3",
+                  "runner.target_eval_return=null", "env.total_num_envs=8", "rollout.num_steps=32",
+                  "actor.global_batch_size=128", "actor.micro_batch_size=32")
+    rows = read_metrics(summary["run_dir"])
+    assert len(rows) == 3 and rows[-1]["eval/return_mean"] is not None
+    assert all(r["train/skipped_steps"] == 0 for r in rows)

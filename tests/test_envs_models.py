@@ -1,0 +1,133 @@
+"""Env adapters, chunked stepping and policies."""
+
+import math
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from torch.distributions import Normal
+
+from tidal.envs import ChunkedEnv, make_env
+from tidal.models import MLPActorCritic, RunningNorm, build_policy
+
+
+def cartpole(n, **kw):
+    return make_env("gymnasium", n, env_id="CartPole-v1", **kw)
+
+
+def test_unknown_adapter_and_env_id_are_clear_errors():
+    with pytest.raises(ValueError, match="env.adapter: unknown adapter 'maniskill'; registered: gymnasium"):
+        make_env("maniskill", 2)
+    with pytest.raises(ValueError, match="env.id: gymnasium has no env 'NoSuchEnv-v0'"):
+        make_env("gymnasium", 2, env_id="NoSuchEnv-v0")
+
+
+def test_envs_in_a_group_start_identically():
+    env = ChunkedEnv(cartpole(4), auto_reset=True, seeds=[7, 7, 8, 8])
+    obs = env.reset().obs
+    assert torch.equal(obs[0], obs[1]) and torch.equal(obs[2], obs[3]) and not torch.equal(obs[0], obs[2])
+
+
+def test_chunk_step_shapes_and_final_obs_with_auto_reset():
+    env = ChunkedEnv(cartpole(3), auto_reset=True, seeds=[0, 1, 2])
+    env.reset()
+    saw_done = False
+    for _ in range(100):
+        out = env.step(np.ones((3, 4), dtype=np.int64))  # always push right: episodes end fast
+        assert out.rewards.shape == out.dones.shape == (3, 4)
+        assert torch.equal(out.dones, out.terminations | out.truncations)
+        ended = out.dones.any(-1)
+        if ended.any():
+            saw_done = True
+            i = int(ended.nonzero()[0])
+            c = int(out.dones[i].float().argmax())
+            assert torch.all(out.rewards[i, c + 1:] == 0)  # nothing counts after the done
+            assert abs(float(out.final_obs[i, 2])) > 0.2 or abs(float(out.final_obs[i, 0])) > 2.4  # ended by falling
+            assert abs(float(out.obs[i, 2])) < 0.05  # and the next observation is a fresh start
+            break
+    assert saw_done
+    stats = env.stats.drain()
+    assert len(stats["returns"]) >= 1 and stats["returns"] == [float(n) for n in stats["lengths"]]
+
+
+def test_without_auto_reset_only_the_first_episode_counts():
+    env = ChunkedEnv(cartpole(2), auto_reset=False, seeds=[0, 1])
+    env.reset()
+    for _ in range(60):
+        env.step(np.ones((2, 1), dtype=np.int64))
+    stats = env.stats.drain()
+    assert len(stats["returns"]) == 2  # one episode per env, however long we kept stepping
+
+
+def test_truncation_is_reported_as_truncation():
+    env = ChunkedEnv(make_env("gymnasium", 2, env_id="Pendulum-v1", max_episode_steps=6), auto_reset=True, seeds=[0, 1])
+    env.reset()
+    out = env.step(np.zeros((2, 6, 1), dtype=np.float32))
+    assert out.truncations[:, -1].all() and not out.terminations.any()
+
+
+# ----------------------------------------------------------------------------- policies
+
+
+def test_discrete_chunk_policy_shapes_and_consistency():
+    pol = MLPActorCritic(gym.spaces.Box(-1, 1, (4,)), gym.spaces.Discrete(3), num_action_chunks=5)
+    inputs = pol.prepare(torch.randn(7, 4))
+    step = pol.act(inputs)
+    assert step.actions.shape == (7, 5) and step.logprobs.shape == (7, 5, 1) and step.values.shape == (7,)
+    again = pol.evaluate(inputs, step.actions)
+    torch.testing.assert_close(again["logprobs"], step.logprobs)
+    assert again["entropy"].shape == (7, 5, 1)
+    assert pol.env_actions(step.actions).shape == (7, 5)
+
+
+def test_squashed_gaussian_logprob_is_exact():
+    low, high = np.array([-2.0, 0.0], dtype=np.float32), np.array([2.0, 1.0], dtype=np.float32)
+    pol = MLPActorCritic(gym.spaces.Box(-1, 1, (3,)), gym.spaces.Box(low, high), num_action_chunks=2, squash=True, init_log_std=-0.5)
+    inputs = pol.prepare(torch.randn(5, 3))
+    step = pol.act(inputs)
+    u = step.actions.double()
+    with torch.no_grad():
+        mean = pol.actor(inputs["obs"]).view(5, 2, 2).double()
+        std = pol.log_std.exp().double()
+    # log p(a) for a = low + (tanh(u) + 1) / 2 * (high - low), by the change of variables
+    scale = torch.tensor((high - low) / 2, dtype=torch.float64)
+    ref = Normal(mean, std).log_prob(u) - torch.log(1 - torch.tanh(u) ** 2) - torch.log(scale)
+    torch.testing.assert_close(step.logprobs.double(), ref, atol=1e-4, rtol=1e-4)
+    env_a = pol.env_actions(step.actions)
+    assert (env_a >= low - 1e-6).all() and (env_a <= high + 1e-6).all()
+
+
+def test_gaussian_clips_env_actions_to_bounds():
+    pol = MLPActorCritic(gym.spaces.Box(-1, 1, (2,)), gym.spaces.Box(-1.0, 1.0, (1,)), init_log_std=2.0)
+    step = pol.act(pol.prepare(torch.randn(64, 2)))
+    a = pol.env_actions(step.actions)
+    assert a.max() <= 1.0 and a.min() >= -1.0 and step.actions.abs().max() > 1.0
+
+
+def test_running_norm_matches_numpy_over_batches():
+    norm = RunningNorm((3,))
+    data = [np.random.default_rng(i).normal(5, 3, size=(50, 3)) for i in range(4)]
+    for d in data:
+        norm.update(torch.from_numpy(d))
+    allx = np.concatenate(data)
+    np.testing.assert_allclose(norm.mean.numpy(), allx.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(norm.var.numpy(), allx.var(0), rtol=1e-4)
+    out = norm(torch.from_numpy(allx).float())
+    assert abs(float(out.mean())) < 1e-3 and abs(float(out.std()) - 1) < 1e-2
+
+
+def test_policy_registry_errors():
+    with pytest.raises(ValueError, match="model.name: unknown policy 'vla'; registered: mlp"):
+        build_policy("vla", gym.spaces.Box(-1, 1, (2,)), gym.spaces.Discrete(2), 1)
+    with pytest.raises(ValueError, match="needs a flat Box observation space"):
+        MLPActorCritic(gym.spaces.Discrete(3), gym.spaces.Discrete(2))
+
+
+def test_entropy_of_uniform_categorical():
+    pol = MLPActorCritic(gym.spaces.Box(-1, 1, (2,)), gym.spaces.Discrete(4))
+    with torch.no_grad():
+        for p in pol.actor.parameters():
+            p.zero_()
+    out = pol.evaluate(pol.prepare(torch.randn(3, 2)), torch.zeros(3, 1, dtype=torch.long))
+    torch.testing.assert_close(out["entropy"], torch.full((3, 1, 1), math.log(4)))
