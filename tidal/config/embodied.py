@@ -15,6 +15,9 @@ class ClusterConfig:
     backend: str = "local"  # local: threads of this process; ray: Ray actors
     address: str | None = None  # a running Ray cluster to join (ray backend)
     devices_per_node: int | None = None  # GPUs or CPU slots per node; None: detected
+    # intra-op threads per process: small models run fastest single-threaded (3.6 ms vs 12.7 ms
+    # per PPO micro-step of a 64x64 MLP on a 2-core machine); raise it for large models
+    torch_threads: int = 1
     # component(s) -> devices, e.g. {"env": "0", "rollout,actor": "1"}; empty: all on device 0
     placement: dict[str, str] = field(default_factory=dict)
 

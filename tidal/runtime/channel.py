@@ -32,15 +32,100 @@ DEFAULT_KEY = "default"
 _RAY_REPLY_MARGIN = 30.0  # extra time the caller gives the channel actor to answer
 
 
+class Waiter:
+    """A light stand-in for ``concurrent.futures.Future`` (the subset the channel uses): set
+    from any thread, waited on from any thread, awaited from any loop. A ``cf.Future`` builds
+    a Condition per instance; this builds a lock, and an Event only if a thread blocks on it."""
+
+    __slots__ = ("_lock", "_state", "_value", "_error", "_callbacks", "_event")
+    _PENDING, _RUNNING, _DONE, _CANCELLED = range(4)
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._state = self._PENDING
+        self._value = self._error = self._event = None
+        self._callbacks: list = []
+
+    def set_running_or_notify_cancel(self) -> bool:
+        with self._lock:
+            if self._state == self._CANCELLED:
+                return False
+            self._state = self._RUNNING
+            return True
+
+    def cancel(self) -> bool:
+        with self._lock:
+            if self._state != self._PENDING:
+                return self._state == self._CANCELLED
+            self._state = self._CANCELLED
+        self._finish()
+        return True
+
+    def set_result(self, value) -> None:
+        self._settle(value, None)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._settle(None, error)
+
+    def _settle(self, value, error) -> None:
+        with self._lock:
+            self._value, self._error, self._state = value, error, self._DONE
+        self._finish()
+
+    def _finish(self) -> None:
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, []
+            event = self._event
+        if event is not None:
+            event.set()
+        for fn in callbacks:
+            fn(self)
+
+    def done(self) -> bool:
+        return self._state in (self._DONE, self._CANCELLED)
+
+    def cancelled(self) -> bool:
+        return self._state == self._CANCELLED
+
+    def add_done_callback(self, fn) -> None:
+        with self._lock:
+            if not self.done():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def exception(self, timeout: float | None = None):
+        self._wait(timeout)
+        if self._state == self._CANCELLED:
+            raise cf.CancelledError()
+        return self._error
+
+    def result(self, timeout: float | None = None):
+        error = self.exception(timeout)
+        if error is not None:
+            raise error
+        return self._value
+
+    def _wait(self, timeout: float | None) -> None:
+        if self.done():
+            return
+        with self._lock:
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        if not self.done() and not event.wait(timeout):
+            raise cf.TimeoutError()
+
+
 @dataclass
 class _Getter:
-    future: cf.Future
+    future: Waiter
     target_weight: float | None  # None: one item
 
 
 class ChannelStore:
-    """Thread-safe keyed queues whose waits are ``concurrent.futures.Future``s, so that any
-    thread can wait on them and any event loop can await them."""
+    """Thread-safe keyed queues whose waits are ``Waiter``s, so that any thread can wait on
+    them and any event loop can await them."""
 
     def __init__(self, name: str, maxsize: int = 0):
         if maxsize < 0:
@@ -52,8 +137,8 @@ class ChannelStore:
         self._getters: dict[Hashable, deque[_Getter]] = defaultdict(deque)
         self._putters: dict[Hashable, deque] = defaultdict(deque)
 
-    def put(self, key: Hashable, item: Any, weight: float = 1.0) -> cf.Future:
-        fut: cf.Future = cf.Future()
+    def put(self, key: Hashable, item: Any, weight: float = 1.0) -> Waiter:
+        fut = Waiter()
         with self._lock:
             if self.maxsize and len(self._items[key]) >= self.maxsize:
                 self._putters[key].append((fut, item, weight))
@@ -64,10 +149,10 @@ class ChannelStore:
         fut.set_result(None)
         return fut
 
-    def get(self, key: Hashable) -> cf.Future:
+    def get(self, key: Hashable) -> Waiter:
         return self._add_getter(key, None)
 
-    def get_batch(self, key: Hashable, target_weight: float) -> cf.Future:
+    def get_batch(self, key: Hashable, target_weight: float) -> Waiter:
         if target_weight <= 0:
             raise ValueError(f"channel {self.name!r}: get_batch target_weight must be > 0, got {target_weight}")
         return self._add_getter(key, float(target_weight))
@@ -80,8 +165,8 @@ class ChannelStore:
         with self._lock:
             return [k for k, q in self._items.items() if q]
 
-    def _add_getter(self, key: Hashable, target: float | None) -> cf.Future:
-        fut: cf.Future = cf.Future()
+    def _add_getter(self, key: Hashable, target: float | None) -> Waiter:
+        fut = Waiter()
         with self._lock:
             self._getters[key].append(_Getter(fut, target))
             self._serve(key)
@@ -130,6 +215,8 @@ class ChannelStore:
 
 def _wait_or_cancel(fut: cf.Future, timeout: float, on_timeout: Callable[[], Exception]):
     """Wait for a store future; on timeout withdraw it, unless it was served meanwhile."""
+    if fut.done():
+        return fut.result()
     try:
         return fut.result(timeout)
     except cf.TimeoutError:
@@ -138,9 +225,39 @@ def _wait_or_cancel(fut: cf.Future, timeout: float, on_timeout: Callable[[], Exc
         return fut.result()
 
 
+def _bridge(fut: cf.Future) -> asyncio.Future:
+    """An asyncio future on the running loop that follows ``fut``. Unlike
+    ``asyncio.wrap_future`` it does not wake the loop through its self-pipe when ``fut`` is
+    resolved on the loop's own thread (ranks sharing one loop hand items over directly)."""
+    loop = asyncio.get_running_loop()
+    loop_thread = threading.get_ident()
+    out = loop.create_future()
+
+    def copy(f: cf.Future) -> None:
+        if out.done():
+            return
+        exc = f.exception() if not f.cancelled() else asyncio.CancelledError()
+        if exc is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result(f.result())
+
+    def on_done(f: cf.Future) -> None:
+        if threading.get_ident() == loop_thread:
+            loop.call_soon(copy, f)
+        else:
+            loop.call_soon_threadsafe(copy, f)
+
+    fut.add_done_callback(on_done)
+    return out
+
+
 async def _await_or_cancel(fut: cf.Future, timeout: float | None, on_timeout: Callable[[], Exception]):
+    if fut.done():  # the common case when producers run ahead: no task, no timer
+        return fut.result()
     try:
-        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), timeout)
+        async with asyncio.timeout(timeout):
+            return await _bridge(fut)
     except TimeoutError:
         if fut.cancel():
             raise on_timeout() from None

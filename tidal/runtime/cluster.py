@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Mapping
 
 from tidal.runtime.placement import ComponentPlacement, NodeInfo, RankPlacement, parse_devices
@@ -27,15 +28,23 @@ class Cluster:
         devices_per_node: int | None = None,
         namespace: str = "tidal",
         ray_init_kwargs: Mapping | None = None,
+        shared_event_loop: bool = True,
+        gil_switch_interval: float | None = 2e-4,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"cluster.backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
         self.backend = backend
         self.namespace = namespace
         self._started_ray = False
+        self.shared_event_loop = shared_event_loop
+        self._loop_thread = None
         if backend == "ray":
             self.nodes = self._ray_nodes(address, devices_per_node, dict(ray_init_kwargs or {}))
         else:
+            # ranks of the local backend are threads: hand the GIL over sooner than Python's
+            # default 5 ms, or a rank woken by a peer waits on one still running Python
+            if gil_switch_interval is not None:
+                sys.setswitchinterval(gil_switch_interval)
             count = devices_per_node or os.cpu_count() or 1
             self.nodes = [NodeInfo(0, "local", "127.0.0.1", count, "cpu")]
 
@@ -93,7 +102,21 @@ class Cluster:
             return parse_devices(list(range(placement)), self.num_devices, what=f"{name}.placement")
         return parse_devices(placement, self.num_devices, what=f"{name}.placement")
 
+    def shared_loop(self):
+        """The event loop the local backend's ranks share for their ``async`` methods (None
+        when each rank has its own)."""
+        if self.backend != "local" or not self.shared_event_loop:
+            return None
+        if self._loop_thread is None:
+            from tidal.runtime.worker import EventLoopThread
+
+            self._loop_thread = EventLoopThread("tidal-local-loop")
+        return self._loop_thread
+
     def shutdown(self) -> None:
+        if self._loop_thread is not None:
+            self._loop_thread.stop()
+            self._loop_thread = None
         if self.backend == "ray" and self._started_ray:
             import ray
 

@@ -71,17 +71,12 @@ def _parse_spec_string(spec: str, num_devices: int, what: str) -> list[int]:
     devices: list[int] = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         try:
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-", 1))
-                if hi < lo:
-                    raise PlacementError(f"{what}: range {part!r} runs backwards")
-                devices.extend(range(lo, hi + 1))
-            else:
-                devices.append(int(part))
+            lo, hi = (int(x) for x in part.split("-", 1)) if "-" in part else (int(part), int(part))
         except ValueError:
-            raise PlacementError(
-                f"{what}: cannot read {part!r}; expected '0-3', '0,2,5' or 'all'"
-            ) from None
+            raise PlacementError(f"{what}: cannot read {part!r}; expected '0-3', '0,2,5' or 'all'") from None
+        if hi < lo:
+            raise PlacementError(f"{what}: range {part!r} runs backwards")
+        devices.extend(range(lo, hi + 1))
     return devices
 
 

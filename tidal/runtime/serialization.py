@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 _NUMPY_UNSUPPORTED = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
-_registered = False
 
 
 def tensor_to_payload(t: torch.Tensor) -> tuple[np.ndarray, str]:
@@ -29,11 +28,8 @@ def tensor_from_payload(payload: tuple[np.ndarray, str]) -> torch.Tensor:
 
 
 def register_tensor_serializer() -> None:
-    """Idempotent; call in every process that sends tensors through Ray."""
-    global _registered
-    if _registered:
-        return
+    """Call in every process that sends tensors through Ray, after each ``ray.init`` (a
+    registration lives as long as the process's connection to Ray)."""
     import ray.util
 
     ray.util.register_serializer(torch.Tensor, serializer=tensor_to_payload, deserializer=tensor_from_payload)
-    _registered = True

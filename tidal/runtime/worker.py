@@ -94,6 +94,13 @@ class Worker:
     def runtime_backend(self) -> str:
         return self._tidal.backend
 
+    async def offload(self, fn, *args, **kwargs):
+        """Run blocking work (a simulator step, a forward pass) on this rank's compute thread,
+        so the event loop keeps serving other coroutines meanwhile (on the local backend the
+        loop is shared by every rank: this is what lets pipeline stages overlap)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tidal_compute, functools.partial(fn, *args, **kwargs))
+
     def init_distributed(self, backend: str | None = None, timeout_s: float = 300.0) -> None:
         """Join this group's ``torch.distributed`` process group (gloo on CPU, NCCL on GPU)."""
         import datetime
@@ -129,6 +136,7 @@ class RankRunner:
         def build():
             worker = cls.__new__(cls)
             worker._tidal = self.info
+            worker._tidal_compute = self.compute
             worker.__init__(*args, **kwargs)
             return worker
 
@@ -160,16 +168,28 @@ class RankRunner:
         self.compute.shutdown(wait=False, cancel_futures=True)
 
 
-class _LocalRank:
-    """A rank as threads of this process: an event loop thread plus the compute thread."""
+class EventLoopThread:
+    """An asyncio event loop running in a daemon thread."""
 
-    def __init__(self, info: RankInfo):
-        self.runner = RankRunner(info)
+    def __init__(self, name: str):
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(
-            target=self.loop.run_forever, name=f"{info.group}-{info.rank}-loop", daemon=True
-        )
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self.thread.start()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class _LocalRank:
+    """A rank in this process: its own compute thread for plain methods; its ``async``
+    methods run on the cluster's shared event loop (handing an item from one rank to another
+    is then a coroutine switch, not a thread wake-up) or, with ``shared_event_loop=False``,
+    on an event loop thread of its own."""
+
+    def __init__(self, info: RankInfo, shared_loop: EventLoopThread | None):
+        self.runner = RankRunner(info)
+        self._own_loop = None if shared_loop else EventLoopThread(f"{info.group}-{info.rank}-loop")
+        self.loop = (shared_loop or self._own_loop).loop
 
     def construct(self, cls, args, kwargs) -> cf.Future:
         return asyncio.run_coroutine_threadsafe(self.runner.construct(cls, args, kwargs), self.loop)
@@ -179,7 +199,8 @@ class _LocalRank:
 
     def kill(self) -> None:
         self.runner.close()
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        if self._own_loop is not None:
+            self._own_loop.stop()
 
 
 def _free_port() -> int:
@@ -266,7 +287,7 @@ class GroupSpec:
             for r in ranks
         ]
         if cluster.backend == "local":
-            handles = [_LocalRank(info) for info in infos]
+            handles = [_LocalRank(info, cluster.shared_loop()) for info in infos]
             constructing = [h.construct(self.cls, self.args, self.kwargs) for h in handles]
         else:
             handles, infos = _start_ray_actors(cluster, ranks, infos, name, launch_timeout)

@@ -54,6 +54,7 @@ class ActorWorker(Worker):
     def __init__(self, cfg: EmbodiedConfig, topology: Topology, observation_space: gym.Space, action_space: gym.Space,
                  max_episode_steps: int | None = None):
         self.cfg, self.topo = cfg, topology
+        torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.actor.seed)
         self.policy = make_policy(cfg, observation_space, action_space)
         self.model = self.policy

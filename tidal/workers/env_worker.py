@@ -63,6 +63,7 @@ class _StageRecorder:
 class EnvWorker(Worker):
     def __init__(self, cfg: EmbodiedConfig, topology: Topology):
         self.cfg, self.topo = cfg, topology
+        torch.set_num_threads(cfg.cluster.torch_threads)
         env = cfg.env
         self.stages = env.pipeline_stage_num
         self.stage_envs = env.total_num_envs // (self.world_size * self.stages)
@@ -114,7 +115,7 @@ class EnvWorker(Worker):
                 if t == steps:
                     continue
                 rec.add_policy(act, self._obs[s])
-                out = self.envs[s].step(act.env_actions.numpy())
+                out = await self._step(self.envs[s], act.env_actions.numpy())
                 if reward_ch is not None:
                     out.rewards = await self._model_rewards(reward_ch, env_ch, out, s, timeout)
                 needs[s] = getattr(out, self.bootstrap_on).any(-1) if self.bootstrap else torch.zeros_like(needs[s])
@@ -149,6 +150,13 @@ class EnvWorker(Worker):
             act = await self._recv_actions(env_ch, "eval", 0, timeout)
             out = self.eval_env.step(act.env_actions.numpy())
         return self.eval_env.stats.drain()
+
+    async def _step(self, env: ChunkedEnv, actions):
+        """With several pipeline stages the simulator steps off the event loop, so the rollout
+        infers one stage while this stage simulates."""
+        if self.stages > 1:
+            return await self.offload(env.step, actions)
+        return env.step(actions)
 
     # -- routing ------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ def make_policy(cfg: EmbodiedConfig, observation_space: gym.Space, action_space:
 class RolloutWorker(Worker):
     def __init__(self, cfg: EmbodiedConfig, topology: Topology, observation_space: gym.Space, action_space: gym.Space):
         self.cfg, self.topo = cfg, topology
+        torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.runner.seed + 7 * self.rank + 1)
         self.policy = make_policy(cfg, observation_space, action_space).eval()
         self.version = -1  # no weights received yet

@@ -1,0 +1,187 @@
+"""Embodied benchmarks, each measured side by side in one run:
+
+  collection  env steps/s of tidal's rollout collection (local and ray; pipeline stages 1
+              and 2) against a hand-written loop stepping the same vector env with the same
+              policy in one process.
+  pipeline    an env that costs about as much per step as policy inference: 2 pipeline
+              stages against 1, beside the ideal speedup.
+  solve       wall time to solve CartPole-v1 (deterministic eval >= 475) with tidal's demo
+              config against the single-file PPO with the published defaults.
+
+    python benchmarks/embodied_bench.py [collection pipeline solve] [--seeds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import single_file_ppo  # noqa: E402
+
+from tidal.config import EmbodiedConfig, load_config  # noqa: E402
+from tidal.envs import register_env  # noqa: E402
+from tidal.envs.gym_adapter import GymnasiumVectorEnv  # noqa: E402
+from tidal.runners import EmbodiedRunner  # noqa: E402
+from tidal.workers.rollout_worker import make_policy  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "embodied"
+RUN_DIR = "/tmp/tidal-bench-runs"
+
+
+@register_env("costly_cartpole")
+class CostlyCartPole(GymnasiumVectorEnv):
+    """CartPole whose every vector step also costs ``step_cost_s`` per env, spent outside the
+    GIL like a simulator's native code (sleep)."""
+
+    def __init__(self, num_envs, step_cost_s=0.0, **kwargs):
+        super().__init__(num_envs, **kwargs)
+        self.cost = step_cost_s * num_envs
+
+    def step(self, actions):
+        time.sleep(self.cost)
+        return super().step(actions)
+
+
+def tidal_collection(overrides: list[str], rounds: int) -> float:
+    cfg = load_config(EmbodiedConfig, EXAMPLES / "cartpole_ppo.yaml",
+                      [f"runner.run_dir={RUN_DIR}", "runner.progress=false", *overrides])
+    runner = EmbodiedRunner(cfg)
+    try:
+        runner.sync_weights()
+        runner.generate_rollouts()  # warm-up
+        start, before = time.perf_counter(), runner.env_steps
+        for _ in range(rounds):
+            runner.generate_rollouts()
+        return (runner.env_steps - before) / (time.perf_counter() - start)
+    finally:
+        runner.close()
+
+
+def hand_loop(num_envs: int, num_steps: int, rounds: int, env_kwargs: dict | None = None, hidden=(64, 64)) -> float:
+    """The same vector env and policy in one process: the loop a user would write by hand."""
+    cfg = load_config(EmbodiedConfig, None, [f"model.hidden_sizes=[{','.join(map(str, hidden))}]"])
+    if env_kwargs:
+        env = CostlyCartPole(num_envs, env_id="CartPole-v1", **env_kwargs)
+    else:
+        env = GymnasiumVectorEnv(num_envs, env_id="CartPole-v1")
+    policy = make_policy(cfg, env.observation_space, env.action_space).eval()
+    obs = torch.as_tensor(env.reset(seeds=list(range(num_envs))))
+    store = {k: [] for k in ("obs", "actions", "logprobs", "values", "rewards", "dones")}
+
+    def one_round():
+        for v in store.values():
+            v.clear()
+        nonlocal obs
+        for _ in range(num_steps):
+            with torch.no_grad():
+                step = policy.act(policy.prepare(obs))
+            o, r, term, trunc = env.step(policy.env_actions(step.actions)[:, 0])
+            done = term | trunc
+            if done.any():
+                o[done] = env.reset(mask=done)[done]
+            for k, v in zip(store, (obs, step.actions, step.logprobs, step.values, r, done)):
+                store[k].append(v)
+            obs = torch.as_tensor(o)
+        return {k: torch.stack([torch.as_tensor(x) for x in v], 1) for k, v in store.items()}
+
+    one_round()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        one_round()
+    return rounds * num_envs * num_steps / (time.perf_counter() - start)
+
+
+def bench_collection(rounds: int) -> dict:
+    envs, steps = 32, 128
+    base = [f"env.total_num_envs={envs}", f"rollout.num_steps={steps}", "actor.global_batch_size=512",
+            "actor.micro_batch_size=512", "env.eval_num_envs=8"]
+    hand = hand_loop(envs, steps, rounds)
+    out = {"hand_loop": hand}
+    for backend, stages in (("local", 1), ("local", 2), ("ray", 1), ("ray", 2)):
+        extra = [f"cluster.backend={backend}", f"env.pipeline_stage_num={stages}"]
+        if backend == "ray":
+            extra += ["cluster.devices_per_node=3", "cluster.placement={env: '0', rollout: '1', actor: '2'}"]
+        rate = tidal_collection(base + extra, rounds)
+        out[f"{backend}_stages{stages}"] = rate
+        out[f"ratio_{backend}_stages{stages}"] = rate / hand
+    return out
+
+
+def bench_pipeline(rounds: int) -> dict:
+    envs, steps, hidden = 256, 32, [512, 512, 512]
+    cfg = load_config(EmbodiedConfig, None, [f"model.hidden_sizes={hidden}"])
+    space = gym.spaces.Box(-np.inf, np.inf, (4,))
+    policy = make_policy(cfg, space, gym.spaces.Discrete(2)).eval()
+    x = torch.randn(envs // 2, 4)
+    with torch.no_grad():
+        policy.act(policy.prepare(x))
+        start = time.perf_counter()
+        for _ in range(50):
+            policy.act(policy.prepare(x))
+    infer_half = (time.perf_counter() - start) / 50
+    per_env_cost = infer_half / (envs // 2)  # the env step of a stage costs what its inference costs
+    base = [f"env.total_num_envs={envs}", f"rollout.num_steps={steps}", "env.adapter=costly_cartpole",
+            f"env.kwargs={{step_cost_s: {per_env_cost}}}", f"model.hidden_sizes={hidden}",
+            f"actor.global_batch_size={envs * steps}", f"actor.micro_batch_size={envs * steps}"]
+    one = tidal_collection(base + ["env.pipeline_stage_num=1"], rounds)
+    two = tidal_collection(base + ["env.pipeline_stage_num=2"], rounds)
+    return {"inference_s_per_stage_batch": infer_half, "env_s_per_stage_batch": per_env_cost * envs // 2,
+            "stages1_steps_per_s": one, "stages2_steps_per_s": two, "speedup": two / one, "ideal_speedup": 2.0}
+
+
+def bench_solve(seeds: int) -> dict:
+    rows = []
+    for seed in range(1, seeds + 1):
+        cfg = load_config(EmbodiedConfig, EXAMPLES / "cartpole_ppo.yaml",
+                          [f"runner.run_dir={RUN_DIR}", "runner.progress=false", f"runner.seed={seed}",
+                           f"actor.seed={seed}", "runner.max_steps=200"])
+        start = time.perf_counter()
+        runner = EmbodiedRunner(cfg)
+        try:
+            summary = runner.run()
+        finally:
+            runner.close()
+        tidal_time = time.perf_counter() - start  # includes starting the workers
+        base = single_file_ppo.train(seed=seed)
+        rows.append({"seed": seed, "tidal_wall_s": tidal_time, "tidal_env_steps": summary["solved_at_env_steps"],
+                     "baseline_wall_s": base["wall_time"], "baseline_env_steps": base["env_steps"],
+                     "baseline_solved": base["solved"]})
+        print(rows[-1], flush=True)
+    ratio = statistics.median(r["tidal_wall_s"] for r in rows) / statistics.median(r["baseline_wall_s"] for r in rows)
+    return {"runs": rows, "median_time_ratio_tidal_over_baseline": ratio}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("which", nargs="*", default=["collection", "pipeline", "solve"])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results/embodied_bench.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # the same intra-op setting tidal's workers use (cluster.torch_threads)
+    result = {}
+    if "collection" in args.which:
+        result["collection"] = bench_collection(args.rounds)
+        print("collection (env steps/s):", json.dumps(result["collection"], indent=2), flush=True)
+    if "pipeline" in args.which:
+        result["pipeline"] = bench_pipeline(args.rounds)
+        print("pipeline:", json.dumps(result["pipeline"], indent=2), flush=True)
+    if "solve" in args.which:
+        result["solve"] = bench_solve(args.seeds)
+        print("solve:", json.dumps(result["solve"], indent=2), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

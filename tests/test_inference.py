@@ -1,0 +1,218 @@
+"""The inference engine, server and client, on a tiny Llama built here (nothing downloaded)."""
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tidal.inference import (
+    GenerationConfig,
+    GenerationEngine,
+    InferenceClient,
+    InferenceError,
+    InferenceServer,
+    ModelRequest,
+)
+from tidal.inference.tiny import save_tiny_model, tiny_llama
+
+KEY = "secret-key"
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("models") / "v0", seed=0)
+
+
+@pytest.fixture(scope="module")
+def new_weights_dir(tmp_path_factory, model_dir):
+    path = tmp_path_factory.mktemp("models") / "v1"
+    model = tiny_llama(AutoModelForCausalLM.from_pretrained(model_dir).config.vocab_size, seed=123)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, new_weights_dir):
+    srv = InferenceServer(GenerationEngine(model_dir), api_key=KEY,
+                          allowed_dirs=[str(new_weights_dir.parent), str(model_dir.parent)]).start()
+    yield srv
+    srv.stop()
+
+
+def client(server, **kw):
+    return InferenceClient([server.address], api_key=KEY, **kw)
+
+
+def teacher_forced_logprobs(model, prompt, output, temperature=1.0):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].float()
+    logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), -1)
+    return logp.gather(1, torch.tensor(output)[:, None]).squeeze(1)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_logprobs_match_a_teacher_forced_pass(server, model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+    async def main():
+        c = client(server)
+        try:
+            return await asyncio.gather(*(c.agenerate(ModelRequest([1, 5 + i, 7], GenerationConfig(max_new_tokens=20, temperature=t, seed=i)))
+                                          for i, t in enumerate([1.0, 0.7, 1.3, 0.0])))
+        finally:
+            await c.aclose()
+
+    for resp, t in zip(run(main()), [1.0, 0.7, 1.3, 0.0]):
+        ref = teacher_forced_logprobs(model, resp.input_tokens, resp.output_tokens, t)
+        assert (ref - torch.tensor(resp.output_logprobs)).abs().max() <= 1e-4
+        assert set(resp.output_versions) == {0}
+
+
+def test_greedy_matches_model_generate_and_seeds_repeat(server, model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompts = [[1, 4, 5, 6], [1, 9], [1, 3, 3, 3, 3, 8, 20, 11]]
+
+    async def main():
+        c = client(server)
+        try:
+            greedy = await asyncio.gather(*(c.agenerate(ModelRequest(p, GenerationConfig(max_new_tokens=15, temperature=0, stop_token_ids=[EOS])))
+                                            for p in prompts))
+            sampled = [await c.agenerate(ModelRequest([1, 5], GenerationConfig(max_new_tokens=30, seed=s))) for s in (7, 7, 8)]
+            return greedy, sampled
+        finally:
+            await c.aclose()
+
+    greedy, sampled = run(main())
+    for p, resp in zip(prompts, greedy):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=15, do_sample=False, eos_token_id=EOS)[0, len(p):].tolist()
+        assert resp.output_tokens == ref
+    assert sampled[0].output_tokens == sampled[1].output_tokens != sampled[2].output_tokens
+
+
+def test_pause_update_continue_mid_generation(server, model_dir, new_weights_dir):
+    old = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    new = AutoModelForCausalLM.from_pretrained(new_weights_dir).eval()
+    budget = 48
+
+    async def main():
+        c = client(server)
+        try:
+            tasks = [asyncio.create_task(c.agenerate(ModelRequest([1, 4 + i % 20, 6], GenerationConfig(max_new_tokens=budget, seed=i))))
+                     for i in range(32)]
+            await asyncio.sleep(0.4)  # let the batch get going
+            await c.update_weights(version=1, model_path=str(new_weights_dir))
+            responses = await asyncio.gather(*tasks)
+            await c.update_weights(version=2, model_path=str(model_dir))  # restore for the other tests
+            return responses
+        finally:
+            await c.aclose()
+
+    responses = run(main())
+    switched = 0
+    for resp in responses:
+        assert resp.output_len == budget and resp.stop_reason == "length"
+        v = resp.output_versions
+        assert v == sorted(v) and set(v) <= {0, 1}
+        cut = v.index(1) if 1 in v else len(v)
+        switched += 0 < cut < len(v)
+        # tokens before the switch come from the old weights, after it from the new ones
+        if cut:
+            ref = teacher_forced_logprobs(old, resp.input_tokens, resp.output_tokens[:cut])
+            assert (ref - torch.tensor(resp.output_logprobs[:cut])).abs().max() <= 1e-4
+        if cut < len(v):
+            ref = teacher_forced_logprobs(new, resp.input_tokens + resp.output_tokens[:cut], resp.output_tokens[cut:])
+            assert (ref - torch.tensor(resp.output_logprobs[cut:])).abs().max() <= 1e-4
+    assert switched >= 1  # the update really landed in the middle of requests
+
+
+@pytest.mark.parametrize(
+    "body,status",
+    [
+        (b"{not json", 400),
+        ({"sampling_params": {}}, 400),
+        ({"input_ids": []}, 400),
+        ({"input_ids": [1, 10_000]}, 400),
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -3}}, 400),
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10**9}}, 400),
+        ({"input_ids": [1, 2], "bogus": True}, 400),
+        ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, 400),
+    ],
+)
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    if isinstance(body, bytes):
+        resp = httpx.post(server.address + "/generate", content=body, headers={**headers, "content-type": "application/json"})
+    else:
+        resp = httpx.post(server.address + "/generate", json=body, headers=headers)
+    assert resp.status_code == status and "error" in resp.json() or "detail" in resp.json()
+    assert httpx.get(server.address + "/health", headers=headers).json() == {"status": "ok"}
+
+
+def test_api_key_guards_every_endpoint(server):
+    assert httpx.get(server.address + "/health").status_code == 401
+    assert httpx.post(server.address + "/generate", json={"input_ids": [1]}, headers={"Authorization": "Bearer nope"}).status_code == 401
+    info = httpx.get(server.address + "/get_model_info", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert info["vocab_size"] > 0 and "weight_version" in info
+
+
+def test_weight_updates_need_a_pause_and_an_allowed_folder(server, tmp_path):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    resp = httpx.post(server.address + "/update_weights_from_disk", json={"model_path": str(tmp_path)}, headers=headers)
+    assert resp.status_code == 403
+    allowed = server.engine.model_dir
+    resp = httpx.post(server.address + "/update_weights_from_disk", json={"model_path": allowed}, headers=headers)
+    assert resp.status_code == 409 and "paused" in resp.text
+
+
+def test_update_from_tensors_in_cluster(server):
+    state = {k: v.clone() for k, v in server.engine.state_dict().items()}
+
+    async def main():
+        c = client(server)
+        try:
+            await c.update_weights(version=9, state_dict=state)
+            return await c.agenerate(ModelRequest([1, 5], GenerationConfig(max_new_tokens=3)))
+        finally:
+            await c.aclose()
+
+    assert run(main()).output_versions == [9, 9, 9]
+
+
+def test_two_hundred_concurrent_requests(server):
+    async def main():
+        c = client(server)
+        try:
+            return await asyncio.gather(*(c.agenerate(ModelRequest([1, 3 + i % 30], GenerationConfig(max_new_tokens=1 + i % 12, seed=i)))
+                                          for i in range(200)))
+        finally:
+            await c.aclose()
+
+    responses = run(main())
+    assert [r.output_len for r in responses] == [1 + i % 12 for i in range(200)]
+
+
+def test_client_facing_a_dead_server_fails_within_its_bound():
+    async def main():
+        c = InferenceClient(["http://127.0.0.1:9"], max_retries=2, backoff_s=0.05)
+        try:
+            await c.agenerate(ModelRequest([1, 2]))
+        finally:
+            await c.aclose()
+
+    start = time.monotonic()
+    with pytest.raises(InferenceError, match=r"server http://127.0.0.1:9/generate failed after 3 attempts"):
+        run(main())
+    assert time.monotonic() - start < 5
+
+
+def test_requests_with_one_rid_stick_to_one_server():
+    c = InferenceClient([f"http://127.0.0.1:{p}" for p in (1001, 1002, 1003)])
+    assert len({c.pick_server("episode-42") for _ in range(10)}) == 1
+    assert len({c.pick_server(f"r{i}") for i in range(30)}) > 1

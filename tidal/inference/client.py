@@ -1,0 +1,166 @@
+"""The client the trainer and workflows use: resumable ``agenerate`` over one or many servers
+(tidal's own or SGLang, which speak the same HTTP subset)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+import httpx
+import torch
+from safetensors.torch import save
+
+StopReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class ModelRequest:
+    input_ids: list[int]
+    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class ModelResponse:
+    input_tokens: list[int] = field(default_factory=list)
+    output_tokens: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)  # the server-stamped version of every token
+    stop_reason: StopReason = "stop"
+
+    @property
+    def input_len(self) -> int:
+        return len(self.input_tokens)
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_tokens)
+
+
+class InferenceError(RuntimeError):
+    pass
+
+
+class InferenceClient:
+    """Requests with the same ``rid`` stick to one server; others go to the least loaded."""
+
+    def __init__(self, addresses: list[str], api_key: str | None = None, timeout: float = 300.0,
+                 max_retries: int = 4, backoff_s: float = 0.2, resume_delay_s: float = 0.05):
+        if not addresses:
+            raise ValueError("InferenceClient: needs at least one server address")
+        self.addresses = [a.rstrip("/") for a in addresses]
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout, self.max_retries, self.backoff_s = timeout, max_retries, backoff_s
+        self.resume_delay_s = resume_delay_s
+        self._in_flight = {a: 0 for a in self.addresses}
+        self._http: httpx.AsyncClient | None = None
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+            self._http = httpx.AsyncClient(timeout=self.timeout, limits=limits, headers=self.headers)
+        return self._http
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    def pick_server(self, rid: str | None) -> str:
+        if rid is not None:
+            digest = int(hashlib.sha1(rid.encode()).hexdigest(), 16)
+            return self.addresses[digest % len(self.addresses)]
+        return min(self.addresses, key=lambda a: self._in_flight[a])
+
+    async def request(self, address: str, endpoint: str, payload: dict | None = None, method: str = "POST",
+                      content: bytes | None = None, params: dict | None = None) -> dict:
+        """One call with retries on connection errors and 5xx answers (exponential backoff);
+        a 4xx answer raises at once with the server's message."""
+        last = None
+        for attempt in range(self.max_retries + 1):
+            try:
+                resp = await self._client().request(method, address + endpoint, json=payload, content=content,
+                                                    params=params)
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            else:
+                if resp.status_code < 400:
+                    return resp.json()
+                if resp.status_code < 500:
+                    raise InferenceError(f"server {address}{endpoint} refused the request ({resp.status_code}): {resp.text}")
+                last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            if attempt < self.max_retries:
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise InferenceError(f"server {address}{endpoint} failed after {self.max_retries + 1} attempts: {last}")
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Generate, resuming after every abort (a weight update) with the prompt plus the tokens
+        so far and the remaining budget, until the request stops or its budget is spent."""
+        address = self.pick_server(req.rid)
+        g = req.gconfig
+        out = ModelResponse(input_tokens=list(req.input_ids))
+        reason: str | None = None
+        self._in_flight[address] += 1
+        try:
+            while reason not in ("stop", "length") and out.output_len < g.max_new_tokens:
+                if reason == "abort":
+                    await asyncio.sleep(self.resume_delay_s)
+                payload = {
+                    "input_ids": req.input_ids + out.output_tokens,
+                    "sampling_params": {"max_new_tokens": g.max_new_tokens - out.output_len, "temperature": g.temperature,
+                                        "top_p": g.top_p, "top_k": g.top_k, "stop_token_ids": g.stop_token_ids,
+                                        "seed": None if g.seed is None else g.seed + out.output_len},
+                    "return_logprob": True,
+                    "rid": req.rid,
+                }
+                result = await self.request(address, "/generate", payload)
+                meta = result["meta_info"]
+                tokens = result["output_ids"]
+                out.output_tokens += tokens
+                out.output_logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
+                out.output_versions += [meta["weight_version"]] * len(tokens)
+                reason = meta["finish_reason"]["type"]
+        finally:
+            self._in_flight[address] -= 1
+        out.stop_reason = "length" if reason in (None, "abort") else reason
+        return out
+
+    # -- the weight-update cycle -----------------------------------------------------------
+
+    async def pause(self) -> None:
+        await asyncio.gather(*(self.request(a, "/pause_generation", {}) for a in self.addresses))
+
+    async def resume(self) -> None:
+        await asyncio.gather(*(self.request(a, "/continue_generation", {}) for a in self.addresses))
+
+    async def update_weights(self, version: int, model_path: str | None = None,
+                             state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """pause → update (from a directory, or tensors sent in the request body) → continue,
+        on every server."""
+        if (model_path is None) == (state_dict is None):
+            raise ValueError("update_weights: give exactly one of model_path and state_dict")
+        await self.pause()
+        try:
+            if model_path is not None:
+                await asyncio.gather(*(self.request(a, "/update_weights_from_disk",
+                                                    {"model_path": model_path, "weight_version": version})
+                                       for a in self.addresses))
+            else:
+                blob = save({k: v.detach().contiguous().cpu() for k, v in state_dict.items()})
+                await asyncio.gather(*(self.request(a, "/update_weights_from_tensors", content=blob,
+                                                    params={"weight_version": version}) for a in self.addresses))
+        finally:
+            await self.resume()

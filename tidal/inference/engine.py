@@ -1,0 +1,299 @@
+"""An embedded generation engine for Hugging Face causal LMs, with continuous batching.
+
+Requests join the running batch between decode steps and leave when done. The batch keeps
+one KV cache whose rows are left-padded to a common length; a joining request is prefilled
+alone and its cache padded in, a finished one is dropped by index.
+
+Log-probabilities: for every generated token the engine reports
+``log_softmax(logits / temperature)[token]`` — the temperature-scaled distribution *before*
+top-k / top-p filtering (``log_softmax(logits)`` when ``temperature == 0``, i.e. greedy). A
+trainer recomputes the same number from a forward pass of the same weights.
+
+``pause()`` aborts every in-flight request — each finishes with what it generated so far and
+``finish_reason == "abort"`` — and holds new requests until ``resume()``. Weights change only
+while paused, so every finished request's tokens come from one weight version, which the
+engine stamps on it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class GenerationResult:
+    rid: str
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: int
+    prompt_tokens: int
+    matched_stop: int | None = None
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Request:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    on_done: Callable[[GenerationResult], None]
+    generator: torch.Generator | None = None
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    next_token: int | None = None
+
+
+class GenerationEngine:
+    def __init__(self, model_dir: str | Path, max_batch_size: int = 64, dtype: torch.dtype = torch.float32,
+                 weight_version: int = 0):
+        self.model_dir = str(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).eval()
+        self.vocab_size = self.model.config.vocab_size
+        self.max_positions = getattr(self.model.config, "max_position_embeddings", 4096)
+        self.max_batch_size = max_batch_size
+        self.weight_version = weight_version
+        self._incoming: queue.Queue[_Request] = queue.Queue()
+        self._active: list[_Request] = []
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None  # [B, L] 1 where the cache holds a real token
+        self._paused = threading.Event()
+        self._idle = threading.Event()  # set while paused and nothing is being generated
+        self._lock = threading.Lock()  # model forward vs weight update
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.stats = {"generated_tokens": 0, "requests": 0, "aborted": 0}
+        self._thread = threading.Thread(target=self._loop, name="tidal-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API (thread-safe) ---------------------------------------------------------
+
+    def submit(self, prompt: list[int], params: SamplingParams, on_done: Callable[[GenerationResult], None],
+               rid: str | None = None) -> str:
+        self.validate(prompt, params)
+        rid = rid or uuid.uuid4().hex
+        gen = None
+        if params.temperature > 0:
+            gen = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed() % 2**63)
+        self._incoming.put(_Request(rid, list(prompt), params, on_done, gen))
+        self._wake.set()
+        return rid
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("input_ids: must not be empty")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids: ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        room = self.max_positions - len(prompt)
+        if not 1 <= params.max_new_tokens <= room:
+            raise ValueError(f"sampling_params.max_new_tokens: must be in [1, {room}] for a prompt of "
+                             f"{len(prompt)} tokens (context {self.max_positions}), got {params.max_new_tokens}")
+        if params.temperature < 0:
+            raise ValueError(f"sampling_params.temperature: must be >= 0, got {params.temperature}")
+        if not 0 < params.top_p <= 1:
+            raise ValueError(f"sampling_params.top_p: must be in (0, 1], got {params.top_p}")
+
+    def pause(self, timeout: float = 60.0) -> None:
+        """Abort in-flight requests (they return what they have) and hold new ones."""
+        self._paused.set()
+        self._wake.set()
+        if not self._idle.wait(timeout):
+            raise EngineError(f"the engine did not pause within {timeout:g} s")
+
+    def resume(self) -> None:
+        self._idle.clear()
+        self._paused.clear()
+        self._wake.set()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused.is_set()
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], weight_version: int) -> None:
+        """Load new weights (only while paused) and stamp later tokens with ``weight_version``."""
+        if not self._paused.is_set():
+            raise EngineError("weights can only be updated while generation is paused")
+        with self._lock:
+            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+            if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+                raise EngineError(f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            self.weight_version = weight_version
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if self._paused.is_set():
+                self._abort_all()
+                self._idle.set()
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            self._admit()
+            if not self._active:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            with self._lock:
+                self._decode_step()
+
+    def _admit(self) -> None:
+        while len(self._active) < self.max_batch_size:
+            try:
+                req = self._incoming.get_nowait()
+            except queue.Empty:
+                return
+            with self._lock:
+                self._prefill(req)
+                self._drop_finished()  # a request may be done after its first token
+
+    @torch.no_grad()
+    def _prefill(self, req: _Request) -> None:
+        ids = torch.tensor([req.prompt])
+        out = self.model(input_ids=ids, use_cache=True)
+        cache = out.cache
+        token, logprob = self._sample(out.logits[:, -1].float(), [req])
+        self.stats["requests"] += 1
+        self._join(req, cache, len(req.prompt))
+        self._accept(req, int(token[0]), float(logprob[0]))
+
+    def _join(self, req: _Request, cache: DynamicCache, length: int) -> None:
+        """Pad the new request's cache or the batch's on the left so both have one length."""
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        mask = torch.ones(1, length, dtype=torch.long)
+        if self._cache is None or not self._active:
+            self._cache, self._mask, self._active = DynamicCache(layers), mask, [req]
+            return
+        old = [(layer.keys, layer.values) for layer in self._cache.layers]
+        width = max(self._mask.shape[1], length)
+        merged = [(torch.cat([_left_pad(k0, width), _left_pad(k1, width)]), torch.cat([_left_pad(v0, width), _left_pad(v1, width)]))
+                  for (k0, v0), (k1, v1) in zip(old, layers)]
+        self._mask = torch.cat([_left_pad(self._mask, width, dim=1), _left_pad(mask, width, dim=1)])
+        self._cache = DynamicCache(merged)
+        self._active.append(req)
+
+    @torch.no_grad()
+    def _decode_step(self) -> None:
+        batch = self._active
+        ids = torch.tensor([[r.next_token] for r in batch])
+        self._mask = torch.cat([self._mask, torch.ones(len(batch), 1, dtype=torch.long)], 1)
+        positions = (self._mask.sum(1, keepdim=True) - 1)
+        out = self.model(input_ids=ids, attention_mask=self._mask, position_ids=positions,
+                         cache=self._cache, use_cache=True)
+        self._cache = out.cache
+        tokens, logprobs = self._sample(out.logits[:, -1].float(), batch)
+        for req, tok, lp in zip(batch, tokens.tolist(), logprobs.tolist()):
+            self._accept(req, tok, lp)
+        self._drop_finished()
+
+    def _accept(self, req: _Request, token: int, logprob: float) -> None:
+        req.output.append(token)
+        req.logprobs.append(logprob)
+        req.next_token = token
+        self.stats["generated_tokens"] += 1
+
+    def _finish_reason(self, req: _Request) -> tuple[str | None, int | None]:
+        if req.output and req.output[-1] in req.params.stop_token_ids:
+            return "stop", req.output[-1]
+        if len(req.output) >= req.params.max_new_tokens:
+            return "length", None
+        return None, None
+
+    def _drop_finished(self) -> None:
+        keep = []
+        for i, req in enumerate(self._active):
+            reason, matched = self._finish_reason(req)
+            if reason is None:
+                keep.append(i)
+            else:
+                self._complete(req, reason, matched)
+        if len(keep) == len(self._active):
+            return
+        self._active = [self._active[i] for i in keep]
+        if not keep:
+            self._cache, self._mask = None, None
+            return
+        index = torch.tensor(keep)
+        self._mask = self._mask[index]
+        first = int((self._mask.sum(0) > 0).nonzero()[0])  # trim columns every row pads
+        self._mask = self._mask[:, first:]
+        self._cache = DynamicCache([(layer.keys[index][:, :, first:], layer.values[index][:, :, first:])
+                                    for layer in self._cache.layers])
+
+    def _abort_all(self) -> None:
+        for req in self._active:
+            self._complete(req, "abort", None)
+            self.stats["aborted"] += 1
+        self._active, self._cache, self._mask = [], None, None
+
+    def _complete(self, req: _Request, reason: str, matched: int | None) -> None:
+        req.on_done(GenerationResult(req.rid, req.output, req.logprobs, reason, self.weight_version,
+                                     len(req.prompt), matched))
+
+    def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, logprobs = [], []
+        for row, req in zip(logits, reqs):
+            p = req.params
+            if p.temperature == 0:
+                logp = torch.log_softmax(row, -1)
+                tok = int(row.argmax())
+            else:
+                logp = torch.log_softmax(row / p.temperature, -1)
+                tok = int(torch.multinomial(_filtered_probs(logp, p.top_k, p.top_p), 1, generator=req.generator))
+            tokens.append(tok)
+            logprobs.append(float(logp[tok]))
+        return torch.tensor(tokens), torch.tensor(logprobs)
+
+
+def _filtered_probs(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    probs = logp.exp()
+    if top_k and top_k > 0 and top_k < probs.shape[-1]:
+        kth = torch.topk(probs, top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, 0.0)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p  # keep the smallest set reaching top_p
+        mask = torch.zeros_like(probs, dtype=torch.bool)
+        mask[order[keep]] = True
+        probs = torch.where(mask, probs, 0.0)
+    return probs / probs.sum()
+
+
+def _left_pad(x: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
+    missing = width - x.shape[dim]
+    if missing <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([torch.zeros(shape, dtype=x.dtype), x], dim)
+
