@@ -216,3 +216,32 @@ def test_requests_with_one_rid_stick_to_one_server():
     c = InferenceClient([f"http://127.0.0.1:{p}" for p in (1001, 1002, 1003)])
     assert len({c.pick_server("episode-42") for _ in range(10)}) == 1
     assert len({c.pick_server(f"r{i}") for i in range(30)}) > 1
+
+
+def test_server_worker_in_a_cluster_publishes_its_address_and_takes_weights(model_dir):
+    from tidal.runtime import Channel, Cluster, send_weights
+    from tidal.workers.inference_worker import InferenceServerWorker
+
+    cluster = Cluster("local", devices_per_node=2)
+    group = InferenceServerWorker.create_group(str(model_dir)).launch(cluster, placement=2, name="servers")
+    try:
+        addresses = group.address().wait(timeout=60)
+        assert len(set(addresses)) == 2
+
+        async def main(version):
+            c = InferenceClient(addresses)
+            try:
+                return await asyncio.gather(*(c.agenerate(ModelRequest([1, 4], GenerationConfig(max_new_tokens=4))) for _ in range(6)))
+            finally:
+                await c.aclose()
+
+        assert {v for r in run(main(0)) for v in r.output_versions} == {0}
+        ch = Channel.create("weights", cluster)
+        handle = group.update_weights(ch)
+        send_weights(ch, AutoModelForCausalLM.from_pretrained(model_dir).state_dict(), version=5, dst_world_size=2)
+        assert handle.wait(timeout=60) == [5, 5]
+        assert {v for r in run(main(5)) for v in r.output_versions} == {5}
+    finally:
+        group.shutdown_server().wait(timeout=60)
+        group.shutdown()
+        cluster.shutdown()

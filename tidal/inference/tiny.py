@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
@@ -16,6 +16,7 @@ def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     vocab = {tok: i for i, tok in enumerate(SPECIALS + sorted(set(alphabet)))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()  # characters join back without spaces
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
 
 

@@ -1,0 +1,224 @@
+"""Asynchronous RL for language agents: staleness manager, dispatcher, workflows, trainer, runner."""
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tidal.config import ConfigError, load_config
+from tidal.config.llm import LLMConfig, validate_llm
+from tidal.rollout.dispatcher import EpisodeError, RolloutDispatcher
+from tidal.rollout.staleness import StalenessManager
+from tidal.rollout.tasks import GuessNumberEnv, arithmetic_problems, exact_match_reward
+from tidal.rollout.workflows import Sequence, merge_episodes, pad_episode
+from tidal.workers.lm_actor import pack_by_tokens
+
+# ----------------------------------------------------------------------------- staleness
+
+
+def test_capacity_formula_and_hooks():
+    m = StalenessManager(max_staleness=2, consumer_batch_size=4, max_concurrent_rollouts=10)
+    assert m.get_capacity() == min(10, (2 + 0 + 1) * 4)  # 10 vs 12
+    for _ in range(10):
+        m.on_rollout_enqueued()
+        m.on_rollout_submitted()
+    assert m.get_capacity() == 0  # concurrency bound
+    for _ in range(6):
+        m.on_rollout_accepted()
+    for _ in range(2):
+        m.on_rollout_rejected()
+    assert m.snapshot() == {"enqueued": 0, "running": 2, "accepted": 6, "rejected": 2}
+    assert m.get_capacity() == min(10 - 2, 12 - (6 + 2))  # staleness bound: 4
+    m.set_version(1)
+    assert m.get_capacity() == min(8, 16 - 8)
+    for _ in range(2):
+        m.on_rollout_accepted()
+    m.set_version(0)
+    assert m.get_capacity() == 12 - 8 - 0 == 4
+    for _ in range(6):
+        m.on_rollout_enqueued()
+        m.on_rollout_submitted()
+    assert m.get_capacity() == 12 - 14  # may be negative
+
+
+def test_restore_after_resume_and_bad_arguments():
+    m = StalenessManager(1, 8, 100)
+    m.restore(5)
+    assert m.snapshot()["accepted"] == 40 and m.get_version() == 5
+    assert m.get_capacity() == (1 + 5 + 1) * 8 - 40
+    with pytest.raises(ValueError, match="max_staleness"):
+        StalenessManager(-1, 8, 8)
+
+
+def test_counters_are_thread_safe():
+    m = StalenessManager(0, 1, 10**6)
+
+    def work():
+        for _ in range(2000):
+            m.on_rollout_enqueued()
+            m.on_rollout_submitted()
+            m.on_rollout_accepted()
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert m.snapshot() == {"enqueued": 0, "running": 0, "accepted": 8000, "rejected": 0}
+
+
+# ----------------------------------------------------------------------------- dispatcher
+
+
+def test_dispatcher_respects_the_staleness_bound_and_keeps_the_stream():
+    staleness = StalenessManager(max_staleness=1, consumer_batch_size=4, max_concurrent_rollouts=100)
+    peak = {"admitted": 0}
+
+    async def episode(x):
+        s = staleness.snapshot()
+        peak["admitted"] = max(peak["admitted"], s["accepted"] + s["running"])
+        await asyncio.sleep(0.01)
+        return {"x": x}
+
+    d = RolloutDispatcher(episode, staleness)
+    try:
+        first = d.prepare_batch(range(1000), 4, timeout=30)
+        assert [r["x"] for r in first] == [0, 1, 2, 3]  # oldest first
+        assert peak["admitted"] <= (1 + 0 + 1) * 4
+        staleness.set_version(1)
+        d.wake()
+        second = d.prepare_batch(range(1000), 4, timeout=30)
+        assert [r["x"] for r in second] == [4, 5, 6, 7]  # the stream goes on, it does not restart
+        assert peak["admitted"] <= (1 + 1 + 1) * 4
+    finally:
+        d.shutdown()
+
+
+def test_rejections_are_counted_and_failures_name_the_episode():
+    staleness = StalenessManager(0, 2, 4)
+
+    async def episode(x):
+        if x == 1:
+            return None
+        if x == 4:
+            raise ZeroDivisionError("bad episode")
+        return x
+
+    d = RolloutDispatcher(episode, staleness)
+    try:
+        assert d.prepare_batch(iter([0, 1, 2]), 2, timeout=30) == [0, 2]
+        assert staleness.snapshot()["rejected"] == 1
+        staleness.set_version(1)
+        with pytest.raises(EpisodeError, match=r"episode 4 failed:(.|\n)*ZeroDivisionError: bad episode"):
+            d.prepare_batch(iter([3, 4, 5, 6]), 2, timeout=30)
+    finally:
+        d.shutdown()
+
+
+def test_paused_dispatcher_submits_nothing():
+    staleness = StalenessManager(10, 10, 10)
+    started = []
+
+    async def episode(x):
+        started.append(x)
+        return x
+
+    d = RolloutDispatcher(episode, staleness)
+    try:
+        d.pause()
+        d.submit(1)
+        with pytest.raises(TimeoutError, match="only 0 of 1 episodes"):
+            d.wait_results(1, timeout=0.5)
+        assert started == []
+        d.resume()
+        assert [r.result for r in d.wait_results(1, timeout=10)] == [1]
+    finally:
+        d.shutdown()
+
+
+# ----------------------------------------------------------------------------- episodes and tasks
+
+
+def test_padded_episodes_and_merging():
+    s1, s2 = Sequence(), Sequence()
+    s1.add_context([1, 2])
+    s2.add_context([1, 2, 3])
+    from tidal.inference import ModelResponse
+
+    s1.add_response(ModelResponse(output_tokens=[7, 8], output_logprobs=[-0.1, -0.2], output_versions=[3, 4]))
+    ep = pad_episode([s1, s2], [1.0, 0.0])
+    assert ep["input_ids"].tolist() == [[1, 2, 7, 8], [1, 2, 3, 0]]
+    assert ep["versions"].tolist() == [[-1, -1, 3, 4], [-1, -1, -1, -1]]
+    assert ep["loss_mask"].tolist() == [[False, False, True, True], [False] * 4]
+    merged = merge_episodes([ep, pad_episode([s2], [0.5])])
+    assert merged["input_ids"].shape == (3, 4) and merged["rewards"].tolist() == [1.0, 0.0, 0.5]
+
+
+def test_tasks_and_rewards():
+    p = arithmetic_problems(50, digits=2, seed=3)
+    assert all(int(x["prompt"][:2]) + int(x["prompt"][3:5]) == int(x["answer"]) for x in p)
+    assert exact_match_reward(completion="122", answer="122") == 1.0
+    assert exact_match_reward(completion="12", answer="122") == 0.0
+    env = GuessNumberEnv(42)
+    assert env.step("10") == (" >", 0.0, False) and env.step("50") == (" <", 0.0, False) and env.step("42")[1:] == (1.0, True)
+
+
+def test_token_packing():
+    assert pack_by_tokens([5, 5, 5, 9], 15) == [[0, 1, 2], [3]]
+    assert pack_by_tokens([20], 8) == [[0]]
+
+
+def test_llm_config_rules():
+    with pytest.raises(ConfigError, match="actor.adv_type: expected a critic-free estimator"):
+        validate_llm(load_config(LLMConfig, None, ["actor.adv_type=gae"]))
+    with pytest.raises(ConfigError, match="actor.prox_logp_method"):
+        validate_llm(load_config(LLMConfig, None, ["actor.prox_logp_method=guess"]))
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def arith_model(tmp_path_factory):
+    from tidal.runners.sft import run_sft
+
+    path = tmp_path_factory.mktemp("m") / "arith"
+    cfg = load_config(LLMConfig, None, [f"model.path={path}", "model.hidden=32", "model.layers=1", "sft.steps=20", "sft.eval_size=16"])
+    summary = run_sft(cfg)
+    assert 0.0 <= summary["held_out_accuracy"] <= 1.0
+    return path
+
+
+@pytest.mark.parametrize("preset", ["sync", "throughput", "stable"])
+def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
+    from tidal.runners.reasoning import ReasoningRunner
+
+    presets = Path(__file__).parent.parent / "examples" / "llm" / "presets"
+    overrides = [f"model.path={arith_model}", f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.max_steps=3",
+                 "runner.eval_interval=3", "data.eval_size=8", "rollout.batch_size=4", "rollout.group_size=2",
+                 "rollout.max_concurrent_rollouts=8", "runner.experiment=e"]
+    cfg = load_config(LLMConfig, presets / f"{preset}.yaml", overrides)
+    runner = ReasoningRunner(cfg)
+    try:
+        summary = runner.run()
+    finally:
+        runner.close()
+    rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] >= 0]
+    assert [r["version"] for r in steps] == [1, 2, 3]
+    assert all(r["staleness/max"] <= cfg.rollout.max_staleness + 1 for r in steps)
+    assert "eval/accuracy" in steps[-1] and "train/tokens_per_s" in steps[-1]
+    if preset == "sync":
+        cfg = load_config(LLMConfig, presets / f"{preset}.yaml",
+                          overrides + ["runner.max_steps=4", f"runner.resume_from={summary['checkpoint']}"])
+        runner = ReasoningRunner(cfg)
+        try:
+            assert runner.staleness.snapshot()["accepted"] == 3 * 4 and runner.version == 3
+            resumed = runner.run()
+        finally:
+            runner.close()
+        assert resumed["steps"] == 4
+    assert torch.isfinite(torch.tensor([r["train/policy_loss"] for r in steps])).all()

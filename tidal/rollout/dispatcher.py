@@ -1,0 +1,206 @@
+"""A producer/consumer dispatcher for asynchronous episodes, bounded by the staleness manager.
+
+A producer thread submits pending inputs to an event loop (where episodes run as coroutines)
+while the staleness capacity is positive and the dispatcher is not paused; a consumer thread
+collects finished episodes. ``prepare_batch`` keeps the data stream flowing across training
+steps and returns the oldest accepted results first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from tidal.rollout.staleness import StalenessManager
+
+log = logging.getLogger(__name__)
+
+EpisodeFn = Callable[[Any], Awaitable[Any]]
+_END = object()
+
+
+class EpisodeError(RuntimeError):
+    """An episode (or a dispatcher thread) failed; the message names it."""
+
+
+@dataclass
+class _Finished:
+    task_id: int
+    result: Any
+    error: str | None
+    started_version: int
+    finished_at: float
+
+
+class RolloutDispatcher:
+    def __init__(self, episode_fn: EpisodeFn, staleness: StalenessManager, max_queue_size: int = 4096,
+                 should_accept: Callable[[Any], bool] | None = None):
+        self.episode_fn, self.staleness = episode_fn, staleness
+        self.should_accept = should_accept
+        self.max_queue_size = max_queue_size
+        self._ids = itertools.count()
+        self._submitted = 0
+        self._pending: deque[tuple[int, Any]] = deque()
+        self._cv = threading.Condition()
+        self._finished: queue.Queue[_Finished] = queue.Queue()
+        self._accepted: dict[int, _Finished] = {}
+        self._result_cv = threading.Condition()
+        self._paused = threading.Event()
+        self._shutdown = threading.Event()
+        self._thread_error: str | None = None
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="tidal-episodes", daemon=True)
+        self._producer = threading.Thread(target=self._guard(self._produce), name="tidal-producer", daemon=True)
+        self._consumer = threading.Thread(target=self._guard(self._consume), name="tidal-consumer", daemon=True)
+        for t in (self._loop_thread, self._producer, self._consumer):
+            t.start()
+        self._data_iter: Iterator | None = None
+        self._data_source: Iterable | None = None
+
+    # -- inputs ---------------------------------------------------------------------------
+
+    def submit(self, data: Any) -> int:
+        with self._cv:
+            if len(self._pending) >= self.max_queue_size:
+                raise EpisodeError(f"the dispatcher's input queue is full ({self.max_queue_size})")
+            task_id = next(self._ids)
+            self._submitted += 1
+            self._pending.append((task_id, data))
+            self.staleness.on_rollout_enqueued()
+            self._cv.notify_all()
+        return task_id
+
+    def pause(self) -> None:
+        """Stop submitting new episodes (running ones go on)."""
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
+        self.wake()
+
+    def wake(self) -> None:
+        """Capacity may have changed (e.g. the trainer's version moved on)."""
+        with self._cv:
+            self._cv.notify_all()
+
+    # -- threads --------------------------------------------------------------------------
+
+    def _guard(self, fn):
+        def run():
+            try:
+                fn()
+            except BaseException:  # surfaced to the trainer on its next wait
+                self._thread_error = traceback.format_exc()
+                with self._result_cv:
+                    self._result_cv.notify_all()
+
+        return run
+
+    def _produce(self) -> None:
+        while not self._shutdown.is_set():
+            with self._cv:
+                self._cv.wait_for(lambda: self._shutdown.is_set() or (
+                    not self._paused.is_set() and self._pending and self.staleness.get_capacity() > 0), timeout=0.5)
+                if self._shutdown.is_set() or self._paused.is_set() or not self._pending:
+                    continue
+                if self.staleness.get_capacity() <= 0:
+                    continue
+                task_id, data = self._pending.popleft()
+                self.staleness.on_rollout_submitted()
+            version = self.staleness.get_version()
+            fut = asyncio.run_coroutine_threadsafe(self.episode_fn(data), self._loop)
+            fut.add_done_callback(lambda f, t=task_id, v=version: self._finished.put(self._record(t, v, f)))
+
+    @staticmethod
+    def _record(task_id: int, version: int, fut) -> _Finished:
+        error = None
+        result = None
+        try:
+            result = fut.result()
+        except BaseException as exc:
+            error = "".join(traceback.format_exception(exc))
+        return _Finished(task_id, result, error, version, time.monotonic())
+
+    def _consume(self) -> None:
+        while not self._shutdown.is_set():
+            try:
+                item = self._finished.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            accepted = item.error is None and item.result is not None and (
+                self.should_accept is None or self.should_accept(item.result))
+            if accepted:
+                self.staleness.on_rollout_accepted()
+            else:
+                self.staleness.on_rollout_rejected()
+            with self._result_cv:
+                if accepted or item.error is not None:
+                    self._accepted[item.task_id] = item
+                self._result_cv.notify_all()
+            self.wake()
+
+    # -- results --------------------------------------------------------------------------
+
+    def wait_results(self, count: int, timeout: float = 600.0) -> list[_Finished]:
+        """The ``count`` oldest accepted results (by submission order), waiting for them."""
+        deadline = time.monotonic() + timeout
+        with self._result_cv:
+            while True:
+                self._raise_failures()
+                ready = [r for r in self._accepted.values() if r.error is None]
+                if len(ready) >= count:
+                    chosen = sorted(ready, key=lambda r: r.task_id)[:count]
+                    for r in chosen:
+                        del self._accepted[r.task_id]
+                    return chosen
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"only {len(ready)} of {count} episodes finished within {timeout:g} s "
+                                       f"(staleness counters: {self.staleness.snapshot()})")
+                self._result_cv.wait(min(left, 0.5))
+
+    def _raise_failures(self) -> None:
+        if self._thread_error is not None:
+            raise EpisodeError(f"a dispatcher thread failed:\n{self._thread_error}")
+        failed = [r for r in self._accepted.values() if r.error is not None]
+        if failed:
+            raise EpisodeError(f"episode {failed[0].task_id} failed:\n{failed[0].error}")
+
+    def prepare_batch(self, data: Iterable, batch_size: int, timeout: float = 600.0) -> list[Any]:
+        """Keep enough episodes in flight and return ``batch_size`` accepted results, oldest
+        first. The data stream carries on across calls (a list is cycled; an iterator is read
+        until it ends); passing another data source switches to it."""
+        if data is not self._data_source:
+            self._data_source = data
+            self._data_iter = data if isinstance(data, Iterator) else itertools.cycle(data)
+        target = self.staleness.max_concurrent_rollouts + batch_size
+        with self._cv:
+            backlog = len(self._pending)
+        for _ in range(max(0, target - backlog - self.staleness.stat.running)):
+            item = next(self._data_iter, _END)
+            if item is _END:
+                break
+            self.submit(item)
+        return [r.result for r in self.wait_results(batch_size, timeout)]
+
+    @property
+    def submitted(self) -> int:
+        """Episodes taken from the data stream so far (for checkpoints)."""
+        return self._submitted
+
+    def shutdown(self) -> None:
+        self._shutdown.set()
+        self.wake()
+        for t in (self._producer, self._consumer):
+            t.join(timeout=5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join(timeout=5)

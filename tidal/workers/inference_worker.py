@@ -1,0 +1,45 @@
+"""The inference-server worker: one engine and HTTP server per rollout rank inside a tidal
+cluster; it publishes its address, and takes weights from the trainer in the cluster."""
+
+from __future__ import annotations
+
+import torch
+
+from tidal.inference import GenerationEngine, InferenceServer
+from tidal.runtime import Channel, Worker, recv_weights
+
+
+class InferenceServerWorker(Worker):
+    def __init__(self, model_dir: str, host: str = "127.0.0.1", api_key: str | None = None,
+                 max_batch_size: int = 64, allowed_dirs: list[str] | None = None, torch_threads: int = 1):
+        torch.set_num_threads(torch_threads)
+        engine = GenerationEngine(model_dir, max_batch_size=max_batch_size)
+        self.server = InferenceServer(engine, host=host, port=0, api_key=api_key,
+                                      allowed_dirs=allowed_dirs or [model_dir]).start()
+
+    def address(self) -> str:
+        return self.server.address
+
+    def update_weights(self, weights_ch: Channel, timeout: float = 600.0) -> int:
+        """pause → load the trainer's weights from the channel → continue; returns the version."""
+        update = recv_weights(weights_ch, self.rank, timeout=timeout)
+        engine = self.server.engine
+        engine.pause()
+        try:
+            engine.update_weights(update.state_dict, update.version)
+        finally:
+            engine.resume()
+        return update.version
+
+    def load_weights(self, weights_ch: Channel, timeout: float = 600.0) -> int:
+        """Load the trainer's weights while the caller holds generation paused (the client's
+        pause → update → continue cycle across all servers)."""
+        update = recv_weights(weights_ch, self.rank, timeout=timeout)
+        self.server.engine.update_weights(update.state_dict, update.version)
+        return update.version
+
+    def stats(self) -> dict:
+        return dict(self.server.engine.stats)
+
+    def shutdown_server(self) -> None:
+        self.server.stop()

@@ -1,0 +1,158 @@
+"""The trainer for causal LMs: proximal / reference log-probs, advantages from the registry,
+decoupled or standard PPO over micro-batches packed by token budget."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+from tidal.algorithms import (
+    decoupled_ppo_loss,
+    get_advantage,
+    kl_estimate,
+    loglinear_prox_logp,
+    ppo_policy_loss,
+)
+from tidal.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from tidal.config.llm import LLMConfig
+from tidal.runtime import Channel, Worker, send_weights
+from tidal.workers.actor_worker import lr_lambda
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``out[:, t]`` = log-prob of ``input_ids[:, t]`` given the tokens before it, under
+    ``softmax(logits / temperature)`` (the engine's definition); column 0 is 0."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits[:, :-1].float()
+    logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), -1)
+    picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros_like(picked[:, :1]), picked], 1)
+
+
+def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive groups of sequence indices whose padded size (count x longest) fits the budget."""
+    groups, current, longest = [], [], 0
+    for i, n in enumerate(lengths):
+        if current and max(longest, n) * (len(current) + 1) > budget:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    if current:
+        groups.append(current)
+    return groups
+
+
+class LMActor(Worker):
+    def __init__(self, cfg: LLMConfig):
+        self.cfg = cfg
+        torch.set_num_threads(cfg.cluster.torch_threads)
+        torch.manual_seed(cfg.runner.seed)
+        self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+        self.ref = copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.actor.kl_coef > 0 else None
+        a = cfg.actor
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(a.lr_schedule, a.warmup_steps, cfg.runner.max_steps))
+        self.version = 0
+        self.temperature = cfg.rollout.temperature
+
+    def send_weights(self, weights_ch: Channel, num_servers: int) -> int:
+        send_weights(weights_ch, self.model.state_dict(), self.version, num_servers)
+        return self.version
+
+    @torch.no_grad()
+    def compute_logp(self, batch: dict[str, torch.Tensor], model=None) -> torch.Tensor:
+        model = model or self.model
+        model.eval()
+        lengths = batch["attention_mask"].sum(1).tolist()
+        out = torch.zeros(batch["input_ids"].shape)
+        for idx in pack_by_tokens(lengths, self.cfg.actor.max_tokens_per_mb):
+            i = torch.tensor(idx)
+            out[i] = token_logprobs(model, batch["input_ids"][i], batch["attention_mask"][i], self.temperature)
+        return out
+
+    def advantages(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-token advantages ``[B, L]``: the sequence reward sits on its last generated token."""
+        mask = batch["loss_mask"]
+        last = mask.shape[1] - 1 - torch.flip(mask.long(), [1]).argmax(1)
+        token_rewards = torch.zeros(mask.shape)
+        token_rewards[torch.arange(mask.shape[0]), last] = batch["rewards"]
+        kl = None
+        if self.ref is not None and self.cfg.actor.kl_in == "reward":
+            kl = kl_estimate(batch["logprobs"], batch["ref_logp"], self.cfg.actor.kl_kind)
+            token_rewards = token_rewards - self.cfg.actor.kl_coef * torch.where(mask, kl, 0.0)
+        adv, _ = get_advantage(self.cfg.actor.adv_type)(
+            rewards=token_rewards.T, mask=mask.T, group_size=self.cfg.rollout.group_size, kl=None)
+        return adv.T.float()
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        a = self.cfg.actor
+        metrics: dict[str, list[float]] = {}
+        mask = batch["loss_mask"]
+        behave = batch["logprobs"]
+        stale = (self.version - batch["versions"])[mask].float()
+        if self.ref is not None:
+            batch["ref_logp"] = self.compute_logp(batch, self.ref)
+        need_forward = (a.use_decoupled_loss and a.prox_logp_method in ("recompute", "metrics")) or (
+            not a.use_decoupled_loss and a.recompute_logprob)
+        prox = self.compute_logp(batch) if need_forward else None
+        adv = self.advantages(batch)
+        total_tokens = mask.sum().clamp(min=1)
+        self.model.train()
+        rows = torch.arange(mask.shape[0])
+        for minibatch in rows.chunk(a.ppo_minibatches):
+            self.optimizer.zero_grad(set_to_none=True)
+            mb_tokens = mask[minibatch].sum().clamp(min=1)
+            lengths = batch["attention_mask"][minibatch].sum(1).tolist()
+            for idx in pack_by_tokens(lengths, a.max_tokens_per_mb):
+                i = minibatch[torch.tensor(idx)]
+                logp = token_logprobs(self.model, batch["input_ids"][i], batch["attention_mask"][i], self.temperature)
+                m = mask[i]
+                if a.use_decoupled_loss:
+                    approx = loglinear_prox_logp(behave[i], logp, batch["versions"][i], self.version)
+                    p = approx if a.prox_logp_method == "loglinear" else prox[i]
+                    loss, info = decoupled_ppo_loss(logp, p, behave[i], adv[i], m, a.clip_ratio_low, a.clip_ratio_high,
+                                                    behav_weight_cap=a.behav_weight_cap, cap_mode=a.cap_mode, agg="token-mean")
+                    if a.prox_logp_method == "metrics":
+                        info["prox_approx_abs_err"] = (approx - prox[i])[m].abs().mean() if m.any() else torch.zeros(())
+                else:
+                    old = prox[i] if a.recompute_logprob else behave[i]
+                    loss, info = ppo_policy_loss(logp, old, adv[i], m, a.clip_ratio_low, a.clip_ratio_high, agg="token-mean")
+                if self.ref is not None and a.kl_in == "loss":
+                    kl = torch.where(m, kl_estimate(logp, batch["ref_logp"][i], a.kl_kind), 0.0).sum() / m.sum().clamp(min=1)
+                    loss = loss + a.kl_coef * kl
+                    info["kl_ref"] = kl.detach()
+                weight = m.sum() / mb_tokens  # token-mean over the whole minibatch
+                (loss * weight).backward()
+                info["policy_loss"] = loss.detach()
+                for k, v in info.items():
+                    metrics.setdefault(k, []).append(float(v))
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm or float("inf"))
+            if torch.isfinite(norm):
+                self.optimizer.step()
+            metrics.setdefault("grad_norm", []).append(float(norm))
+        self.scheduler.step()
+        self.version += 1
+        out = {f"train/{k}": float(np.mean(v)) for k, v in metrics.items()}
+        out.update({
+            "train/lr": self.optimizer.param_groups[0]["lr"], "train/tokens": float(total_tokens),
+            "staleness/mean": float(stale.mean()) if len(stale) else 0.0,
+            "staleness/max": float(stale.max()) if len(stale) else 0.0,
+            **{f"staleness/frac_{k}": float((stale == k).float().mean()) if len(stale) else 0.0 for k in range(1, 5)},
+        })
+        return out
+
+    def save(self, path: str, meta: dict) -> str:
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "rng": rng_state()}
+        return str(save_checkpoint(path, self.model.state_dict(), state, {**meta, "version": self.version}))
+
+    def load(self, path: str) -> dict:
+        model_state, state, meta = load_checkpoint(path)
+        self.model.load_state_dict(model_state, strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        self.version = meta["version"]
+        return meta
