@@ -99,14 +99,16 @@ def test_greedy_matches_model_generate_and_seeds_repeat(server, model_dir):
 def test_pause_update_continue_mid_generation(server, model_dir, new_weights_dir):
     old = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     new = AutoModelForCausalLM.from_pretrained(new_weights_dir).eval()
-    budget = 48
+    budget = 96
 
     async def main():
         c = client(server)
         try:
             tasks = [asyncio.create_task(c.agenerate(ModelRequest([1, 4 + i % 20, 6], GenerationConfig(max_new_tokens=budget, seed=i))))
                      for i in range(32)]
-            await asyncio.sleep(0.4)  # let the batch get going
+            start = server.engine.stats["generated_tokens"]
+            while server.engine.stats["generated_tokens"] < start + 32 * 8:  # every request is under way
+                await asyncio.sleep(0.005)
             await c.update_weights(version=1, model_path=str(new_weights_dir))
             responses = await asyncio.gather(*tasks)
             await c.update_weights(version=2, model_path=str(model_dir))  # restore for the other tests

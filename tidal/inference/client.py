@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
-import httpx
+import aiohttp
 import torch
 from safetensors.torch import save
 
@@ -66,17 +67,20 @@ class InferenceClient:
         self.timeout, self.max_retries, self.backoff_s = timeout, max_retries, backoff_s
         self.resume_delay_s = resume_delay_s
         self._in_flight = {a: 0 for a in self.addresses}
-        self._http: httpx.AsyncClient | None = None
+        self._http: aiohttp.ClientSession | None = None
 
-    def _client(self) -> httpx.AsyncClient:
-        if self._http is None:
-            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-            self._http = httpx.AsyncClient(timeout=self.timeout, limits=limits, headers=self.headers)
+    def _client(self) -> aiohttp.ClientSession:
+        # aiohttp rather than httpx: httpx's pool costs O(open connections) per request, which
+        # dominated generation with hundreds of concurrent episodes
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession(
+                headers=self.headers, timeout=aiohttp.ClientTimeout(total=self.timeout),
+                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=1024))
         return self._http
 
     async def aclose(self) -> None:
         if self._http is not None:
-            await self._http.aclose()
+            await self._http.close()
             self._http = None
 
     def pick_server(self, rid: str | None) -> str:
@@ -92,16 +96,16 @@ class InferenceClient:
         last = None
         for attempt in range(self.max_retries + 1):
             try:
-                resp = await self._client().request(method, address + endpoint, json=payload, content=content,
-                                                    params=params)
-            except httpx.TransportError as exc:
+                async with self._client().request(method, address + endpoint, json=payload, data=content,
+                                                  params=params) as resp:
+                    text = await resp.text()
+                    if resp.status < 400:
+                        return json.loads(text)
+                    if resp.status < 500:
+                        raise InferenceError(f"server {address}{endpoint} refused the request ({resp.status}): {text}")
+                    last = f"HTTP {resp.status}: {text[:200]}"
+            except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
-            else:
-                if resp.status_code < 400:
-                    return resp.json()
-                if resp.status_code < 500:
-                    raise InferenceError(f"server {address}{endpoint} refused the request ({resp.status_code}): {resp.text}")
-                last = f"HTTP {resp.status_code}: {resp.text[:200]}"
             if attempt < self.max_retries:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
         raise InferenceError(f"server {address}{endpoint} failed after {self.max_retries + 1} attempts: {last}")
