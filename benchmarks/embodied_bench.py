@@ -130,7 +130,7 @@ def bench_pipeline(rounds: int) -> dict:
     infer_half = (time.perf_counter() - start) / 50
     per_env_cost = infer_half / (envs // 2)  # the env step of a stage costs what its inference costs
     base = [f"env.total_num_envs={envs}", f"rollout.num_steps={steps}", "env.adapter=costly_cartpole",
-            f"env.kwargs={{step_cost_s: {per_env_cost}}}", f"model.hidden_sizes={hidden}",
+            f"env.adapter_kwargs={{step_cost_s: {per_env_cost}}}", f"model.hidden_sizes={hidden}",
             f"actor.global_batch_size={envs * steps}", f"actor.micro_batch_size={envs * steps}"]
     one = tidal_collection(base + ["env.pipeline_stage_num=1"], rounds)
     two = tidal_collection(base + ["env.pipeline_stage_num=2"], rounds)

@@ -47,7 +47,8 @@ class RunnerConfig:
 class EnvConfig:
     adapter: str = "gymnasium"
     id: str = "CartPole-v1"
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the env itself (gymnasium.make)
+    adapter_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the adapter
     total_num_envs: int = 8
     pipeline_stage_num: int = 1
     num_action_chunks: int = 1

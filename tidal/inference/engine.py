@@ -168,7 +168,7 @@ class GenerationEngine:
                 self._decode_step()
 
     def _admit(self) -> None:
-        while len(self._active) < self.max_batch_size:
+        while len(self._active) < self.max_batch_size and not self._paused.is_set():
             try:
                 req = self._incoming.get_nowait()
             except queue.Empty:

@@ -29,7 +29,7 @@ class EmbodiedRunner:
                              stages=env.pipeline_stage_num, total_num_envs=env.total_num_envs,
                              eval_num_envs=env.eval_num_envs, reward=worlds.get("reward", 0))
         probe = make_env(env.adapter, 1, env_id=env.id, vectorization_mode="sync",
-                         max_episode_steps=env.max_episode_steps, env_kwargs=dict(env.kwargs))
+                         max_episode_steps=env.max_episode_steps, env_kwargs=dict(env.kwargs), **dict(env.adapter_kwargs))
         spaces = (probe.observation_space, probe.action_space)
         max_episode_steps = probe.max_episode_steps
         probe.close()

@@ -7,7 +7,7 @@ and ``ray`` (Ray actors on many nodes).
 from tidal.runtime.batch import batch_size, merge_batches, split_batch
 from tidal.runtime.channel import AsyncWork, Channel
 from tidal.runtime.cluster import Cluster
-from tidal.runtime.comm import CommMapper, async_recv_batch, recv_batch, send_batch
+from tidal.runtime.comm import CommMapper, Outbox, async_recv_batch, recv_batch, send_batch
 from tidal.runtime.errors import (
     ChannelTimeoutError,
     PlacementError,
@@ -27,6 +27,7 @@ __all__ = [
     "CommMapper",
     "ComponentPlacement",
     "Handle",
+    "Outbox",
     "PlacementError",
     "WeightsUpdate",
     "Worker",

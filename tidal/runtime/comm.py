@@ -122,3 +122,24 @@ async def async_recv_batch(
         _check_shard(shard, src, dst_rank, size, tag)
         shards.append(shard)
     return merge_batches(shards)
+
+
+class Outbox:
+    """Sends from ``async`` methods without waiting for each put to be acknowledged (on Ray
+    that is a round trip to the channel actor); ``flush`` awaits them, so errors still surface.
+    Puts from one sender keep their order."""
+
+    def __init__(self, limit: int = 256):
+        self.limit = limit
+        self._pending: list = []
+
+    async def send(self, channel: Channel, batch: Any, src_rank: int, src_world_size: int, dst_world_size: int,
+                   tag: Hashable = "") -> None:
+        self._pending += send_batch(channel, batch, src_rank, src_world_size, dst_world_size, tag, async_op=True)
+        if len(self._pending) >= self.limit:
+            await self.flush()
+
+    async def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for work in pending:
+            await work

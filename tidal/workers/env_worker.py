@@ -10,7 +10,7 @@ import torch
 from tidal.config import EmbodiedConfig
 from tidal.data import ChunkActions, EnvOutput, Trajectory
 from tidal.envs import ChunkedEnv, make_env
-from tidal.runtime import Channel, Worker, async_recv_batch, send_batch
+from tidal.runtime import Channel, Outbox, Worker, async_recv_batch
 from tidal.workers.routes import TRAJECTORY_TAG, Topology, action_tag, obs_tag, reward_tags
 
 
@@ -85,7 +85,7 @@ class EnvWorker(Worker):
     def _make(self, num_envs: int):
         env = self.cfg.env
         return make_env(env.adapter, num_envs, env_id=env.id, vectorization_mode=env.vectorization_mode,
-                        max_episode_steps=env.max_episode_steps, env_kwargs=dict(env.kwargs))
+                        max_episode_steps=env.max_episode_steps, env_kwargs=dict(env.kwargs), **dict(env.adapter_kwargs))
 
     def _seeds(self, stage: int, count: int, group_size: int) -> list[int]:
         """Envs ``g * group_size .. (g + 1) * group_size - 1`` (global numbering) share a seed."""
@@ -103,8 +103,9 @@ class EnvWorker(Worker):
             self._last_dones = [torch.zeros_like(d) for d in self._last_dones]
         recorders = [_StageRecorder(d) for d in self._last_dones]
         needs = [torch.zeros(self.stage_envs, dtype=torch.bool) for _ in range(self.stages)]
+        outbox = Outbox()
         for s in range(self.stages):
-            self._send_obs(rollout_ch, EnvOutput(obs=self._obs[s]), "train", s)
+            await self._send_obs(outbox, rollout_ch, EnvOutput(obs=self._obs[s]), "train", s)
         for t in range(steps + 1):
             for s in range(self.stages):
                 act: ChunkActions = await self._recv_actions(env_ch, "train", s, timeout)
@@ -117,18 +118,19 @@ class EnvWorker(Worker):
                 rec.add_policy(act, self._obs[s])
                 out = await self._step(self.envs[s], act.env_actions.numpy())
                 if reward_ch is not None:
-                    out.rewards = await self._model_rewards(reward_ch, env_ch, out, s, timeout)
+                    out.rewards = await self._model_rewards(outbox, reward_ch, env_ch, out, s, timeout)
                 needs[s] = getattr(out, self.bootstrap_on).any(-1) if self.bootstrap else torch.zeros_like(needs[s])
                 rec.add_env(out)
                 self._obs[s] = out.obs
                 # final_obs always travels (a copy of obs where nothing ended): shards merge alike
                 final_obs = out.final_obs if out.final_obs is not None else out.obs
-                self._send_obs(rollout_ch, EnvOutput(obs=out.obs, final_obs=final_obs, needs_bootstrap=needs[s]),
-                               "train", s)
+                await self._send_obs(outbox, rollout_ch,
+                                     EnvOutput(obs=out.obs, final_obs=final_obs, needs_bootstrap=needs[s]), "train", s)
         for s, rec in enumerate(recorders):
             self._last_dones[s] = rec.dones[-1]
-            send_batch(actor_ch, rec.trajectory(), self.rank * self.stages + s,
-                       self.world_size * self.stages, self.topo.actor, tag=TRAJECTORY_TAG)
+            await outbox.send(actor_ch, rec.trajectory(), self.rank * self.stages + s,
+                              self.world_size * self.stages, self.topo.actor, tag=TRAJECTORY_TAG)
+        await outbox.flush()
         self.epoch += 1
         episodes = [e.stats.drain() for e in self.envs]
         return {
@@ -145,10 +147,12 @@ class EnvWorker(Worker):
         """Run every eval env through one episode with the rollout's deterministic policy."""
         out = self.eval_env.reset(seed_offset=self.epoch * 7919)
         self.eval_env.stats.drain()
+        outbox = Outbox()
         for _ in range(self.eval_horizon()):
-            self._send_obs(rollout_ch, EnvOutput(obs=out.obs), "eval", 0)
+            await self._send_obs(outbox, rollout_ch, EnvOutput(obs=out.obs), "eval", 0)
             act = await self._recv_actions(env_ch, "eval", 0, timeout)
             out = self.eval_env.step(act.env_actions.numpy())
+        await outbox.flush()
         return self.eval_env.stats.drain()
 
     async def _step(self, env: ChunkedEnv, actions):
@@ -160,16 +164,17 @@ class EnvWorker(Worker):
 
     # -- routing ------------------------------------------------------------------------
 
-    def _send_obs(self, rollout_ch: Channel, out: EnvOutput, mode: str, stage: int) -> None:
-        send_batch(rollout_ch, out, self.rank, self.world_size, self.topo.rollout, tag=obs_tag(mode, stage))
+    async def _send_obs(self, outbox: Outbox, rollout_ch: Channel, out: EnvOutput, mode: str, stage: int) -> None:
+        await outbox.send(rollout_ch, out, self.rank, self.world_size, self.topo.rollout, tag=obs_tag(mode, stage))
 
     async def _recv_actions(self, env_ch: Channel, mode: str, stage: int, timeout: float) -> ChunkActions:
         return await async_recv_batch(env_ch, self.rank, self.topo.rollout, self.world_size,
                                       self.topo.stage_batch(mode), tag=action_tag(mode, stage), timeout=timeout)
 
-    async def _model_rewards(self, reward_ch: Channel, env_ch: Channel, out: EnvOutput, stage: int, timeout: float) -> torch.Tensor:
+    async def _model_rewards(self, outbox: Outbox, reward_ch: Channel, env_ch: Channel, out: EnvOutput, stage: int,
+                             timeout: float) -> torch.Tensor:
         tag_in, tag_out = reward_tags(stage)
-        send_batch(reward_ch, out, self.rank, self.world_size, self.topo.reward, tag=tag_in)
+        await outbox.send(reward_ch, out, self.rank, self.world_size, self.topo.reward, tag=tag_in)
         rewards = await async_recv_batch(env_ch, self.rank, self.topo.reward, self.world_size,
                                          self.topo.stage_batch("train"), tag=tag_out, timeout=timeout)
         return rewards["rewards"]

@@ -9,7 +9,7 @@ import torch
 
 from tidal.config import EmbodiedConfig
 from tidal.data import EnvOutput
-from tidal.runtime import Channel, Worker, async_recv_batch, send_batch
+from tidal.runtime import Channel, Outbox, Worker, async_recv_batch
 from tidal.workers.routes import Topology, reward_tags
 
 RewardModel = Callable[[EnvOutput], torch.Tensor]  # -> rewards [B, C]
@@ -55,6 +55,7 @@ class RewardWorker(Worker):
         """Serve every env step of one rollout epoch, stage by stage."""
         batch = self.topo.stage_batch("train")
         served = 0
+        outbox = Outbox()
         for _ in range(self.cfg.rollout.num_steps):
             for s in range(self.topo.stages):
                 tag_in, tag_out = reward_tags(s)
@@ -64,6 +65,7 @@ class RewardWorker(Worker):
                     rewards = self.model(out).float()
                 if self.mode == "add":
                     rewards = out.rewards + rewards
-                send_batch(env_ch, {"rewards": rewards}, self.rank, self.world_size, self.topo.env, tag=tag_out)
+                await outbox.send(env_ch, {"rewards": rewards}, self.rank, self.world_size, self.topo.env, tag=tag_out)
                 served += 1
+        await outbox.flush()
         return served

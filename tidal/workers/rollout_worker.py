@@ -9,7 +9,7 @@ import torch
 from tidal.config import EmbodiedConfig
 from tidal.data import ChunkActions, EnvOutput
 from tidal.models import build_policy
-from tidal.runtime import Channel, Worker, async_recv_batch, async_recv_weights, send_batch
+from tidal.runtime import Channel, Outbox, Worker, async_recv_batch, async_recv_weights
 from tidal.workers.routes import Topology, action_tag, obs_tag
 
 
@@ -42,12 +42,14 @@ class RolloutWorker(Worker):
         steps = self.cfg.rollout.num_steps + 1 if mode == "train" else num_steps
         deterministic = mode == "eval" and self.cfg.rollout.eval_deterministic
         batch = self.topo.stage_batch(mode)
+        outbox = Outbox()
         for _ in range(steps):
             for s in range(stages):
                 out: EnvOutput = await async_recv_batch(rollout_ch, self.rank, self.topo.env, self.world_size,
                                                         batch, tag=obs_tag(mode, s), timeout=timeout)
                 answer = self._act(out, deterministic, with_values=mode == "train")
-                send_batch(env_ch, answer, self.rank, self.world_size, self.topo.env, tag=action_tag(mode, s))
+                await outbox.send(env_ch, answer, self.rank, self.world_size, self.topo.env, tag=action_tag(mode, s))
+        await outbox.flush()
         return steps
 
     @torch.no_grad()
