@@ -134,7 +134,7 @@ def bench_pipeline(rounds: int) -> dict:
             f"actor.global_batch_size={envs * steps}", f"actor.micro_batch_size={envs * steps}"]
     one = tidal_collection(base + ["env.pipeline_stage_num=1"], rounds)
     two = tidal_collection(base + ["env.pipeline_stage_num=2"], rounds)
-    return {"inference_s_per_stage_batch": infer_half, "env_s_per_stage_batch": per_env_cost * envs // 2,
+    return {"inference_s_per_stage_batch": infer_half, "env_s_per_stage_batch": per_env_cost * (envs // 2),
             "stages1_steps_per_s": one, "stages2_steps_per_s": two, "speedup": two / one, "ideal_speedup": 2.0}
 
 

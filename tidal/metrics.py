@@ -4,6 +4,7 @@ from a background thread so the training loop never waits on disk."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import queue
 import threading
@@ -78,3 +79,13 @@ def _jsonable(v):
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
+
+
+def attach_file_log(path: Path) -> logging.Handler:
+    """Send the ``tidal`` loggers to a run's log file as well."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("tidal")
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+    return handler

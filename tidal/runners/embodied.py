@@ -13,7 +13,7 @@ import numpy as np
 
 from tidal.config import EmbodiedConfig, to_yaml, validate_embodied
 from tidal.envs import make_env
-from tidal.metrics import MetricLogger, Timer
+from tidal.metrics import MetricLogger, Timer, attach_file_log
 from tidal.runtime import Channel, Cluster, wait_all
 from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker, Topology
 
@@ -37,7 +37,7 @@ class EmbodiedRunner:
         self.run_dir = _run_folder(cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
-        self._log_handler = _attach_file_log(self.run_dir / "train.log")
+        self._log_handler = attach_file_log(self.run_dir / "train.log")
         self.timer = Timer()
 
         self.cluster = Cluster(cfg.cluster.backend, address=cfg.cluster.address,
@@ -182,15 +182,6 @@ def _run_folder(cfg: EmbodiedConfig) -> Path:
         n += 1
         candidate = base.with_name(f"{base.name}-{n}")
     return candidate
-
-
-def _attach_file_log(path: Path) -> logging.Handler:
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("tidal")
-    root.setLevel(logging.INFO)
-    root.addHandler(handler)
-    return handler
 
 
 def _fmt(v) -> str:

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from tidal.config import to_yaml
 from tidal.config.llm import LLMConfig, validate_llm
 from tidal.inference import GenerationConfig, InferenceClient, ModelRequest
-from tidal.metrics import MetricLogger, Timer
+from tidal.metrics import MetricLogger, Timer, attach_file_log
 from tidal.rollout.dispatcher import RolloutDispatcher
 from tidal.rollout.staleness import StalenessManager
 from tidal.rollout.tasks import (
@@ -45,6 +45,7 @@ class ReasoningRunner:
         self.run_dir = Path(cfg.runner.run_dir) / cfg.runner.experiment
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        self._log_handler = attach_file_log(self.run_dir / "train.log")
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.cluster = Cluster(cfg.cluster.backend, address=cfg.cluster.address, devices_per_node=cfg.cluster.devices_per_node)
         placement = self.cluster.placement(cfg.cluster.resolved_placement(["rollout", "actor"]))
@@ -195,3 +196,5 @@ class ReasoningRunner:
         self.actor.shutdown()
         self.weights_ch.close()
         self.cluster.shutdown()
+        logging.getLogger("tidal").removeHandler(self._log_handler)
+        self._log_handler.close()
