@@ -17,9 +17,10 @@ from collections.abc import Callable
 import torch
 
 from tidal.algorithms._tensors import as_mask, check_shape, compute_dtype
+from tidal.registry import Registry
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-_ADVANTAGES: dict[str, AdvantageFn] = {}
+_ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 
 
 # ----------------------------------------------------------------------------- primitives
@@ -174,27 +175,15 @@ def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
     (``rewards``, ``mask``, ``values``, ``dones``, ``gamma``, ``lam``, ``group_size``, ``kl``,
     ``kl_coef``, ...; time-major as this module describes), must accept ``**kwargs`` it does
     not use, and returns ``(advantages, returns)`` shaped like ``rewards``."""
-
-    def decorator(fn: AdvantageFn) -> AdvantageFn:
-        if name in _ADVANTAGES:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        _ADVANTAGES[name] = fn
-        return fn
-
-    return decorator
+    return _ADVANTAGES.register(name)
 
 
 def get_advantage(name: str) -> AdvantageFn:
-    try:
-        return _ADVANTAGES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; registered: {', '.join(list_advantages())}"
-        ) from None
+    return _ADVANTAGES.get(name)
 
 
 def list_advantages() -> list[str]:
-    return sorted(_ADVANTAGES)
+    return _ADVANTAGES.names()
 
 
 def _outcome_scores(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

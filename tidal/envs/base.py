@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from tidal.data import EnvOutput
+from tidal.registry import Registry
 
 
 class VectorEnvAdapter(Protocol):
@@ -31,30 +32,11 @@ class VectorEnvAdapter(Protocol):
     def close(self) -> None: ...
 
 
-_ENVS: dict[str, Callable[..., VectorEnvAdapter]] = {}
-
-
-def register_env(name: str):
-    """Register an adapter factory ``factory(num_envs=..., **kwargs) -> VectorEnvAdapter``."""
-
-    def decorator(factory):
-        if name in _ENVS:
-            raise ValueError(f"env adapter {name!r} is already registered")
-        _ENVS[name] = factory
-        return factory
-
-    return decorator
-
-
-def get_env_adapter(name: str):
-    try:
-        return _ENVS[name]
-    except KeyError:
-        raise ValueError(f"env.adapter: unknown adapter {name!r}; registered: {', '.join(sorted(_ENVS))}") from None
-
-
-def list_env_adapters() -> list[str]:
-    return sorted(_ENVS)
+ENV_ADAPTERS: Registry[Callable[..., VectorEnvAdapter]] = Registry("adapter", "env.adapter")
+# register_env("name")(factory): factory(num_envs=..., **kwargs) -> VectorEnvAdapter
+register_env = ENV_ADAPTERS.register
+get_env_adapter = ENV_ADAPTERS.get
+list_env_adapters = ENV_ADAPTERS.names
 
 
 def make_env(adapter: str, num_envs: int, **kwargs) -> VectorEnvAdapter:

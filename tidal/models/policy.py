@@ -18,25 +18,15 @@ import torch
 from torch import nn
 from torch.distributions import Categorical, Normal
 
-_POLICIES: dict[str, Callable[..., EmbodiedPolicy]] = {}
+from tidal.registry import Registry
 
-
-def register_policy(name: str):
-    def decorator(factory):
-        if name in _POLICIES:
-            raise ValueError(f"policy {name!r} is already registered")
-        _POLICIES[name] = factory
-        return factory
-
-    return decorator
+POLICIES: Registry[Callable[..., EmbodiedPolicy]] = Registry("policy", "model.name")
+register_policy = POLICIES.register
 
 
 def build_policy(name: str, observation_space: gym.Space, action_space: gym.Space, num_action_chunks: int, **kwargs) -> EmbodiedPolicy:
-    try:
-        factory = _POLICIES[name]
-    except KeyError:
-        raise ValueError(f"model.name: unknown policy {name!r}; registered: {', '.join(sorted(_POLICIES))}") from None
-    return factory(observation_space=observation_space, action_space=action_space, num_action_chunks=num_action_chunks, **kwargs)
+    return POLICIES.get(name)(observation_space=observation_space, action_space=action_space,
+                              num_action_chunks=num_action_chunks, **kwargs)
 
 
 @dataclass

@@ -13,6 +13,17 @@ from tidal.runtime.batch import batch_size, merge_batches, split_batch
 from tidal.runtime.channel import Channel
 
 
+def _blocks_overlapping(begin: int, end: int, block: int) -> list[tuple[int, int]]:
+    """``[(block index, items), ...]`` covering ``[begin, end)`` with blocks of size ``block``."""
+    out = []
+    while begin < end:
+        index = begin // block
+        size = min((index + 1) * block, end) - begin
+        out.append((index, size))
+        begin += size
+    return out
+
+
 class CommMapper:
     @staticmethod
     def _check(batch_size: int, src_world_size: int, dst_world_size: int) -> None:
@@ -31,14 +42,7 @@ class CommMapper:
         if not 0 <= src_rank < src_world_size:
             raise ValueError(f"src_rank {src_rank} is out of range 0-{src_world_size - 1}")
         per_src, per_dst = batch_size // src_world_size, batch_size // dst_world_size
-        begin, end = src_rank * per_src, (src_rank + 1) * per_src
-        out = []
-        while begin < end:
-            dst = begin // per_dst
-            size = min((dst + 1) * per_dst, end) - begin
-            out.append((dst, size))
-            begin += size
-        return out
+        return _blocks_overlapping(src_rank * per_src, (src_rank + 1) * per_src, per_dst)
 
     @staticmethod
     def get_src_ranks(batch_size: int, src_world_size: int, dst_world_size: int, dst_rank: int) -> list[tuple[int, int]]:
@@ -47,14 +51,7 @@ class CommMapper:
         if not 0 <= dst_rank < dst_world_size:
             raise ValueError(f"dst_rank {dst_rank} is out of range 0-{dst_world_size - 1}")
         per_src, per_dst = batch_size // src_world_size, batch_size // dst_world_size
-        begin, end = dst_rank * per_dst, (dst_rank + 1) * per_dst
-        out = []
-        while begin < end:
-            src = begin // per_src
-            size = min((src + 1) * per_src, end) - begin
-            out.append((src, size))
-            begin += size
-        return out
+        return _blocks_overlapping(dst_rank * per_dst, (dst_rank + 1) * per_dst, per_src)
 
     @staticmethod
     def build_channel_key(src_rank: int, dst_rank: int, extra: Hashable = "") -> str:

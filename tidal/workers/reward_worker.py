@@ -9,28 +9,17 @@ import torch
 
 from tidal.config import EmbodiedConfig
 from tidal.data import EnvOutput
+from tidal.registry import Registry
 from tidal.runtime import Channel, Outbox, Worker, async_recv_batch
 from tidal.workers.routes import Topology, reward_tags
 
 RewardModel = Callable[[EnvOutput], torch.Tensor]  # -> rewards [B, C]
-_REWARD_MODELS: dict[str, Callable[..., RewardModel]] = {}
-
-
-def register_reward_model(name: str):
-    def decorator(factory):
-        if name in _REWARD_MODELS:
-            raise ValueError(f"reward model {name!r} is already registered")
-        _REWARD_MODELS[name] = factory
-        return factory
-
-    return decorator
+REWARD_MODELS: Registry[Callable[..., RewardModel]] = Registry("reward model", "reward.name")
+register_reward_model = REWARD_MODELS.register
 
 
 def build_reward_model(name: str, **kwargs) -> RewardModel:
-    try:
-        return _REWARD_MODELS[name](**kwargs)
-    except KeyError:
-        raise ValueError(f"reward.name: unknown reward model {name!r}; registered: {', '.join(sorted(_REWARD_MODELS))}") from None
+    return REWARD_MODELS.get(name)(**kwargs)
 
 
 @register_reward_model("scale")
