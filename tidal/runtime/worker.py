@@ -177,7 +177,14 @@ class EventLoopThread:
         self.thread.start()
 
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        """Cancel what still runs on the loop (callers already gave up on it), then stop."""
+
+        def cancel_and_stop():
+            for task in asyncio.all_tasks(self.loop):
+                task.cancel()
+            self.loop.call_soon(self.loop.stop)
+
+        self.loop.call_soon_threadsafe(cancel_and_stop)
 
 
 class _LocalRank:
