@@ -71,7 +71,7 @@ def send_batch(
     the destination rank it belongs to. Returns the put results (``AsyncWork`` if async)."""
     local = batch_size(batch)
     routes = CommMapper.get_dst_ranks(local * src_world_size, src_world_size, dst_world_size, src_rank)
-    shards = split_batch(batch, [size for _, size in routes])
+    shards = [batch] if len(routes) == 1 else split_batch(batch, [size for _, size in routes])
     return [
         channel.put(shard, key=CommMapper.build_channel_key(src_rank, dst, tag), async_op=async_op)
         for (dst, _), shard in zip(routes, shards)
