@@ -222,3 +222,30 @@ def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
             runner.close()
         assert resumed["steps"] == 4
     assert torch.isfinite(torch.tensor([r["train/policy_loss"] for r in steps])).all()
+
+
+def test_multi_turn_workflow_appends_feedback_with_loss_mask_zero():
+    from tidal.inference import ModelResponse
+    from tidal.inference.tiny import char_tokenizer
+    from tidal.rollout.tasks import ARITH_ALPHABET
+    from tidal.rollout.workflows import MultiTurnWorkflow
+
+    tok = char_tokenizer(ARITH_ALPHABET)
+    guesses = iter(["10", "60", "42"])
+
+    class FakeClient:
+        async def agenerate(self, req):
+            out = tok.encode(next(guesses), add_special_tokens=False)
+            return ModelResponse(input_tokens=req.input_ids, output_tokens=out, output_logprobs=[-0.5] * len(out),
+                                 output_versions=[7] * len(out))
+
+    wf = MultiTurnWorkflow(FakeClient(), tok, lambda d: GuessNumberEnv(d["target"]), None, max_turns=5, turn_discount=0.5)
+    ep = asyncio.run(wf({"prompt": "guess?", "target": 42}))
+    text = tok.decode(ep["input_ids"][0].tolist(), skip_special_tokens=True)
+    assert text == "guess?10 >60 <42"
+    assert ep["rewards"].tolist() == [0.25]  # success on the third turn: 1 * 0.5^2
+    mask = ep["loss_mask"][0].tolist()
+    generated = [t for t, m in zip(ep["input_ids"][0].tolist(), mask) if m]
+    assert tok.decode(generated) == "106042"
+    assert set(ep["versions"][0][ep["loss_mask"][0]].tolist()) == {7}
+    assert set(ep["versions"][0][~ep["loss_mask"][0]].tolist()) == {-1}
