@@ -8,6 +8,7 @@ action is one dimension), so the loss can work at token, action or chunk level.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ class RunningNorm(nn.Module):
         return out.clamp(-self.clip, self.clip).to(x.dtype)
 
 
-class EmbodiedPolicy(nn.Module):
+class EmbodiedPolicy(nn.Module, abc.ABC):
     """The interface every embodied policy implements (MLP, CNN, VLA-style token policies)."""
 
     obs_norm: RunningNorm | None = None
@@ -72,23 +73,25 @@ class EmbodiedPolicy(nn.Module):
         obs = raw_obs.float()
         return {"obs": self.obs_norm(obs) if self.obs_norm is not None else obs}
 
+    @abc.abstractmethod
     def act(self, inputs: dict[str, torch.Tensor], deterministic: bool = False) -> PolicyStep:
-        raise NotImplementedError
+        """An action chunk for each input (sampled, or the mode when deterministic)."""
 
+    @abc.abstractmethod
     def evaluate(self, inputs: dict[str, torch.Tensor], actions: torch.Tensor) -> dict[str, torch.Tensor]:
         """``logprobs`` and ``entropy`` ``[N, C, A]``, ``values`` ``[N]`` (if it has a critic)."""
-        raise NotImplementedError
 
     def forward(self, inputs: dict[str, torch.Tensor], actions: torch.Tensor) -> dict[str, torch.Tensor]:
         """Training entry point (what DDP wraps): the same as ``evaluate``."""
         return self.evaluate(inputs, actions)
 
+    @abc.abstractmethod
     def value(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
+        """The critic's value of each input, ``[B]``."""
 
+    @abc.abstractmethod
     def env_actions(self, actions: torch.Tensor) -> np.ndarray:
         """Actions as the env takes them, ``[B, C, ...]``."""
-        raise NotImplementedError
 
 
 def _layer(n_in: int, n_out: int, gain: float) -> nn.Linear:
