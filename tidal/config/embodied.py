@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.config.loader import ConfigError
+from tidal.config.loader import ConfigError, require
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinpp_baseline")
 
@@ -133,13 +133,8 @@ class EmbodiedConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
 
 
-def _require(ok: bool, key: str, rule: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {rule}")
-
-
 def _one_of(value, allowed, key: str) -> None:
-    _require(value in allowed, key, f"expected one of {', '.join(map(str, allowed))}, got {value!r}")
+    require(value in allowed, key, f"expected one of {', '.join(map(str, allowed))}, got {value!r}")
 
 
 def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
@@ -165,14 +160,14 @@ def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
                        ("actor.micro_batch_size", act.micro_batch_size), ("algorithm.update_epochs", alg.update_epochs),
                        ("runner.max_steps", cfg.runner.max_steps), ("env.group_size", env.group_size),
                        ("runner.weight_sync_interval", cfg.runner.weight_sync_interval)):
-        _require(value >= 1, key, f"must be >= 1, got {value}")
-    _require(alg.reward_type == "chunk" or alg.adv_type != "gae", "algorithm.reward_type",
+        require(value >= 1, key, f"must be >= 1, got {value}")
+    require(alg.reward_type == "chunk" or alg.adv_type != "gae", "algorithm.reward_type",
              "'action' needs a value per action; use 'chunk' with adv_type gae")
-    _require(alg.reward_type == "chunk" or alg.logprob_type != "chunk", "algorithm.logprob_type",
+    require(alg.reward_type == "chunk" or alg.logprob_type != "chunk", "algorithm.logprob_type",
              "reward_type 'action' gives one advantage per action: use logprob_type action or token")
-    _require(not (alg.adv_type == "gae" and not cfg.model.critic), "model.critic", "adv_type gae needs a critic")
-    _require(alg.dual_clip is None or alg.dual_clip > 1, "algorithm.dual_clip", f"must be > 1, got {alg.dual_clip}")
-    _require(0 <= alg.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {alg.gamma}")
+    require(not (alg.adv_type == "gae" and not cfg.model.critic), "model.critic", "adv_type gae needs a critic")
+    require(alg.dual_clip is None or alg.dual_clip > 1, "algorithm.dual_clip", f"must be > 1, got {alg.dual_clip}")
+    require(0 <= alg.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {alg.gamma}")
 
     components = ["env", "rollout", "actor"] + (["reward"] if cfg.reward.enabled else [])
     try:
@@ -183,32 +178,32 @@ def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
         raise ConfigError(f"cluster.{exc}") from None
 
     stages = env.pipeline_stage_num
-    _require(env.total_num_envs % (worlds["env"] * stages) == 0, "env.total_num_envs",
+    require(env.total_num_envs % (worlds["env"] * stages) == 0, "env.total_num_envs",
              f"{env.total_num_envs} must divide evenly over {worlds['env']} env ranks x {stages} pipeline stages")
     per_stage = env.total_num_envs // stages
-    _require(per_stage % worlds["rollout"] == 0, "env.total_num_envs",
+    require(per_stage % worlds["rollout"] == 0, "env.total_num_envs",
              f"each pipeline stage's {per_stage} envs must divide evenly over {worlds['rollout']} rollout ranks")
-    _require(env.total_num_envs % worlds["actor"] == 0, "env.total_num_envs",
+    require(env.total_num_envs % worlds["actor"] == 0, "env.total_num_envs",
              f"{env.total_num_envs} must divide evenly over {worlds['actor']} actor ranks")
-    _require(env.eval_num_envs % worlds["env"] == 0 and env.eval_num_envs % worlds["rollout"] == 0, "env.eval_num_envs",
+    require(env.eval_num_envs % worlds["env"] == 0 and env.eval_num_envs % worlds["rollout"] == 0, "env.eval_num_envs",
              f"{env.eval_num_envs} must divide evenly over {worlds['env']} env and {worlds['rollout']} rollout ranks")
     if cfg.reward.enabled:
-        _require(per_stage % worlds["reward"] == 0, "env.total_num_envs",
+        require(per_stage % worlds["reward"] == 0, "env.total_num_envs",
                  f"each pipeline stage's {per_stage} envs must divide evenly over {worlds['reward']} reward ranks")
     samples = env.total_num_envs * cfg.rollout.num_steps
-    _require(samples % act.global_batch_size == 0, "actor.global_batch_size",
+    require(samples % act.global_batch_size == 0, "actor.global_batch_size",
              f"the {samples} samples of a step (total_num_envs x num_steps) must divide into batches of {act.global_batch_size}")
-    _require(act.global_batch_size % (act.micro_batch_size * worlds["actor"]) == 0, "actor.global_batch_size",
+    require(act.global_batch_size % (act.micro_batch_size * worlds["actor"]) == 0, "actor.global_batch_size",
              f"{act.global_batch_size} must be a multiple of micro_batch_size x actor ranks "
              f"= {act.micro_batch_size} x {worlds['actor']}")
     if alg.adv_type in GROUP_ESTIMATORS:
-        _require(env.group_size > 1, "env.group_size", f"adv_type {alg.adv_type} needs groups of 2 or more envs")
-        _require(not env.auto_reset, "env.auto_reset", f"adv_type {alg.adv_type} scores whole episodes: set it to false")
+        require(env.group_size > 1, "env.group_size", f"adv_type {alg.adv_type} needs groups of 2 or more envs")
+        require(not env.auto_reset, "env.auto_reset", f"adv_type {alg.adv_type} scores whole episodes: set it to false")
         per_actor = env.total_num_envs // worlds["actor"]
-        _require(per_actor % env.group_size == 0, "env.group_size",
+        require(per_actor % env.group_size == 0, "env.group_size",
                  f"groups of {env.group_size} must not straddle actor ranks ({per_actor} envs each)")
     if cfg.cluster.backend == "local":
-        _require(worlds["actor"] == 1, "cluster.placement",
+        require(worlds["actor"] == 1, "cluster.placement",
                  "a data-parallel actor (more than one rank) needs cluster.backend=ray")
     return worlds
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tidal.config.embodied import ClusterConfig
-from tidal.config.loader import ConfigError
+from tidal.config.loader import require
 
 
 @dataclass
@@ -107,10 +107,6 @@ def validate_llm(cfg: LLMConfig) -> None:
     from tidal.algorithms import list_advantages
     from tidal.algorithms.kl import KL_KINDS
     from tidal.algorithms.losses import AGGREGATIONS
-
-    def require(ok, key, rule):
-        if not ok:
-            raise ConfigError(f"{key}: {rule}")
 
     a, r = cfg.actor, cfg.rollout
     require(a.adv_type in list_advantages() and a.adv_type != "gae", "actor.adv_type",

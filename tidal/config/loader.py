@@ -16,6 +16,11 @@ class ConfigError(ValueError):
     """A config value breaks a rule; the message starts with the full key."""
 
 
+def require(ok: bool, key: str, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {rule}")
+
+
 def load_config(schema: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
     """Defaults of ``schema`` ← the YAML file ← the overrides, type-checked, as a dataclass."""
     layers = [OmegaConf.structured(schema)]

@@ -78,6 +78,12 @@ def send_batch(
     ]
 
 
+def _incoming_routes(global_batch_size: int, src_world_size: int, dst_world_size: int, dst_rank: int, tag):
+    """``(src_rank, size, channel key)`` of every shard a destination rank receives, in order."""
+    return [(src, size, CommMapper.build_channel_key(src, dst_rank, tag))
+            for src, size in CommMapper.get_src_ranks(global_batch_size, src_world_size, dst_world_size, dst_rank)]
+
+
 def _check_shard(shard: Any, src: int, dst_rank: int, expected: int, tag) -> None:
     got = batch_size(shard)
     if got != expected:
@@ -95,8 +101,8 @@ def recv_batch(
 ) -> Any:
     """Receive the shards that make up this destination rank's block and merge them."""
     shards = []
-    for src, size in CommMapper.get_src_ranks(global_batch_size, src_world_size, dst_world_size, dst_rank):
-        shard = channel.get(key=CommMapper.build_channel_key(src, dst_rank, tag), timeout=timeout)
+    for src, size, key in _incoming_routes(global_batch_size, src_world_size, dst_world_size, dst_rank, tag):
+        shard = channel.get(key=key, timeout=timeout)
         _check_shard(shard, src, dst_rank, size, tag)
         shards.append(shard)
     return merge_batches(shards)
@@ -113,8 +119,7 @@ async def async_recv_batch(
 ) -> Any:
     """``recv_batch`` for ``async def`` methods: waits without blocking the rank's event loop."""
     shards = []
-    for src, size in CommMapper.get_src_ranks(global_batch_size, src_world_size, dst_world_size, dst_rank):
-        key = CommMapper.build_channel_key(src, dst_rank, tag)
+    for src, size, key in _incoming_routes(global_batch_size, src_world_size, dst_world_size, dst_rank, tag):
         shard = await channel.get(key=key, async_op=True, timeout=timeout)
         _check_shard(shard, src, dst_rank, size, tag)
         shards.append(shard)
