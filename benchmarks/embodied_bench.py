@@ -100,19 +100,26 @@ def hand_loop(num_envs: int, num_steps: int, rounds: int, env_kwargs: dict | Non
     return rounds * num_envs * num_steps / (time.perf_counter() - start)
 
 
-def bench_collection(rounds: int) -> dict:
+def bench_collection(rounds: int, repeats: int = 3) -> dict:
+    """Local runs alternate with the hand loop ``repeats`` times and report medians (this
+    machine's speed drifts by tens of percent between minutes); ray runs once each."""
     envs, steps = 32, 128
     base = [f"env.total_num_envs={envs}", f"rollout.num_steps={steps}", "actor.global_batch_size=512",
             "actor.micro_batch_size=512", "env.eval_num_envs=8"]
-    hand = hand_loop(envs, steps, rounds)
-    out = {"hand_loop": hand}
-    for backend, stages in (("local", 1), ("local", 2), ("ray", 1), ("ray", 2)):
-        extra = [f"cluster.backend={backend}", f"env.pipeline_stage_num={stages}"]
-        if backend == "ray":
-            extra += ["cluster.devices_per_node=3", "cluster.placement={env: '0', rollout: '1', actor: '2'}"]
-        rate = tidal_collection(base + extra, rounds)
-        out[f"{backend}_stages{stages}"] = rate
-        out[f"ratio_{backend}_stages{stages}"] = rate / hand
+    samples: dict[str, list[float]] = {"hand_loop": [], "local_stages1": [], "local_stages2": []}
+    for _ in range(repeats):
+        samples["hand_loop"].append(hand_loop(envs, steps, rounds))
+        for stages in (1, 2):
+            rate = tidal_collection(base + ["cluster.backend=local", f"env.pipeline_stage_num={stages}"], rounds)
+            samples[f"local_stages{stages}"].append(rate)
+    out = {k: statistics.median(v) for k, v in samples.items()}
+    out["samples"] = samples
+    for stages in (1, 2):
+        extra = ["cluster.backend=ray", f"env.pipeline_stage_num={stages}", "cluster.devices_per_node=3",
+                 "cluster.placement={env: '0', rollout: '1', actor: '2'}"]
+        out[f"ray_stages{stages}"] = tidal_collection(base + extra, rounds)
+    for key in ("local_stages1", "local_stages2", "ray_stages1", "ray_stages2"):
+        out[f"ratio_{key}"] = out[key] / out["hand_loop"]
     return out
 
 
