@@ -200,7 +200,8 @@ def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
     overrides = [f"model.path={arith_model}", f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.max_steps=3",
                  "runner.eval_interval=3", "data.eval_size=8", "rollout.batch_size=4", "rollout.group_size=2",
                  "rollout.max_concurrent_rollouts=8", "runner.experiment=e"]
-    cfg = load_config(LLMConfig, presets / f"{preset}.yaml", overrides)
+    extra = ["actor.loss_agg=seq-mean-token-mean"] if preset == "stable" else []
+    cfg = load_config(LLMConfig, presets / f"{preset}.yaml", overrides + extra)
     runner = ReasoningRunner(cfg)
     try:
         summary = runner.run()

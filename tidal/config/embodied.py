@@ -38,7 +38,6 @@ class RunnerConfig:
     eval_interval: int = 10  # 0: never
     save_interval: int = 0  # 0: only at the end
     resume_from: str | None = None  # a checkpoint folder
-    prefetch_bootstrap: bool = False  # start the next rollout while the actor trains (one step off-policy)
     timeout_s: float = 600.0  # bound on every wait for a phase
     progress: bool = True  # live progress on the terminal
 

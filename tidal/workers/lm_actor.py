@@ -114,17 +114,18 @@ class LMActor(Worker):
                     approx = loglinear_prox_logp(behave[i], logp, batch["versions"][i], self.version)
                     p = approx if a.prox_logp_method == "loglinear" else prox[i]
                     loss, info = decoupled_ppo_loss(logp, p, behave[i], adv[i], m, a.clip_ratio_low, a.clip_ratio_high,
-                                                    behav_weight_cap=a.behav_weight_cap, cap_mode=a.cap_mode, agg="token-mean")
+                                                    behav_weight_cap=a.behav_weight_cap, cap_mode=a.cap_mode, agg=a.loss_agg)
                     if a.prox_logp_method == "metrics":
                         info["prox_approx_abs_err"] = (approx - prox[i])[m].abs().mean() if m.any() else torch.zeros(())
                 else:
                     old = prox[i] if a.recompute_logprob else behave[i]
-                    loss, info = ppo_policy_loss(logp, old, adv[i], m, a.clip_ratio_low, a.clip_ratio_high, agg="token-mean")
+                    loss, info = ppo_policy_loss(logp, old, adv[i], m, a.clip_ratio_low, a.clip_ratio_high, agg=a.loss_agg)
                 if self.ref is not None and a.kl_in == "loss":
                     kl = torch.where(m, kl_estimate(logp, batch["ref_logp"][i], a.kl_kind), 0.0).sum() / m.sum().clamp(min=1)
                     loss = loss + a.kl_coef * kl
                     info["kl_ref"] = kl.detach()
-                weight = m.sum() / mb_tokens  # token-mean over the whole minibatch
+                # the micro-batch's share of the minibatch, so the sum equals the loss over it
+                weight = m.sum() / mb_tokens if a.loss_agg == "token-mean" else len(idx) / len(minibatch)
                 (loss * weight).backward()
                 info["policy_loss"] = loss.detach()
                 for k, v in info.items():
