@@ -47,8 +47,7 @@ class RolloutDispatcher:
         self.episode_fn, self.staleness = episode_fn, staleness
         self.should_accept = should_accept
         self.max_queue_size = max_queue_size
-        self._ids = itertools.count()
-        self._submitted = 0
+        self._submitted = 0  # also the next task id: ids follow submission order
         self._pending: deque[tuple[int, Any]] = deque()
         self._cv = threading.Condition()
         self._finished: queue.Queue[_Finished] = queue.Queue()
@@ -72,7 +71,7 @@ class RolloutDispatcher:
         with self._cv:
             if len(self._pending) >= self.max_queue_size:
                 raise EpisodeError(f"the dispatcher's input queue is full ({self.max_queue_size})")
-            task_id = next(self._ids)
+            task_id = self._submitted
             self._submitted += 1
             self._pending.append((task_id, data))
             self.staleness.on_rollout_enqueued()

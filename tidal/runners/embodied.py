@@ -159,6 +159,7 @@ class EmbodiedRunner:
 
     def close(self) -> None:
         self.logger.close()
+        self.env.close().wait(self.cfg.runner.timeout_s)
         for group in (self.env, self.rollout, self.actor, self.reward):
             if group is not None:
                 group.shutdown()

@@ -157,7 +157,7 @@ class ReasoningRunner:
             metrics.update({
                 "version": self.version, "rollout/reward_mean": float(batch["rewards"].mean()),
                 **{f"rollout/{k}": v for k, v in self.staleness.snapshot().items()},
-                "rollout/reward_errors": getattr(self.workflow, "counters", None) and self.workflow.counters.errors or 0,
+                **self._reward_failures(),
                 "train/tokens_per_s": float(batch["attention_mask"].sum()) / metrics["time/step"],
                 "rollout/generated_tokens_per_s": gen_tokens / metrics["time/step"],
                 "time/elapsed": time.perf_counter() - start,
@@ -182,6 +182,12 @@ class ReasoningRunner:
         summary.update(checkpoint=self.save(step + 1), steps=step + 1, wall_time=time.perf_counter() - start,
                        evals=history, run_dir=str(self.run_dir))
         return summary
+
+    def _reward_failures(self) -> dict:
+        counters = getattr(self.workflow, "counters", None)  # user workflows may keep none
+        if counters is None:
+            return {}
+        return {"rollout/reward_errors": counters.errors, "rollout/reward_timeouts": counters.timeouts}
 
     def save(self, step: int) -> str:
         meta = {"step": step, "data_position": self.dispatcher.submitted, "staleness": self.staleness.snapshot()}

@@ -84,10 +84,13 @@ def _incoming_routes(global_batch_size: int, src_world_size: int, dst_world_size
             for src, size in CommMapper.get_src_ranks(global_batch_size, src_world_size, dst_world_size, dst_rank)]
 
 
-def _check_shard(shard: Any, src: int, dst_rank: int, expected: int, tag) -> None:
-    got = batch_size(shard)
-    if got != expected:
-        raise ValueError(f"route {src}->{dst_rank} ({tag!r}): expected a shard of {expected} items, got {got}")
+def _merge_checked(routes: list, shards: list, dst_rank: int, tag) -> Any:
+    """Merge received shards after checking each one's size against its route."""
+    for (src, expected, _), shard in zip(routes, shards):
+        got = batch_size(shard)
+        if got != expected:
+            raise ValueError(f"route {src}->{dst_rank} ({tag!r}): expected a shard of {expected} items, got {got}")
+    return merge_batches(shards)
 
 
 def recv_batch(
@@ -100,12 +103,8 @@ def recv_batch(
     timeout: float | None = None,
 ) -> Any:
     """Receive the shards that make up this destination rank's block and merge them."""
-    shards = []
-    for src, size, key in _incoming_routes(global_batch_size, src_world_size, dst_world_size, dst_rank, tag):
-        shard = channel.get(key=key, timeout=timeout)
-        _check_shard(shard, src, dst_rank, size, tag)
-        shards.append(shard)
-    return merge_batches(shards)
+    routes = _incoming_routes(global_batch_size, src_world_size, dst_world_size, dst_rank, tag)
+    return _merge_checked(routes, [channel.get(key=key, timeout=timeout) for _, _, key in routes], dst_rank, tag)
 
 
 async def async_recv_batch(
@@ -118,12 +117,9 @@ async def async_recv_batch(
     timeout: float | None = None,
 ) -> Any:
     """``recv_batch`` for ``async def`` methods: waits without blocking the rank's event loop."""
-    shards = []
-    for src, size, key in _incoming_routes(global_batch_size, src_world_size, dst_world_size, dst_rank, tag):
-        shard = await channel.get(key=key, async_op=True, timeout=timeout)
-        _check_shard(shard, src, dst_rank, size, tag)
-        shards.append(shard)
-    return merge_batches(shards)
+    routes = _incoming_routes(global_batch_size, src_world_size, dst_world_size, dst_rank, tag)
+    shards = [await channel.get(key=key, async_op=True, timeout=timeout) for _, _, key in routes]
+    return _merge_checked(routes, shards, dst_rank, tag)
 
 
 class Outbox:
