@@ -8,7 +8,7 @@
   solve       wall time to solve CartPole-v1 (deterministic eval >= 475) with tidal's demo
               config against the single-file PPO with the published defaults.
 
-    python benchmarks/embodied_bench.py [collection pipeline solve] [--seeds 3]
+    python benchmarks/embodied_bench.py [collection pipeline solve] [--seeds 3] [--envs 32 128] [--no-ray]
 """
 
 from __future__ import annotations
@@ -100,10 +100,10 @@ def hand_loop(num_envs: int, num_steps: int, rounds: int, env_kwargs: dict | Non
     return rounds * num_envs * num_steps / (time.perf_counter() - start)
 
 
-def bench_collection(rounds: int, repeats: int = 3) -> dict:
+def bench_collection(rounds: int, envs: int, repeats: int = 3, ray: bool = True) -> dict:
     """Local runs alternate with the hand loop ``repeats`` times and report medians (this
     machine's speed drifts by tens of percent between minutes); ray runs once each."""
-    envs, steps = 32, 128
+    steps = 4096 // envs
     base = [f"env.total_num_envs={envs}", f"rollout.num_steps={steps}", "actor.global_batch_size=512",
             "actor.micro_batch_size=512", "env.eval_num_envs=8"]
     samples: dict[str, list[float]] = {"hand_loop": [], "local_stages1": [], "local_stages2": []}
@@ -114,12 +114,15 @@ def bench_collection(rounds: int, repeats: int = 3) -> dict:
             samples[f"local_stages{stages}"].append(rate)
     out = {k: statistics.median(v) for k, v in samples.items()}
     out["samples"] = samples
-    for stages in (1, 2):
+    for stages in (1, 2) if ray else ():
         extra = ["cluster.backend=ray", f"env.pipeline_stage_num={stages}", "cluster.devices_per_node=3",
                  "cluster.placement={env: '0', rollout: '1', actor: '2'}"]
         out[f"ray_stages{stages}"] = tidal_collection(base + extra, rounds)
     for key in ("local_stages1", "local_stages2", "ray_stages1", "ray_stages2"):
-        out[f"ratio_{key}"] = out[key] / out["hand_loop"]
+        if key in out:
+            out[f"ratio_{key}"] = out[key] / out["hand_loop"]
+    # the fixed cost tidal adds to each chunk step: 1/tidal - 1/hand, per env batch
+    out["overhead_us_per_chunk_step"] = (1 / out["local_stages1"] - 1 / out["hand_loop"]) * envs * 1e6
     return out
 
 
@@ -172,12 +175,14 @@ def main() -> None:
     parser.add_argument("which", nargs="*", default=["collection", "pipeline", "solve"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--envs", type=int, nargs="+", default=[32, 128], help="collection: env counts")
+    parser.add_argument("--no-ray", action="store_true", help="collection: local backend only")
     parser.add_argument("--out", default="benchmarks/results/embodied_bench.json")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the same intra-op setting tidal's workers use (cluster.torch_threads)
     result = {}
     if "collection" in args.which:
-        result["collection"] = bench_collection(args.rounds)
+        result["collection"] = {envs: bench_collection(args.rounds, envs, ray=not args.no_ray) for envs in args.envs}
         print("collection (env steps/s):", json.dumps(result["collection"], indent=2), flush=True)
     if "pipeline" in args.which:
         result["pipeline"] = bench_pipeline(args.rounds)

@@ -87,6 +87,25 @@ class ChunkedEnv:
 
     def step(self, actions: np.ndarray) -> EnvOutput:
         """``actions``: ``[B, C, ...]`` in the env's action space."""
+        if actions.shape[1] == 1:  # the common case, without the per-action bookkeeping
+            obs, reward, terms, truncs = self.env.step(actions[:, 0])
+            rewards, terms, truncs = reward.astype(np.float32, copy=False)[:, None], terms[:, None], truncs[:, None]
+            steps_taken, ended = 1, terms[:, 0] | truncs[:, 0]
+            final_obs = obs if ended.any() else None
+        else:
+            obs, rewards, terms, truncs, steps_taken, ended, final_obs = self._step_chunk(actions)
+        self._account(rewards, steps_taken, ended)
+        final = None if final_obs is None else _as_tensor(final_obs)
+        if self.auto_reset and final_obs is not None:
+            obs = obs.copy()
+            obs[ended] = self.env.reset(mask=ended)[ended]
+        self.last_obs = _as_tensor(obs)
+        terms, truncs = torch.from_numpy(terms), torch.from_numpy(truncs)
+        return EnvOutput(obs=self.last_obs, final_obs=final, rewards=torch.from_numpy(rewards),
+                         terminations=terms, truncations=truncs, dones=terms | truncs)
+
+    def _step_chunk(self, actions: np.ndarray):
+        """Step ``C`` actions; an env that ends stops counting (its later actions do nothing)."""
         batch, chunk = actions.shape[:2]
         rewards = np.zeros((batch, chunk), dtype=np.float32)
         terms = np.zeros((batch, chunk), dtype=bool)
@@ -105,36 +124,28 @@ class ChunkedEnv:
                 final_obs = obs.copy() if final_obs is None else final_obs
                 final_obs[ended] = obs[ended]
             alive &= ~ended
-        self._account(rewards, steps_taken, ~alive)
-        ended_any = ~alive
-        if final_obs is None:
-            final = None
-        else:
-            final = _as_tensor(np.where(_expand(ended_any, obs), final_obs, obs))
-        if self.auto_reset and ended_any.any():
-            obs = obs.copy()
-            obs[ended_any] = self.env.reset(mask=ended_any)[ended_any]
-        self.last_obs = _as_tensor(obs)
-        return EnvOutput(
-            obs=self.last_obs,
-            final_obs=final,
-            rewards=torch.from_numpy(rewards),
-            terminations=torch.from_numpy(terms),
-            truncations=torch.from_numpy(truncs),
-            dones=torch.from_numpy(terms | truncs),
-        )
+        ended = ~alive
+        if final_obs is not None:  # envs that ended keep their final obs, the others their last
+            final_obs = np.where(_expand(ended, obs), final_obs, obs)
+        return obs, rewards, terms, truncs, steps_taken, ended, final_obs
 
-    def _account(self, rewards: np.ndarray, steps: np.ndarray, ended: np.ndarray) -> None:
+    def _account(self, rewards: np.ndarray, steps, ended: np.ndarray) -> None:
         self._returns += np.where(self._counting, rewards.sum(1), 0.0)
         self._lengths += np.where(self._counting, steps, 0)
-        for i in np.nonzero(ended & self._counting)[0]:
-            self.stats.returns.append(float(self._returns[i]))
-            self.stats.lengths.append(int(self._lengths[i]))
-        if self.auto_reset:
-            self._returns[ended] = 0
-            self._lengths[ended] = 0
-        else:
-            self._counting &= ~ended
+        finished = ended & self._counting
+        if finished.any():
+            for i in np.flatnonzero(finished):
+                self.stats.returns.append(float(self._returns[i]))
+                self.stats.lengths.append(int(self._lengths[i]))
+            if self.auto_reset:
+                self._returns[ended] = 0
+                self._lengths[ended] = 0
+            else:
+                self._counting &= ~ended
+
+    def all_reported(self) -> bool:
+        """Without auto-reset: every copy has finished (and reported) its episode."""
+        return not self._counting.any()
 
     def close(self) -> None:
         self.env.close()

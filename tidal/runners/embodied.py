@@ -18,6 +18,7 @@ from tidal.runtime import Channel, Cluster, wait_all
 from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker, Topology
 
 log = logging.getLogger("tidal.train")
+EVAL_SEGMENT = 32  # chunk steps per evaluation call: a few wasted steps against a group call each
 
 
 class EmbodiedRunner:
@@ -89,10 +90,18 @@ class EmbodiedRunner:
         }
 
     def evaluate(self) -> dict:
+        """Every eval env through one episode, in segments of at most ``EVAL_SEGMENT`` chunk
+        steps: the evaluation ends with the last episode, not at the time limit."""
         c, timeout = self.channels, self.cfg.runner.timeout_s
-        results = wait_all([self.env.evaluate(c["rollout"], c["env"], timeout),
-                            self.rollout.generate(c["rollout"], c["env"], "eval", self.eval_horizon, timeout)], timeout)[0]
-        returns = [r for res in results for r in res["returns"]]
+        returns, done = [], 0
+        while done < self.eval_horizon:
+            steps = min(EVAL_SEGMENT, self.eval_horizon - done)
+            results = wait_all([self.env.evaluate(c["rollout"], c["env"], steps, done == 0, timeout),
+                                self.rollout.generate(c["rollout"], c["env"], "eval", steps, timeout)], timeout)[0]
+            returns += [r for res in results for r in res["returns"]]
+            done += steps
+            if all(res["finished"] for res in results):
+                break
         return {"eval/return_mean": float(np.mean(returns)) if returns else None,
                 "eval/return_std": float(np.std(returns)) if returns else None, "eval/episodes": len(returns)}
 

@@ -227,8 +227,9 @@ def _wait_or_cancel(fut: cf.Future, timeout: float, on_timeout: Callable[[], Exc
 
 def _bridge(fut: cf.Future) -> asyncio.Future:
     """An asyncio future on the running loop that follows ``fut``. Unlike
-    ``asyncio.wrap_future`` it does not wake the loop through its self-pipe when ``fut`` is
-    resolved on the loop's own thread (ranks sharing one loop hand items over directly)."""
+    ``asyncio.wrap_future`` it is resolved in place when ``fut`` is resolved on the loop's own
+    thread (ranks sharing one loop hand items over without an extra turn of the loop), and
+    through ``call_soon_threadsafe`` otherwise."""
     loop = asyncio.get_running_loop()
     loop_thread = threading.get_ident()
     out = loop.create_future()
@@ -236,15 +237,16 @@ def _bridge(fut: cf.Future) -> asyncio.Future:
     def copy(f: cf.Future) -> None:
         if out.done():
             return
-        exc = f.exception() if not f.cancelled() else asyncio.CancelledError()
-        if exc is not None:
+        if f.cancelled():
+            out.cancel()
+        elif (exc := f.exception()) is not None:
             out.set_exception(exc)
         else:
             out.set_result(f.result())
 
     def on_done(f: cf.Future) -> None:
         if threading.get_ident() == loop_thread:
-            loop.call_soon(copy, f)
+            copy(f)  # only schedules the awaiting task: safe under the store's lock
         else:
             loop.call_soon_threadsafe(copy, f)
 
@@ -255,13 +257,26 @@ def _bridge(fut: cf.Future) -> asyncio.Future:
 async def _await_or_cancel(fut: cf.Future, timeout: float | None, on_timeout: Callable[[], Exception]):
     if fut.done():  # the common case when producers run ahead: no task, no timer
         return fut.result()
+    waiter = _bridge(fut)
+    timer = asyncio.get_running_loop().call_later(timeout, _expire, waiter) if timeout is not None else None
     try:
-        async with asyncio.timeout(timeout):
-            return await _bridge(fut)
-    except TimeoutError:
+        return await waiter
+    except _Expired:
         if fut.cancel():
             raise on_timeout() from None
         return fut.result()
+    finally:
+        if timer is not None:
+            timer.cancel()
+
+
+class _Expired(Exception):
+    """A channel wait ran out of time (a timer handle is cheaper than ``asyncio.timeout``)."""
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_exception(_Expired())
 
 
 class AsyncWork:

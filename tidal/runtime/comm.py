@@ -7,6 +7,7 @@ A global batch is laid out in contiguous blocks: source rank s holds items
 from __future__ import annotations
 
 from collections.abc import Hashable
+from functools import lru_cache
 from typing import Any
 
 from tidal.runtime.batch import batch_size, merge_batches, split_batch
@@ -69,19 +70,25 @@ def send_batch(
 ):
     """Split this source rank's share of a batch by the mapper and put each shard on the key of
     the destination rank it belongs to. Returns the put results (``AsyncWork`` if async)."""
-    local = batch_size(batch)
-    routes = CommMapper.get_dst_ranks(local * src_world_size, src_world_size, dst_world_size, src_rank)
-    shards = [batch] if len(routes) == 1 else split_batch(batch, [size for _, size in routes])
-    return [
-        channel.put(shard, key=CommMapper.build_channel_key(src_rank, dst, tag), async_op=async_op)
-        for (dst, _), shard in zip(routes, shards)
-    ]
+    routes = _outgoing_routes(batch_size(batch), src_rank, src_world_size, dst_world_size, tag)
+    shards = [batch] if len(routes) == 1 else split_batch(batch, [size for _, size, _ in routes])
+    return [channel.put(shard, key=key, async_op=async_op) for (_, _, key), shard in zip(routes, shards)]
 
 
+# Routes are recomputed for every chunk step of every rank: cache them (a handful per run).
+@lru_cache(maxsize=4096)
+def _outgoing_routes(local_size: int, src_rank: int, src_world_size: int, dst_world_size: int, tag):
+    """``(dst_rank, size, channel key)`` of every shard a source rank sends, in order."""
+    return tuple((dst, size, CommMapper.build_channel_key(src_rank, dst, tag))
+                 for dst, size in CommMapper.get_dst_ranks(local_size * src_world_size, src_world_size,
+                                                           dst_world_size, src_rank))
+
+
+@lru_cache(maxsize=4096)
 def _incoming_routes(global_batch_size: int, src_world_size: int, dst_world_size: int, dst_rank: int, tag):
     """``(src_rank, size, channel key)`` of every shard a destination rank receives, in order."""
-    return [(src, size, CommMapper.build_channel_key(src, dst_rank, tag))
-            for src, size in CommMapper.get_src_ranks(global_batch_size, src_world_size, dst_world_size, dst_rank)]
+    return tuple((src, size, CommMapper.build_channel_key(src, dst_rank, tag))
+                 for src, size in CommMapper.get_src_ranks(global_batch_size, src_world_size, dst_world_size, dst_rank))
 
 
 def _merge_checked(routes: list, shards: list, dst_rank: int, tag) -> Any:
@@ -133,7 +140,11 @@ class Outbox:
 
     async def send(self, channel: Channel, batch: Any, src_rank: int, src_world_size: int, dst_world_size: int,
                    tag: Hashable = "") -> None:
-        self._pending += send_batch(channel, batch, src_rank, src_world_size, dst_world_size, tag, async_op=True)
+        for work in send_batch(channel, batch, src_rank, src_world_size, dst_world_size, tag, async_op=True):
+            if work.done():  # local puts finish at once: surface an error now, keep nothing
+                work.wait()
+            else:
+                self._pending.append(work)
         if len(self._pending) >= self.limit:
             await self.flush()
 

@@ -143,17 +143,21 @@ class EnvWorker(Worker):
         """Chunk steps that take every eval env through one whole episode."""
         return math.ceil((self.max_episode_steps or 1000) / self.cfg.env.num_action_chunks)
 
-    async def evaluate(self, rollout_ch: Channel, env_ch: Channel, timeout: float = 600.0) -> dict:
-        """Run every eval env through one episode with the rollout's deterministic policy."""
-        out = self.eval_env.reset(seed_offset=self.epoch * 7919)
-        self.eval_env.stats.drain()
+    async def evaluate(self, rollout_ch: Channel, env_ch: Channel, num_steps: int, start: bool,
+                       timeout: float = 600.0) -> dict:
+        """Step the eval envs ``num_steps`` chunks with the rollout's deterministic policy
+        (``start``: reset them first). The runner calls it in segments until every eval env
+        has finished its episode, so short episodes end an evaluation early."""
+        if start:
+            self._eval_obs = self.eval_env.reset(seed_offset=self.epoch * 7919).obs
+            self.eval_env.stats.drain()
         outbox = Outbox()
-        for _ in range(self.eval_horizon()):
-            await self._send_obs(outbox, rollout_ch, EnvOutput(obs=out.obs), "eval", 0)
+        for _ in range(num_steps):
+            await self._send_obs(outbox, rollout_ch, EnvOutput(obs=self._eval_obs), "eval", 0)
             act = await self._recv_actions(env_ch, "eval", 0, timeout)
-            out = self.eval_env.step(act.env_actions.numpy())
+            self._eval_obs = self.eval_env.step(act.env_actions.numpy()).obs
         await outbox.flush()
-        return self.eval_env.stats.drain()
+        return {"finished": self.eval_env.all_reported(), **self.eval_env.stats.drain()}
 
     async def _step(self, env: ChunkedEnv, actions):
         """With several pipeline stages the simulator steps off the event loop, so the rollout
