@@ -134,6 +134,38 @@ def test_pause_update_continue_mid_generation(server, model_dir, new_weights_dir
     assert switched >= 1  # the update really landed in the middle of requests
 
 
+def test_in_place_pause_keeps_requests_and_their_cache(server, model_dir, new_weights_dir):
+    """``pause(in_place)``: nothing is aborted or prefilled again; every request runs on
+    through the update, and its per-token versions switch once."""
+    budget, v0 = 64, server.engine.weight_version
+
+    async def main():
+        c = client(server)
+        try:
+            tasks = [asyncio.create_task(c.agenerate(ModelRequest([1, 4 + i % 20, 6], GenerationConfig(max_new_tokens=budget, seed=i))))
+                     for i in range(16)]
+            start, aborted, prefilled = (server.engine.stats[k] for k in ("generated_tokens", "aborted", "requests"))
+            while server.engine.stats["generated_tokens"] < start + 16 * 8:
+                await asyncio.sleep(0.005)
+            await c.update_weights(version=v0 + 1, model_path=str(new_weights_dir), pause_mode="in_place")
+            responses = await asyncio.gather(*tasks)
+            counts = (server.engine.stats["aborted"] - aborted, server.engine.stats["requests"] - prefilled)
+            await c.update_weights(version=v0 + 2, model_path=str(model_dir))  # restore for the other tests
+            return responses, counts
+        finally:
+            await c.aclose()
+
+    responses, (aborted, prefilled) = run(main())
+    assert aborted == 0 and prefilled == 16  # each request was prefilled once, none aborted
+    switched = 0
+    for resp in responses:
+        assert resp.output_len == budget and resp.stop_reason == "length"
+        v = resp.output_versions
+        assert v == sorted(v) and set(v) <= {v0, v0 + 1}
+        switched += 0 < v.index(v0 + 1) < budget if v0 + 1 in v else 0
+    assert switched >= 1
+
+
 @pytest.mark.parametrize(
     "body,status",
     [
@@ -168,6 +200,8 @@ def test_weight_updates_need_a_pause_and_an_allowed_folder(server, tmp_path):
     headers = {"Authorization": f"Bearer {KEY}"}
     resp = httpx.post(server.address + "/update_weights_from_disk", json={"model_path": str(tmp_path)}, headers=headers)
     assert resp.status_code == 403
+    bad_mode = httpx.post(server.address + "/pause_generation", json={"mode": "retract"}, headers=headers)
+    assert bad_mode.status_code == 400 and "mode" in bad_mode.text
     allowed = server.engine.model_dir
     resp = httpx.post(server.address + "/update_weights_from_disk", json={"model_path": allowed}, headers=headers)
     assert resp.status_code == 409 and "paused" in resp.text

@@ -59,6 +59,9 @@ class LLMRolloutConfig:
     max_turns: int = 6
     turn_discount: float = 0.9
     reward_timeout_s: float = 10.0
+    # weight update: abort in-flight requests (resubmitted with their tokens so far, prefilled
+    # again) or pause them in place (they keep their KV cache and continue on the new weights)
+    pause_mode: str = "abort"
 
 
 @dataclass
@@ -118,6 +121,7 @@ def validate_llm(cfg: LLMConfig) -> None:
     require(a.kl_kind in KL_KINDS, "actor.kl_kind", f"expected one of {', '.join(KL_KINDS)}, got {a.kl_kind!r}")
     require(a.kl_in in ("loss", "reward"), "actor.kl_in", f"expected loss or reward, got {a.kl_in!r}")
     require(a.lr_schedule in ("constant", "linear", "cosine"), "actor.lr_schedule", f"got {a.lr_schedule!r}")
+    require(r.pause_mode in ("abort", "in_place"), "rollout.pause_mode", f"expected abort or in_place, got {r.pause_mode!r}")
     require(r.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0, got {r.max_staleness}")
     for key, value in (("rollout.batch_size", r.batch_size), ("rollout.group_size", r.group_size),
                        ("rollout.max_concurrent_rollouts", r.max_concurrent_rollouts), ("rollout.num_servers", r.num_servers),

@@ -135,7 +135,7 @@ class InferenceClient:
                 tokens = result["output_ids"]
                 out.output_tokens += tokens
                 out.output_logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
-                out.output_versions += [meta["weight_version"]] * len(tokens)
+                out.output_versions += meta.get("output_token_versions") or [meta["weight_version"]] * len(tokens)
                 reason = meta["finish_reason"]["type"]
         finally:
             self._in_flight[address] -= 1
@@ -144,19 +144,21 @@ class InferenceClient:
 
     # -- the weight-update cycle -----------------------------------------------------------
 
-    async def pause(self) -> None:
-        await asyncio.gather(*(self.request(a, "/pause_generation", {}) for a in self.addresses))
+    async def pause(self, mode: str = "abort") -> None:
+        """``abort``: in-flight requests return and are resubmitted with their tokens so far;
+        ``in_place``: they wait, with their KV cache, and continue on the new weights."""
+        await asyncio.gather(*(self.request(a, "/pause_generation", {"mode": mode}) for a in self.addresses))
 
     async def resume(self) -> None:
         await asyncio.gather(*(self.request(a, "/continue_generation", {}) for a in self.addresses))
 
     async def update_weights(self, version: int, model_path: str | None = None,
-                             state_dict: dict[str, torch.Tensor] | None = None) -> None:
+                             state_dict: dict[str, torch.Tensor] | None = None, pause_mode: str = "abort") -> None:
         """pause → update (from a directory, or tensors sent in the request body) → continue,
         on every server."""
         if (model_path is None) == (state_dict is None):
             raise ValueError("update_weights: give exactly one of model_path and state_dict")
-        await self.pause()
+        await self.pause(pause_mode)
         try:
             if model_path is not None:
                 await asyncio.gather(*(self.request(a, "/update_weights_from_disk",

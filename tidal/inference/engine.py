@@ -1,18 +1,21 @@
 """An embedded generation engine for Hugging Face causal LMs, with continuous batching.
 
 Requests join the running batch between decode steps and leave when done. The batch keeps
-one KV cache whose rows are left-padded to a common length; a joining request is prefilled
-alone and its cache padded in, a finished one is dropped by index.
+one KV cache whose rows are left-padded to a common length; the requests waiting to join are
+prefilled together (left-padded) and their cache padded in, a finished one is dropped by index.
 
 Log-probabilities: for every generated token the engine reports
 ``log_softmax(logits / temperature)[token]`` — the temperature-scaled distribution *before*
 top-k / top-p filtering (``log_softmax(logits)`` when ``temperature == 0``, i.e. greedy). A
 trainer recomputes the same number from a forward pass of the same weights.
 
-``pause()`` aborts every in-flight request — each finishes with what it generated so far and
-``finish_reason == "abort"`` — and holds new requests until ``resume()``. Weights change only
-while paused, so every finished request's tokens come from one weight version, which the
-engine stamps on it.
+``pause("abort")`` aborts every in-flight request — each finishes with what it generated so
+far and ``finish_reason == "abort"`` (the client resubmits it with its tokens so far) — and holds
+new requests until ``resume()``. ``pause("in_place")`` (SGLang's name) only stops decoding: the
+in-flight requests keep their KV cache and continue after ``resume()``, with the new weights on
+top of a cache the old weights computed — nothing is prefilled twice, at the price of that
+mixed state (which the decoupled loss's proximal policy is there to absorb). Weights change only
+while paused; every token is stamped with the weight version that sampled it.
 """
 
 from __future__ import annotations
@@ -47,10 +50,14 @@ class GenerationResult:
     weight_version: int
     prompt_tokens: int
     matched_stop: int | None = None
+    output_versions: list[int] = field(default_factory=list)  # the weight version of each token
 
 
 class EngineError(RuntimeError):
     pass
+
+
+PAUSE_MODES = ("abort", "in_place")
 
 
 @dataclass
@@ -62,6 +69,7 @@ class _Request:
     generator: torch.Generator | None = None
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     next_token: int | None = None
 
 
@@ -79,6 +87,7 @@ class GenerationEngine:
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # [B, L] 1 where the cache holds a real token
         self._paused = threading.Event()
+        self._pause_mode = "abort"
         self._idle = threading.Event()  # set while paused and nothing is being generated
         self._lock = threading.Lock()  # model forward vs weight update
         self._stop = threading.Event()
@@ -115,8 +124,12 @@ class GenerationEngine:
         if not 0 < params.top_p <= 1:
             raise ValueError(f"sampling_params.top_p: must be in (0, 1], got {params.top_p}")
 
-    def pause(self, timeout: float = 60.0) -> None:
-        """Abort in-flight requests (they return what they have) and hold new ones."""
+    def pause(self, mode: str = "abort", timeout: float = 60.0) -> None:
+        """Stop generating: ``abort`` returns every in-flight request with what it has,
+        ``in_place`` keeps them (and their cache) for ``resume()``. New requests wait."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode: expected one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        self._pause_mode = mode
         self._paused.set()
         self._wake.set()
         if not self._idle.wait(timeout):
@@ -154,7 +167,8 @@ class GenerationEngine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             if self._paused.is_set():
-                self._abort_all()
+                if self._pause_mode == "abort":
+                    self._abort_all()
                 self._idle.set()
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -168,39 +182,47 @@ class GenerationEngine:
                 self._decode_step()
 
     def _admit(self) -> None:
-        while len(self._active) < self.max_batch_size and not self._paused.is_set():
+        """Prefill the waiting requests that fit in the batch, together."""
+        joining = []
+        while len(self._active) + len(joining) < self.max_batch_size and not self._paused.is_set():
             try:
-                req = self._incoming.get_nowait()
+                joining.append(self._incoming.get_nowait())
             except queue.Empty:
-                return
+                break
+        if joining:
             with self._lock:
-                self._prefill(req)
+                self._prefill(joining)
                 self._drop_finished()  # a request may be done after its first token
 
     @torch.no_grad()
-    def _prefill(self, req: _Request) -> None:
-        ids = torch.tensor([req.prompt])
-        out = self.model(input_ids=ids, use_cache=True)
-        cache = out.cache
-        token, logprob = self._sample(out.logits[:, -1].float(), [req])
-        self.stats["requests"] += 1
-        self._join(req, cache, len(req.prompt))
-        self._accept(req, int(token[0]), float(logprob[0]))
+    def _prefill(self, reqs: list[_Request]) -> None:
+        width = max(len(r.prompt) for r in reqs)
+        ids = torch.zeros(len(reqs), width, dtype=torch.long)
+        mask = torch.zeros(len(reqs), width, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[i, width - len(r.prompt):] = 1
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        tokens, logprobs = self._sample(out.logits[:, -1].float(), reqs)
+        self.stats["requests"] += len(reqs)
+        self._join(reqs, out.cache, mask)
+        for req, tok, lp in zip(reqs, tokens.tolist(), logprobs.tolist()):
+            self._accept(req, tok, lp)
 
-    def _join(self, req: _Request, cache: DynamicCache, length: int) -> None:
-        """Pad the new request's cache or the batch's on the left so both have one length."""
+    def _join(self, reqs: list[_Request], cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Pad the new requests' cache or the batch's on the left so both have one length."""
         layers = [(layer.keys, layer.values) for layer in cache.layers]
-        mask = torch.ones(1, length, dtype=torch.long)
         if self._cache is None or not self._active:
-            self._cache, self._mask, self._active = DynamicCache(layers), mask, [req]
+            self._cache, self._mask, self._active = DynamicCache(layers), mask, list(reqs)
             return
         old = [(layer.keys, layer.values) for layer in self._cache.layers]
-        width = max(self._mask.shape[1], length)
+        width = max(self._mask.shape[1], mask.shape[1])
         merged = [(torch.cat([_left_pad(k0, width), _left_pad(k1, width)]), torch.cat([_left_pad(v0, width), _left_pad(v1, width)]))
                   for (k0, v0), (k1, v1) in zip(old, layers)]
         self._mask = torch.cat([_left_pad(self._mask, width, dim=1), _left_pad(mask, width, dim=1)])
         self._cache = DynamicCache(merged)
-        self._active.append(req)
+        self._active.extend(reqs)
 
     @torch.no_grad()
     def _decode_step(self) -> None:
@@ -219,6 +241,7 @@ class GenerationEngine:
     def _accept(self, req: _Request, token: int, logprob: float) -> None:
         req.output.append(token)
         req.logprobs.append(logprob)
+        req.versions.append(self.weight_version)
         req.next_token = token
         self.stats["generated_tokens"] += 1
 
@@ -258,21 +281,28 @@ class GenerationEngine:
 
     def _complete(self, req: _Request, reason: str, matched: int | None) -> None:
         req.on_done(GenerationResult(req.rid, req.output, req.logprobs, reason, self.weight_version,
-                                     len(req.prompt), matched))
+                                     len(req.prompt), matched, req.versions))
 
     def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, logprobs = [], []
-        for row, req in zip(logits, reqs):
-            p = req.params
-            if p.temperature == 0:
-                logp = torch.log_softmax(row, -1)
-                tok = int(row.argmax())
-            else:
-                logp = torch.log_softmax(row / p.temperature, -1)
-                tok = int(torch.multinomial(_filtered_probs(logp, p.top_k, p.top_p), 1, generator=req.generator))
-            tokens.append(tok)
-            logprobs.append(float(logp[tok]))
-        return torch.tensor(tokens), torch.tensor(logprobs)
+        """One token per row: greedy rows take the argmax, the others draw by inverse CDF from
+        one uniform of their own generator (seeded requests repeat)."""
+        temps = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in reqs])
+        logp = torch.log_softmax(logits / temps[:, None], -1)
+        tokens = logits.argmax(-1)
+        sampled = [i for i, r in enumerate(reqs) if r.params.temperature > 0]
+        if sampled:
+            rows = torch.tensor(sampled)
+            probs = logp[rows].exp()
+            for j, i in enumerate(sampled):
+                p = reqs[i].params
+                if (p.top_k and 0 < p.top_k < probs.shape[-1]) or p.top_p < 1.0:
+                    probs[j] = _filtered_probs(logp[i], p.top_k, p.top_p)
+            cdf = probs.cumsum(-1)
+            # 1 - U(0, 1) lies in (0, 1]: the first index reaching it has a nonzero probability
+            u = torch.cat([1.0 - torch.rand(1, generator=reqs[i].generator) for i in sampled])
+            picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+            tokens[rows] = picked.clamp(max=probs.shape[-1] - 1)
+        return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def _filtered_probs(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -15,6 +15,7 @@ import hmac
 import socket
 import threading
 from pathlib import Path
+from typing import Literal
 
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
@@ -44,6 +45,10 @@ class GenerateBody(_Strict):
     sampling_params: SamplingParamsBody = Field(default_factory=SamplingParamsBody)
     return_logprob: bool = False
     rid: str | None = None
+
+
+class PauseBody(_Strict):
+    mode: Literal["abort", "in_place"] = "abort"
 
 
 class UpdateFromDiskBody(_Strict):
@@ -89,14 +94,15 @@ def build_app(engine: GenerationEngine, api_key: str | None = None, allowed_dirs
             raise HTTPException(status_code=400, detail=str(exc)) from None
         result = await done
         meta = {"id": result.rid, "finish_reason": _finish_reason(result), "weight_version": result.weight_version,
-                "prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.output_ids)}
+                "prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.output_ids),
+                "output_token_versions": result.output_versions}
         if body.return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(result.output_logprobs, result.output_ids)]
         return {"output_ids": result.output_ids, "meta_info": meta}
 
     @app.post("/pause_generation")
-    async def pause():
-        await asyncio.to_thread(engine.pause)
+    async def pause(body: PauseBody | None = None):
+        await asyncio.to_thread(engine.pause, (body or PauseBody()).mode)
         return {"success": True, "weight_version": engine.weight_version}
 
     @app.post("/continue_generation")

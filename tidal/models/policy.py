@@ -157,9 +157,9 @@ class MLPActorCritic(EmbodiedPolicy):
     def _dist(self, obs: torch.Tensor):
         head = self.actor(obs)
         if self.discrete:
-            return Categorical(logits=head.view(-1, self.chunks, self.num_actions))
+            return Categorical(logits=head.view(-1, self.chunks, self.num_actions), validate_args=False)
         mean = head.view(-1, self.chunks, self.action_dim)
-        return Normal(mean, self.log_std.exp().expand_as(mean))
+        return Normal(mean, self.log_std.exp().expand_as(mean), validate_args=False)
 
     def _logprob(self, dist, actions: torch.Tensor) -> torch.Tensor:
         if self.discrete:

@@ -103,7 +103,7 @@ class ReasoningRunner:
         """pause → update weights → set version → resume."""
         timeout = self.cfg.runner.timeout_s
         self.dispatcher.pause()
-        self._run(self.client.pause())
+        self._run(self.client.pause(self.cfg.rollout.pause_mode))
         sent, loaded = wait_all([self.actor.send_weights(self.weights_ch, self.servers.world_size),
                                  self.servers.load_weights(self.weights_ch, timeout)], timeout)
         self.version = sent[0]
