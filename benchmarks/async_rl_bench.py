@@ -1,7 +1,9 @@
 """Asynchronous (max_staleness 4, decoupled PPO) against synchronous (0) RL on the same task,
 the same number of training steps, from the same warm-started model, in one run.
 
-    python benchmarks/async_rl_bench.py --model runs/models/arith [--steps 40]
+    tidal sft examples/llm/reverse_grpo.yaml
+    python benchmarks/async_rl_bench.py --config examples/llm/reverse_grpo.yaml \
+        --model runs/models/reverse [--steps 30] [--pause-mode in_place] [key=value ...]
 
 Reports training tokens/s of each and the final held-out accuracy of each.
 """
@@ -18,14 +20,14 @@ from tidal.config import load_config
 from tidal.config.llm import LLMConfig
 from tidal.runners.reasoning import ReasoningRunner
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "llm" / "arith_grpo.yaml"
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "llm" / "reverse_grpo.yaml"
 
 
-def run(model: str, steps: int, staleness: int, decoupled: bool, extra: list[str]) -> dict:
+def run(config: str, model: str, steps: int, staleness: int, decoupled: bool, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         local_model = Path(tmp) / "model"
         shutil.copytree(model, local_model)
-        cfg = load_config(LLMConfig, EXAMPLE, [
+        cfg = load_config(LLMConfig, config, [
             f"model.path={local_model}", f"runner.run_dir={tmp}", "runner.progress=false", f"runner.max_steps={steps}",
             f"runner.eval_interval={steps}", "runner.max_minutes=null", f"rollout.max_staleness={staleness}",
             f"actor.use_decoupled_loss={str(decoupled).lower()}", *extra])
@@ -38,7 +40,12 @@ def run(model: str, steps: int, staleness: int, decoupled: bool, extra: list[str
     steps_rows = [r for r in rows if r["step"] >= 0]
     train_tokens = sum(r["train/tokens"] for r in steps_rows)
     wall = sum(r["time/step"] for r in steps_rows)
-    return {"max_staleness": staleness, "decoupled": decoupled, "train_tokens": train_tokens, "wall_s": wall,
+    return {"max_staleness": staleness, "decoupled": decoupled, "overrides": extra, "train_tokens": train_tokens,
+            "wall_s": wall, "generated_tokens_per_s": sum(r["rollout/generated_tokens_per_s"] * r["time/step"]
+                                                         for r in steps_rows) / wall,
+            "time_prepare_s": sum(r["time/prepare_batch"] for r in steps_rows),
+            "time_train_s": sum(r["time/train"] for r in steps_rows),
+            "time_update_weights_s": sum(r["time/update_weights"] for r in steps_rows),
             "train_tokens_per_s": train_tokens / wall, "final_accuracy": summary["evals"][-1][1]["eval/accuracy"],
             "initial_accuracy": summary["evals"][0][1]["eval/accuracy"],
             "mean_staleness": sum(r["staleness/mean"] for r in steps_rows) / len(steps_rows)}
@@ -46,14 +53,16 @@ def run(model: str, steps: int, staleness: int, decoupled: bool, extra: list[str
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default=str(EXAMPLE))
     parser.add_argument("--model", required=True)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--pause-mode", default="in_place", help="the asynchronous run's rollout.pause_mode")
     parser.add_argument("--out", default="benchmarks/results/async_rl_bench.json")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    sync = run(args.model, args.steps, 0, False, args.overrides)
+    sync = run(args.config, args.model, args.steps, 0, False, args.overrides)
     print("sync:", json.dumps(sync), flush=True)
-    asyn = run(args.model, args.steps, 4, True, args.overrides)
+    asyn = run(args.config, args.model, args.steps, 4, True, [f"rollout.pause_mode={args.pause_mode}", *args.overrides])
     print("async:", json.dumps(asyn), flush=True)
     result = {"sync": sync, "async": asyn, "tokens_per_s_ratio": asyn["train_tokens_per_s"] / sync["train_tokens_per_s"],
               "accuracy_gap_points": 100 * (asyn["final_accuracy"] - sync["final_accuracy"])}

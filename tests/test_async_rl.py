@@ -12,9 +12,9 @@ from tidal.config import ConfigError, load_config
 from tidal.config.llm import LLMConfig, validate_llm
 from tidal.rollout.dispatcher import EpisodeError, RolloutDispatcher
 from tidal.rollout.staleness import StalenessManager
-from tidal.rollout.tasks import GuessNumberEnv, arithmetic_problems, exact_match_reward
+from tidal.rollout.tasks import GuessNumberEnv, arithmetic_problems, exact_match_reward, reverse_problems
 from tidal.rollout.workflows import Sequence, merge_episodes, pad_episode
-from tidal.workers.lm_actor import pack_by_tokens
+from tidal.workers.lm_actor import length_grouped_micro_batches, pack_by_tokens, token_logprobs
 
 # ----------------------------------------------------------------------------- staleness
 
@@ -166,9 +166,37 @@ def test_tasks_and_rewards():
     assert env.step("10") == (" >", 0.0, False) and env.step("50") == (" <", 0.0, False) and env.step("42")[1:] == (1.0, True)
 
 
+def test_reverse_task_has_long_tailed_lengths():
+    p = reverse_problems(4000, max_len=24, seed=1)
+    assert all(x["prompt"] == f"r{x['answer'][::-1]}=" for x in p)
+    lengths = sorted(len(x["answer"]) for x in p)
+    assert lengths[0] == 1 and lengths[-1] == 24
+    assert lengths[len(lengths) // 2] <= 5 < 15 <= lengths[int(0.97 * len(lengths))]  # median short, tail long
+
+
 def test_token_packing():
     assert pack_by_tokens([5, 5, 5, 9], 15) == [[0, 1, 2], [3]]
     assert pack_by_tokens([20], 8) == [[0]]
+
+
+def test_length_grouped_micro_batches_cover_every_row_once_without_padding_beyond_the_longest():
+    lengths = torch.tensor([3, 9, 2, 7, 7, 1])
+    mask = torch.arange(10)[None, :] < lengths[:, None]
+    rows = torch.tensor([0, 1, 2, 3, 4, 5])
+    groups = length_grouped_micro_batches(mask, rows, budget=16)
+    assert sorted(torch.cat([g for g, _ in groups]).tolist()) == rows.tolist()
+    assert [w for _, w in groups] == [int(lengths[g].max()) for g, _ in groups]
+    assert all(len(g) * w <= 16 or len(g) == 1 for g, w in groups)
+    # trimming the right padding does not change a log-prob
+    from tidal.inference.tiny import tiny_llama
+
+    model = tiny_llama(20, seed=0).eval()
+    ids = torch.randint(3, 20, (6, 10))
+    with torch.no_grad():
+        full = token_logprobs(model, ids, mask, 1.0)
+        for g, w in groups:
+            part = token_logprobs(model, ids[g, :w], mask[g, :w], 1.0)
+            assert torch.allclose(part, full[g, :w], atol=1e-5)
 
 
 def test_llm_config_rules():

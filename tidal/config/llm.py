@@ -35,8 +35,9 @@ class LMModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "arithmetic"  # arithmetic | guess_number
-    digits: int = 2
+    task: str = "arithmetic"  # a registered task (tidal.rollout.tasks): arithmetic | reverse | guess_number
+    digits: int = 2  # arithmetic
+    max_len: int = 24  # reverse: the longest digit string
     ops: str = "+"
     train_size: int = 20000
     eval_size: int = 256
@@ -129,5 +130,7 @@ def validate_llm(cfg: LLMConfig) -> None:
         require(value >= 1, key, f"must be >= 1, got {value}")
     require(r.batch_size % a.ppo_minibatches == 0, "actor.ppo_minibatches",
             f"{a.ppo_minibatches} must divide rollout.batch_size {r.batch_size}")
-    require(cfg.data.task in ("arithmetic", "guess_number"), "data.task", f"expected arithmetic or guess_number, got {cfg.data.task!r}")
+    from tidal.rollout.tasks import TASKS
+
+    require(cfg.data.task in TASKS.names(), "data.task", f"expected one of {', '.join(TASKS.names())}, got {cfg.data.task!r}")
     require(cfg.cluster.backend in ("local", "ray"), "cluster.backend", f"expected local or ray, got {cfg.cluster.backend!r}")

@@ -1,12 +1,35 @@
-"""Verifiable tasks generated in code: multi-digit arithmetic and a number-guessing game."""
+"""Verifiable tasks generated in code: multi-digit arithmetic, reversing digit strings of
+long-tailed lengths, and a number-guessing game. A task registers under the name ``data.task``
+takes: ``problems(n, seed, data_cfg) -> [record]``; single-turn records hold ``prompt`` and
+``answer``, multi-turn ones what their environment needs."""
 
 from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from tidal.registry import Registry
+
 ARITH_ALPHABET = "0123456789+=-*<>?abcdefghijklmnopqrstuvwxyz "
+
+
+@dataclass(frozen=True)
+class Task:
+    problems: Callable[..., list[dict]]  # (n, seed, data_cfg) -> records
+    multi_turn: bool = False
+
+
+TASKS: Registry[Task] = Registry("task", "data.task")
+
+
+def register_task(name: str, multi_turn: bool = False):
+    def decorator(fn):
+        TASKS.register(name)(Task(fn, multi_turn))
+        return fn
+
+    return decorator
 
 
 def arithmetic_problems(n: int, digits: int = 2, seed: int = 0, ops: str = "+") -> list[dict]:
@@ -19,6 +42,29 @@ def arithmetic_problems(n: int, digits: int = 2, seed: int = 0, ops: str = "+") 
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
         out.append({"prompt": f"{a}{op}{b}=", "answer": str(value)})
     return out
+
+
+@register_task("arithmetic")
+def _arithmetic_task(n: int, seed: int, data) -> list[dict]:
+    return arithmetic_problems(n, data.digits, seed, data.ops)
+
+
+def reverse_problems(n: int, max_len: int = 24, seed: int = 0, tail: float = 1.2) -> list[dict]:
+    """``{"prompt": "r3071=", "answer": "1703"}``: reverse a digit string whose length ``L`` in
+    ``1..max_len`` is drawn with ``P(L) ~ L^-tail``, so answers have long-tailed lengths."""
+    rng = random.Random(seed)
+    lengths = list(range(1, max_len + 1))
+    weights = [length**-tail for length in lengths]
+    out = []
+    for length in rng.choices(lengths, weights, k=n):
+        digits = "".join(rng.choice("0123456789") for _ in range(length))
+        out.append({"prompt": f"r{digits}=", "answer": digits[::-1]})
+    return out
+
+
+@register_task("reverse")
+def _reverse_task(n: int, seed: int, data) -> list[dict]:
+    return reverse_problems(n, data.max_len, seed)
 
 
 def exact_match_reward(completion: str, answer: str, **_) -> float:
@@ -45,3 +91,8 @@ class GuessNumberEnv:
 def guess_number_problems(n: int, seed: int = 0, high: int = 99) -> list[dict]:
     rng = random.Random(seed)
     return [{"prompt": "guess?", "target": rng.randint(0, high)} for _ in range(n)]
+
+
+@register_task("guess_number", multi_turn=True)
+def _guess_number_task(n: int, seed: int, data) -> list[dict]:
+    return guess_number_problems(n, seed)

@@ -23,12 +23,7 @@ from tidal.inference import GenerationConfig, InferenceClient, ModelRequest
 from tidal.metrics import MetricLogger, Timer, attach_file_log
 from tidal.rollout.dispatcher import RolloutDispatcher
 from tidal.rollout.staleness import StalenessManager
-from tidal.rollout.tasks import (
-    GuessNumberEnv,
-    arithmetic_problems,
-    exact_match_reward,
-    guess_number_problems,
-)
+from tidal.rollout.tasks import TASKS, GuessNumberEnv, exact_match_reward
 from tidal.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow, merge_episodes
 from tidal.runtime import Channel, Cluster, wait_all
 from tidal.workers.inference_worker import InferenceServerWorker
@@ -78,17 +73,15 @@ class ReasoningRunner:
         if ":" in r.workflow:  # a user's workflow: module.path:factory(runner) -> async callable
             module, name = r.workflow.split(":", 1)
             return getattr(importlib.import_module(module), name)(self)
-        if r.workflow == "multi_turn" or d.task == "guess_number":
+        if r.workflow == "multi_turn" or TASKS.get(d.task).multi_turn:
             return MultiTurnWorkflow(self.client, self.tokenizer, lambda data: GuessNumberEnv(data["target"]), self.gconfig,
                                      max_turns=r.max_turns, turn_discount=r.turn_discount, group_size=r.group_size)
         return RLVRWorkflow(self.client, self.tokenizer, exact_match_reward, self.gconfig, r.group_size, r.reward_timeout_s)
 
     def _data(self):
         d = self.cfg.data
-        if d.task == "guess_number":
-            return guess_number_problems(d.train_size, d.seed), guess_number_problems(d.eval_size, d.seed + 10_000)
-        return (arithmetic_problems(d.train_size, d.digits, d.seed, d.ops),
-                arithmetic_problems(d.eval_size, d.digits, d.seed + 10_000, d.ops))
+        problems = TASKS.get(d.task).problems
+        return problems(d.train_size, d.seed, d), problems(d.eval_size, d.seed + 10_000, d)
 
     def _skip_data(self, position: int) -> None:
         self.train_data = self.train_data[position % len(self.train_data):] + self.train_data[: position % len(self.train_data)]
@@ -113,7 +106,7 @@ class ReasoningRunner:
 
     def evaluate(self) -> dict:
         """Greedy exact-match accuracy (arithmetic) or success rate (multi-turn) on held-out data."""
-        if self.cfg.data.task == "guess_number":
+        if TASKS.get(self.cfg.data.task).multi_turn:
             async def success():
                 eps = await asyncio.gather(*(self.workflow._one(d) for d in self.eval_data))
                 return float(np.mean([r > 0 for _, r in eps]))

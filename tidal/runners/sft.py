@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tidal.config.llm import LLMConfig
 from tidal.inference.tiny import char_tokenizer, tiny_llama
-from tidal.rollout.tasks import ARITH_ALPHABET, arithmetic_problems
+from tidal.rollout.tasks import ARITH_ALPHABET, TASKS
 
 log = logging.getLogger("tidal.sft")
 
@@ -57,8 +57,11 @@ def run_sft(cfg: LLMConfig) -> dict:
     torch.set_num_threads(max(1, cfg.cluster.torch_threads))
     model, tokenizer = load_or_build(cfg)
     d = cfg.data
-    train = arithmetic_problems(d.train_size, d.digits, seed=d.seed, ops=d.ops)
-    held_out = arithmetic_problems(cfg.sft.eval_size, d.digits, seed=d.seed + 10_000, ops=d.ops)
+    task = TASKS.get(d.task)
+    if task.multi_turn:
+        raise ValueError(f"data.task: tidal sft needs a single-turn task with answers, got {d.task!r}")
+    train = task.problems(d.train_size, d.seed, d)
+    held_out = task.problems(cfg.sft.eval_size, d.seed + 10_000, d)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr)
     rng = random.Random(cfg.runner.seed)
     start = time.perf_counter()

@@ -45,6 +45,16 @@ def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
+def length_grouped_micro_batches(attention_mask: torch.Tensor, rows: torch.Tensor, budget: int) -> list[tuple[torch.Tensor, int]]:
+    """``rows`` sorted by length and packed by token budget, each micro-batch with the width
+    of its longest sequence: right padding beyond it is never computed."""
+    lengths = attention_mask[rows].sum(1)
+    order = lengths.argsort(stable=True)
+    sorted_lengths = lengths[order].tolist()
+    return [(rows[order[idx]], max(sorted_lengths[j] for j in idx))
+            for idx in pack_by_tokens(sorted_lengths, budget)]
+
+
 class LMActor(Worker):
     def __init__(self, cfg: LLMConfig):
         self.cfg = cfg
@@ -66,11 +76,10 @@ class LMActor(Worker):
     def compute_logp(self, batch: dict[str, torch.Tensor], model=None) -> torch.Tensor:
         model = model or self.model
         model.eval()
-        lengths = batch["attention_mask"].sum(1).tolist()
         out = torch.zeros(batch["input_ids"].shape)
-        for idx in pack_by_tokens(lengths, self.cfg.actor.max_tokens_per_mb):
-            i = torch.tensor(idx)
-            out[i] = token_logprobs(model, batch["input_ids"][i], batch["attention_mask"][i], self.temperature)
+        rows = torch.arange(out.shape[0])
+        for i, w in length_grouped_micro_batches(batch["attention_mask"], rows, self.cfg.actor.max_tokens_per_mb):
+            out[i, :w] = token_logprobs(model, batch["input_ids"][i, :w], batch["attention_mask"][i, :w], self.temperature)
         return out
 
     def advantages(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -105,27 +114,25 @@ class LMActor(Worker):
         for minibatch in rows.chunk(a.ppo_minibatches):
             self.optimizer.zero_grad(set_to_none=True)
             mb_tokens = mask[minibatch].sum().clamp(min=1)
-            lengths = batch["attention_mask"][minibatch].sum(1).tolist()
-            for idx in pack_by_tokens(lengths, a.max_tokens_per_mb):
-                i = minibatch[torch.tensor(idx)]
-                logp = token_logprobs(self.model, batch["input_ids"][i], batch["attention_mask"][i], self.temperature)
-                m = mask[i]
+            for i, w in length_grouped_micro_batches(batch["attention_mask"], minibatch, a.max_tokens_per_mb):
+                logp = token_logprobs(self.model, batch["input_ids"][i, :w], batch["attention_mask"][i, :w], self.temperature)
+                m, b, ad = mask[i, :w], behave[i, :w], adv[i, :w]
                 if a.use_decoupled_loss:
-                    approx = loglinear_prox_logp(behave[i], logp, batch["versions"][i], self.version)
-                    p = approx if a.prox_logp_method == "loglinear" else prox[i]
-                    loss, info = decoupled_ppo_loss(logp, p, behave[i], adv[i], m, a.clip_ratio_low, a.clip_ratio_high,
+                    approx = loglinear_prox_logp(b, logp, batch["versions"][i, :w], self.version)
+                    p = approx if a.prox_logp_method == "loglinear" else prox[i, :w]
+                    loss, info = decoupled_ppo_loss(logp, p, b, ad, m, a.clip_ratio_low, a.clip_ratio_high,
                                                     behav_weight_cap=a.behav_weight_cap, cap_mode=a.cap_mode, agg=a.loss_agg)
                     if a.prox_logp_method == "metrics":
-                        info["prox_approx_abs_err"] = (approx - prox[i])[m].abs().mean() if m.any() else torch.zeros(())
+                        info["prox_approx_abs_err"] = (approx - prox[i, :w])[m].abs().mean() if m.any() else torch.zeros(())
                 else:
-                    old = prox[i] if a.recompute_logprob else behave[i]
-                    loss, info = ppo_policy_loss(logp, old, adv[i], m, a.clip_ratio_low, a.clip_ratio_high, agg=a.loss_agg)
+                    old = prox[i, :w] if a.recompute_logprob else b
+                    loss, info = ppo_policy_loss(logp, old, ad, m, a.clip_ratio_low, a.clip_ratio_high, agg=a.loss_agg)
                 if self.ref is not None and a.kl_in == "loss":
-                    kl = torch.where(m, kl_estimate(logp, batch["ref_logp"][i], a.kl_kind), 0.0).sum() / m.sum().clamp(min=1)
+                    kl = torch.where(m, kl_estimate(logp, batch["ref_logp"][i, :w], a.kl_kind), 0.0).sum() / m.sum().clamp(min=1)
                     loss = loss + a.kl_coef * kl
                     info["kl_ref"] = kl.detach()
                 # the micro-batch's share of the minibatch, so the sum equals the loss over it
-                weight = m.sum() / mb_tokens if a.loss_agg == "token-mean" else len(idx) / len(minibatch)
+                weight = m.sum() / mb_tokens if a.loss_agg == "token-mean" else len(i) / len(minibatch)
                 (loss * weight).backward()
                 info["policy_loss"] = loss.detach()
                 for k, v in info.items():
