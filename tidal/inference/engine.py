@@ -58,6 +58,7 @@ class EngineError(RuntimeError):
 
 
 PAUSE_MODES = ("abort", "in_place")
+PREFILL_CHUNK = 32  # requests prefilled in one forward pass
 
 
 @dataclass
@@ -182,14 +183,17 @@ class GenerationEngine:
                 self._decode_step()
 
     def _admit(self) -> None:
-        """Prefill the waiting requests that fit in the batch, together."""
-        joining = []
-        while len(self._active) + len(joining) < self.max_batch_size and not self._paused.is_set():
-            try:
-                joining.append(self._incoming.get_nowait())
-            except queue.Empty:
-                break
-        if joining:
+        """Prefill the waiting requests that fit in the batch, ``PREFILL_CHUNK`` at a time (a
+        pause waits for at most one chunk)."""
+        while not self._paused.is_set():
+            joining = []
+            while len(joining) < min(PREFILL_CHUNK, self.max_batch_size - len(self._active)):
+                try:
+                    joining.append(self._incoming.get_nowait())
+                except queue.Empty:
+                    break
+            if not joining:
+                return
             with self._lock:
                 self._prefill(joining)
                 self._drop_finished()  # a request may be done after its first token

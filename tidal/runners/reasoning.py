@@ -96,12 +96,15 @@ class ReasoningRunner:
         """pause → update weights → set version → resume."""
         timeout = self.cfg.runner.timeout_s
         self.dispatcher.pause()
-        self._run(self.client.pause(self.cfg.rollout.pause_mode))
-        sent, loaded = wait_all([self.actor.send_weights(self.weights_ch, self.servers.world_size),
-                                 self.servers.load_weights(self.weights_ch, timeout)], timeout)
+        with self.timer("update_weights/pause"):
+            self.servers.pause_generation(self.cfg.rollout.pause_mode).wait(timeout)
+        with self.timer("update_weights/transfer"):
+            sent, loaded = wait_all([self.actor.send_weights(self.weights_ch, self.servers.world_size),
+                                     self.servers.load_weights(self.weights_ch, timeout)], timeout)
         self.version = sent[0]
         self.staleness.set_version(self.version)
-        self._run(self.client.resume())
+        with self.timer("update_weights/resume"):
+            self.servers.continue_generation().wait(timeout)
         self.dispatcher.resume()
 
     def evaluate(self) -> dict:
