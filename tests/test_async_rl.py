@@ -7,12 +7,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from tidal.config import ConfigError, load_config
 from tidal.config.llm import LLMConfig, validate_llm
 from tidal.rollout.dispatcher import EpisodeError, RolloutDispatcher
 from tidal.rollout.staleness import StalenessManager
-from tidal.rollout.tasks import GuessNumberEnv, arithmetic_problems, exact_match_reward, reverse_problems
+from tidal.rollout.tasks import (
+    GuessNumberEnv,
+    arithmetic_problems,
+    exact_match_reward,
+    reverse_problems,
+)
 from tidal.rollout.workflows import Sequence, merge_episodes, pad_episode
 from tidal.workers.lm_actor import length_grouped_micro_batches, pack_by_tokens, token_logprobs
 
@@ -278,3 +284,43 @@ def test_multi_turn_workflow_appends_feedback_with_loss_mask_zero():
     assert tok.decode(generated) == "106042"
     assert set(ep["versions"][0][ep["loss_mask"][0]].tolist()) == {7}
     assert set(ep["versions"][0][~ep["loss_mask"][0]].tolist()) == {-1}
+
+
+def _synthetic_batch(rows: int, width: int, vocab: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(4, width + 1, (rows,), generator=g)
+    attention = torch.arange(width)[None, :] < lengths[:, None]
+    loss_mask = attention & (torch.arange(width)[None, :] >= 3)
+    return {"input_ids": torch.randint(3, vocab, (rows, width), generator=g) * attention,
+            "attention_mask": attention, "loss_mask": loss_mask,
+            "logprobs": torch.where(loss_mask, -torch.rand(rows, width, generator=g) - 0.5, 0.0),
+            "versions": torch.where(loss_mask, 0, -1), "rewards": torch.randint(0, 2, (rows,), generator=g).float()}
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_data_parallel_trainer_takes_the_same_step_as_one_rank(arith_model, agg):
+    """Two DDP ranks, each on its half of the batch (whole groups), end one PPO step with the
+    weights a single rank reaches on the whole batch: losses are weighted by global counts."""
+    from tidal.runtime import Cluster
+    from tidal.workers.lm_actor import LMActor
+
+    cfg = load_config(LLMConfig, None, [f"model.path={arith_model}", "rollout.group_size=4", "rollout.batch_size=4",
+                                        "actor.ppo_minibatches=2", "actor.max_tokens_per_mb=40", f"actor.loss_agg={agg}",
+                                        "actor.use_decoupled_loss=true", "actor.lr=1e-3"])
+    vocab = AutoTokenizer.from_pretrained(arith_model).vocab_size
+    batch = _synthetic_batch(16, 12, vocab)
+    cluster = Cluster("ray", devices_per_node=3, ray_init_kwargs={"num_cpus": 2})
+    try:
+        one = LMActor.create_group(cfg).launch(cluster, "0", name="one")
+        two = LMActor.create_group(cfg).launch(cluster, "1-2", name="two")
+        m1 = one.train_step(batch).wait(120)[0]
+        m2 = two.train_step(batch).wait(120)
+        w1 = one.state_dict().wait(60)[0]
+        w2 = two.state_dict().wait(60)
+    finally:
+        cluster.shutdown()
+    assert m2[0] == m2[1] and m1["train/tokens"] == m2[0]["train/tokens"]
+    for name, value in w1.items():
+        assert torch.equal(w2[0][name], w2[1][name]), name  # the ranks stay in lockstep
+        assert torch.allclose(value, w2[0][name], atol=2e-6), name

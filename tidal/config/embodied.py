@@ -174,7 +174,7 @@ def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
         placement = ComponentPlacement(cfg.cluster.resolved_placement(components), num_devices)
         worlds = {c: placement.get_world_size(c) for c in components}
     except PlacementError as exc:
-        raise ConfigError(f"cluster.{exc}") from None
+        raise placement_config_error(exc) from None
 
     stages = env.pipeline_stage_num
     require(env.total_num_envs % (worlds["env"] * stages) == 0, "env.total_num_envs",
@@ -205,6 +205,12 @@ def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
         require(worlds["actor"] == 1, "cluster.placement",
                  "a data-parallel actor (more than one rank) needs cluster.backend=ray")
     return worlds
+
+
+def placement_config_error(exc: Exception) -> ConfigError:
+    """A placement error as a config error naming its key (some already start with it)."""
+    msg = str(exc)
+    return ConfigError(msg if msg.startswith("cluster.") else f"cluster.{msg}")
 
 
 def _num_devices_hint(cfg: EmbodiedConfig) -> int:

@@ -134,3 +134,22 @@ def validate_llm(cfg: LLMConfig) -> None:
 
     require(cfg.data.task in TASKS.names(), "data.task", f"expected one of {', '.join(TASKS.names())}, got {cfg.data.task!r}")
     require(cfg.cluster.backend in ("local", "ray"), "cluster.backend", f"expected local or ray, got {cfg.cluster.backend!r}")
+    _check_actor_ranks(cfg)
+
+
+def _check_actor_ranks(cfg: LLMConfig) -> None:
+    """A data-parallel trainer (ray only) takes whole prompts' groups: batch_size splits evenly."""
+    from tidal.config.embodied import _num_devices_hint, placement_config_error
+    from tidal.runtime import ComponentPlacement, PlacementError
+
+    try:
+        placement = ComponentPlacement(cfg.cluster.resolved_placement(["rollout", "actor"]), _num_devices_hint(cfg))
+        ranks = placement.get_world_size("actor")
+    except PlacementError as exc:
+        raise placement_config_error(exc) from None
+    require(ranks == 1 or cfg.cluster.backend == "ray", "cluster.placement",
+            "a data-parallel trainer (more than one actor rank) needs cluster.backend=ray")
+    rows = cfg.rollout.batch_size * cfg.rollout.group_size
+    require(rows % (ranks * cfg.actor.ppo_minibatches) == 0, "rollout.batch_size",
+            f"{rows} sequences per step do not split evenly into {cfg.actor.ppo_minibatches} minibatches "
+            f"over {ranks} actor ranks")

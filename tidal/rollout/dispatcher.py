@@ -201,5 +201,17 @@ class RolloutDispatcher:
         self.wake()
         for t in (self._producer, self._consumer):
             t.join(timeout=5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop.call_soon_threadsafe(self._cancel_and_stop)
         self._loop_thread.join(timeout=5)
+
+    def _cancel_and_stop(self) -> None:
+        """Episodes still running are abandoned: cancel them (and let them unwind) before the
+        loop stops, so none is destroyed while pending."""
+        tasks = [t for t in asyncio.all_tasks(self._loop) if not t.done()]
+        for t in tasks:
+            t.cancel()
+        if not tasks:
+            self._loop.stop()
+            return
+        gathered = asyncio.gather(*tasks, return_exceptions=True)
+        gathered.add_done_callback(lambda _: self._loop.stop())

@@ -48,7 +48,7 @@ class ReasoningRunner:
         self.servers = InferenceServerWorker.create_group(cfg.model.path, max_batch_size=r.max_batch_size,
                                                          torch_threads=cfg.cluster.torch_threads).launch(
             self.cluster, devices, name="rollout")
-        self.actor = LMActor.create_group(cfg).launch(self.cluster, placement.devices("actor")[:1], name="actor")
+        self.actor = LMActor.create_group(cfg).launch(self.cluster, placement.devices("actor"), name="actor")
         self.weights_ch = Channel.create(f"{cfg.runner.experiment}-{uuid.uuid4().hex[:6]}-weights", self.cluster)
         addresses = self.servers.address().wait(cfg.runner.timeout_s)
         self.client = InferenceClient(addresses)
@@ -59,13 +59,13 @@ class ReasoningRunner:
         self.dispatcher = RolloutDispatcher(self.workflow, self.staleness)
         self.train_data, self.eval_data = self._data()
         self.version, self.start_step = 0, 0
+        self.timer = Timer()
         if cfg.runner.resume_from:
             meta = self.actor.load(cfg.runner.resume_from).wait(cfg.runner.timeout_s)[0]
             self.start_step, self.version = meta["step"], meta["version"]
             self.staleness.restore(self.version)
             self._skip_data(meta.get("data_position", 0))
             self._update_weights()
-        self.timer = Timer()
         self.logger = MetricLogger(self.run_dir)
 
     def _workflow(self):

@@ -101,6 +101,18 @@ class Worker:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tidal_compute, functools.partial(fn, *args, **kwargs))
 
+    def all_reduce_mean(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The mean of each metric over this group's ranks (after ``init_distributed``)."""
+        if self.world_size == 1:
+            return metrics
+        import torch
+        import torch.distributed as dist
+
+        keys = sorted(metrics)
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(t)
+        return dict(zip(keys, (t / self.world_size).tolist()))
+
     def init_distributed(self, backend: str | None = None, timeout_s: float = 300.0) -> None:
         """Join this group's ``torch.distributed`` process group (gloo on CPU, NCCL on GPU)."""
         import datetime

@@ -172,7 +172,7 @@ class ActorWorker(Worker):
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
         out["train/skipped_steps"] = float(self.skipped_steps)
-        return self._all_reduce_mean(out)
+        return self.all_reduce_mean(out)
 
     def _micro_loss(self, micro: dict[str, torch.Tensor], critic_only: bool):
         alg = self.cfg.algorithm
@@ -227,16 +227,6 @@ class ActorWorker(Worker):
             self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
         metrics.setdefault("train/grad_norm", []).append(float(norm))
-
-    def _all_reduce_mean(self, metrics: dict[str, float]) -> dict[str, float]:
-        if self.world_size == 1:
-            return metrics
-        import torch.distributed as dist
-
-        keys = sorted(metrics)
-        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(t)
-        return dict(zip(keys, (t / self.world_size).tolist()))
 
     # -- checkpoints ---------------------------------------------------------------------
 

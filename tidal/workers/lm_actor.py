@@ -3,6 +3,7 @@ decoupled or standard PPO over micro-batches packed by token budget."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import numpy as np
@@ -62,6 +63,10 @@ class LMActor(Worker):
         torch.manual_seed(cfg.runner.seed)
         self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
         self.ref = copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.actor.kl_coef > 0 else None
+        self.ddp = self.model  # what the loss runs through: DDP over the ranks on the ray backend
+        if self.world_size > 1:
+            self.init_distributed()
+            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
         a = cfg.actor
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(a.lr_schedule, a.warmup_steps, cfg.runner.max_steps))
@@ -69,15 +74,25 @@ class LMActor(Worker):
         self.temperature = cfg.rollout.temperature
 
     def send_weights(self, weights_ch: Channel, num_servers: int) -> int:
-        send_weights(weights_ch, self.model.state_dict(), self.version, num_servers)
+        if self.rank == 0:
+            send_weights(weights_ch, self.model.state_dict(), self.version, num_servers)
         return self.version
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def my_rows(self, minibatch: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous block of a global minibatch's rows."""
+        per_rank = len(minibatch) // self.world_size
+        return minibatch[self.rank * per_rank:(self.rank + 1) * per_rank]
+
     @torch.no_grad()
-    def compute_logp(self, batch: dict[str, torch.Tensor], model=None) -> torch.Tensor:
+    def compute_logp(self, batch: dict[str, torch.Tensor], model=None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Token log-probs of ``rows`` (default all) under ``model``; other rows stay 0."""
         model = model or self.model
         model.eval()
         out = torch.zeros(batch["input_ids"].shape)
-        rows = torch.arange(out.shape[0])
+        rows = torch.arange(out.shape[0]) if rows is None else rows
         for i, w in length_grouped_micro_batches(batch["attention_mask"], rows, self.cfg.actor.max_tokens_per_mb):
             out[i, :w] = token_logprobs(model, batch["input_ids"][i, :w], batch["attention_mask"][i, :w], self.temperature)
         return out
@@ -97,44 +112,33 @@ class LMActor(Worker):
         return adv.T.float()
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One PPO step on the whole batch (every rank receives it): advantages over all of it,
+        then each global minibatch is split over the ranks, DDP averages the gradients, and each
+        loss is weighted by the tokens (or sequences) of the global minibatch."""
         a = self.cfg.actor
         metrics: dict[str, list[float]] = {}
         mask = batch["loss_mask"]
-        behave = batch["logprobs"]
+        minibatches = torch.arange(mask.shape[0]).chunk(a.ppo_minibatches)
+        mine = torch.cat([self.my_rows(mb) for mb in minibatches])
         stale = (self.version - batch["versions"])[mask].float()
         if self.ref is not None:
-            batch["ref_logp"] = self.compute_logp(batch, self.ref)
+            batch["ref_logp"] = self.compute_logp(batch, self.ref, mine)
         need_forward = (a.use_decoupled_loss and a.prox_logp_method in ("recompute", "metrics")) or (
             not a.use_decoupled_loss and a.recompute_logprob)
-        prox = self.compute_logp(batch) if need_forward else None
+        prox = self.compute_logp(batch, rows=mine) if need_forward else None
         adv = self.advantages(batch)
-        total_tokens = mask.sum().clamp(min=1)
         self.model.train()
-        rows = torch.arange(mask.shape[0])
-        for minibatch in rows.chunk(a.ppo_minibatches):
+        for minibatch in minibatches:
             self.optimizer.zero_grad(set_to_none=True)
-            mb_tokens = mask[minibatch].sum().clamp(min=1)
-            for i, w in length_grouped_micro_batches(batch["attention_mask"], minibatch, a.max_tokens_per_mb):
-                logp = token_logprobs(self.model, batch["input_ids"][i, :w], batch["attention_mask"][i, :w], self.temperature)
-                m, b, ad = mask[i, :w], behave[i, :w], adv[i, :w]
-                if a.use_decoupled_loss:
-                    approx = loglinear_prox_logp(b, logp, batch["versions"][i, :w], self.version)
-                    p = approx if a.prox_logp_method == "loglinear" else prox[i, :w]
-                    loss, info = decoupled_ppo_loss(logp, p, b, ad, m, a.clip_ratio_low, a.clip_ratio_high,
-                                                    behav_weight_cap=a.behav_weight_cap, cap_mode=a.cap_mode, agg=a.loss_agg)
-                    if a.prox_logp_method == "metrics":
-                        info["prox_approx_abs_err"] = (approx - prox[i, :w])[m].abs().mean() if m.any() else torch.zeros(())
-                else:
-                    old = prox[i, :w] if a.recompute_logprob else b
-                    loss, info = ppo_policy_loss(logp, old, ad, m, a.clip_ratio_low, a.clip_ratio_high, agg=a.loss_agg)
-                if self.ref is not None and a.kl_in == "loss":
-                    kl = torch.where(m, kl_estimate(logp, batch["ref_logp"][i, :w], a.kl_kind), 0.0).sum() / m.sum().clamp(min=1)
-                    loss = loss + a.kl_coef * kl
-                    info["kl_ref"] = kl.detach()
-                # the micro-batch's share of the minibatch, so the sum equals the loss over it
-                weight = m.sum() / mb_tokens if a.loss_agg == "token-mean" else len(i) / len(minibatch)
-                (loss * weight).backward()
-                info["policy_loss"] = loss.detach()
+            # DDP averages gradients over ranks: weigh by the global minibatch, times world size
+            mb_tokens = mask[minibatch].sum().clamp(min=1) / self.world_size
+            minibatch = self.my_rows(minibatch)
+            groups = length_grouped_micro_batches(batch["attention_mask"], minibatch, a.max_tokens_per_mb)
+            for g, (i, w) in enumerate(groups):
+                last = g == len(groups) - 1  # gradients are all-reduced once, on the last backward
+                sync = contextlib.nullcontext() if last or self.world_size == 1 else self.ddp.no_sync()
+                with sync:
+                    info = self._backward_micro_batch(batch, i, w, prox, adv, mb_tokens, len(minibatch))
                 for k, v in info.items():
                     metrics.setdefault(k, []).append(float(v))
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm or float("inf"))
@@ -145,14 +149,44 @@ class LMActor(Worker):
         self.version += 1
         out = {f"train/{k}": float(np.mean(v)) for k, v in metrics.items()}
         out.update({
-            "train/lr": self.optimizer.param_groups[0]["lr"], "train/tokens": float(total_tokens),
+            "train/lr": self.optimizer.param_groups[0]["lr"],
             "staleness/mean": float(stale.mean()) if len(stale) else 0.0,
             "staleness/max": float(stale.max()) if len(stale) else 0.0,
             **{f"staleness/frac_{k}": float((stale == k).float().mean()) if len(stale) else 0.0 for k in range(1, 5)},
         })
+        out = self.all_reduce_mean(out)
+        out["train/tokens"] = float(mask.sum())
         return out
 
-    def save(self, path: str, meta: dict) -> str:
+    def _backward_micro_batch(self, batch, i, w, prox, adv, mb_tokens, mb_rows) -> dict:
+        """Backpropagate the loss of rows ``i`` (trimmed to width ``w``), weighted as their
+        share of the minibatch; returns the loss terms."""
+        a, mask, behave = self.cfg.actor, batch["loss_mask"], batch["logprobs"]
+        logp = token_logprobs(self.ddp, batch["input_ids"][i, :w], batch["attention_mask"][i, :w], self.temperature)
+        m, b, ad = mask[i, :w], behave[i, :w], adv[i, :w]
+        if a.use_decoupled_loss:
+            approx = loglinear_prox_logp(b, logp, batch["versions"][i, :w], self.version)
+            p = approx if a.prox_logp_method == "loglinear" else prox[i, :w]
+            loss, info = decoupled_ppo_loss(logp, p, b, ad, m, a.clip_ratio_low, a.clip_ratio_high,
+                                            behav_weight_cap=a.behav_weight_cap, cap_mode=a.cap_mode, agg=a.loss_agg)
+            if a.prox_logp_method == "metrics":
+                info["prox_approx_abs_err"] = (approx - prox[i, :w])[m].abs().mean() if m.any() else torch.zeros(())
+        else:
+            old = prox[i, :w] if a.recompute_logprob else b
+            loss, info = ppo_policy_loss(logp, old, ad, m, a.clip_ratio_low, a.clip_ratio_high, agg=a.loss_agg)
+        if self.ref is not None and a.kl_in == "loss":
+            kl = torch.where(m, kl_estimate(logp, batch["ref_logp"][i, :w], a.kl_kind), 0.0).sum() / m.sum().clamp(min=1)
+            loss = loss + a.kl_coef * kl
+            info["kl_ref"] = kl.detach()
+        # the micro-batch's share of the minibatch, so the sum equals the loss over it
+        weight = m.sum() / mb_tokens if a.loss_agg == "token-mean" else len(i) / mb_rows
+        (loss * weight).backward()
+        info["policy_loss"] = loss.detach()
+        return info
+
+    def save(self, path: str, meta: dict) -> str | None:
+        if self.rank != 0:
+            return None
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "rng": rng_state()}
         return str(save_checkpoint(path, self.model.state_dict(), state, {**meta, "version": self.version}))
 
