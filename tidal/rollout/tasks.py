@@ -15,18 +15,28 @@ from tidal.registry import Registry
 ARITH_ALPHABET = "0123456789+=-*<>?abcdefghijklmnopqrstuvwxyz "
 
 
+Segment = tuple[str, bool]  # (text, trained): a trained segment is a model turn, ended by EOS
+
+
+def prompt_answer(record: dict, _rng: random.Random) -> list[Segment]:
+    """The supervised demonstration of a single-turn record: its prompt, then its answer."""
+    return [(record["prompt"], False), (record["answer"], True)]
+
+
 @dataclass(frozen=True)
 class Task:
     problems: Callable[..., list[dict]]  # (n, seed, data_cfg) -> records
     multi_turn: bool = False
+    # (record, rng) -> segments laid out as the workflow lays out an episode (for tidal sft)
+    demonstration: Callable[[dict, random.Random], list[Segment]] = prompt_answer
 
 
 TASKS: Registry[Task] = Registry("task", "data.task")
 
 
-def register_task(name: str, multi_turn: bool = False):
+def register_task(name: str, multi_turn: bool = False, demonstration=prompt_answer):
     def decorator(fn):
-        TASKS.register(name)(Task(fn, multi_turn))
+        TASKS.register(name)(Task(fn, multi_turn, demonstration))
         return fn
 
     return decorator
@@ -93,6 +103,22 @@ def guess_number_problems(n: int, seed: int = 0, high: int = 99) -> list[dict]:
     return [{"prompt": "guess?", "target": rng.randint(0, high)} for _ in range(n)]
 
 
-@register_task("guess_number", multi_turn=True)
+def consistent_guesses(record: dict, rng: random.Random, max_turns: int = 6, high: int = 99) -> list[Segment]:
+    """A demonstration that plays by the rules but not well: each guess is uniform among the
+    numbers the feedback so far allows. RL has room to learn to halve the range instead."""
+    env, lo, hi = GuessNumberEnv(record["target"]), 0, high
+    segments: list[Segment] = [(record["prompt"], False)]
+    for _ in range(max_turns):
+        guess = rng.randint(lo, hi)
+        segments.append((str(guess), True))
+        feedback, _, done = env.step(str(guess))
+        if done:
+            break
+        segments.append((feedback, False))
+        lo, hi = (guess + 1, hi) if guess < record["target"] else (lo, guess - 1)
+    return segments
+
+
+@register_task("guess_number", multi_turn=True, demonstration=consistent_guesses)
 def _guess_number_task(n: int, seed: int, data) -> list[dict]:
     return guess_number_problems(n, seed)

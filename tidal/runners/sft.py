@@ -28,9 +28,14 @@ def load_or_build(cfg: LLMConfig):
     return model, tokenizer
 
 
-def encode(tokenizer, prompt: str, answer: str) -> tuple[list[int], int]:
-    ids = [tokenizer.bos_token_id] + tokenizer.encode(prompt, add_special_tokens=False)
-    return ids + tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id], len(ids)
+def encode(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
+    """BOS, then each segment; a trained segment (a model turn) ends with EOS and is learned."""
+    ids, trained = [tokenizer.bos_token_id], [False]
+    for text, learn in segments:
+        part = tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] if learn else [])
+        ids += part
+        trained += [learn] * len(part)
+    return ids, trained
 
 
 @torch.no_grad()
@@ -58,8 +63,6 @@ def run_sft(cfg: LLMConfig) -> dict:
     model, tokenizer = load_or_build(cfg)
     d = cfg.data
     task = TASKS.get(d.task)
-    if task.multi_turn:
-        raise ValueError(f"data.task: tidal sft needs a single-turn task with answers, got {d.task!r}")
     train = task.problems(d.train_size, d.seed, d)
     held_out = task.problems(cfg.sft.eval_size, d.seed + 10_000, d)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr)
@@ -67,20 +70,19 @@ def run_sft(cfg: LLMConfig) -> dict:
     start = time.perf_counter()
     model.train()
     for step in range(cfg.sft.steps):
-        batch = [encode(tokenizer, p["prompt"], p["answer"]) for p in rng.sample(train, cfg.sft.batch_size)]
+        batch = [encode(tokenizer, task.demonstration(p, rng)) for p in rng.sample(train, cfg.sft.batch_size)]
         width = max(len(ids) for ids, _ in batch)
         ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in batch])
-        labels = ids.clone()
-        for row, (seq, prompt_len) in enumerate(batch):
-            labels[row, :prompt_len] = -100
-            labels[row, len(seq):] = -100
+        learn = torch.tensor([trained + [False] * (width - len(trained)) for _, trained in batch])
+        labels = torch.where(learn, ids, -100)
         loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
         if (step + 1) % 100 == 0:
             log.info("sft step %d loss %.4f", step + 1, loss.item())
-    accuracy = greedy_accuracy(model, tokenizer, held_out, cfg.rollout.max_new_tokens)
+    # multi-turn tasks are scored by the RL runner's first evaluation (it needs the environment)
+    accuracy = None if task.multi_turn else greedy_accuracy(model, tokenizer, held_out, cfg.rollout.max_new_tokens)
     Path(cfg.model.path).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(cfg.model.path)
     tokenizer.save_pretrained(cfg.model.path)
