@@ -286,6 +286,44 @@ def test_multi_turn_workflow_appends_feedback_with_loss_mask_zero():
     assert set(ep["versions"][0][~ep["loss_mask"][0]].tolist()) == {-1}
 
 
+def test_sft_demonstrations_match_the_multi_turn_episode_layout():
+    """What ``tidal sft`` learns from is token for token what the workflow later trains on:
+    the model turns (with EOS) are learned, prompt and feedback are not."""
+    import random
+
+    from tidal.inference import ModelResponse
+    from tidal.inference.tiny import char_tokenizer
+    from tidal.rollout.tasks import ARITH_ALPHABET, TASKS
+    from tidal.rollout.workflows import MultiTurnWorkflow
+    from tidal.runners.sft import encode
+
+    tok = char_tokenizer(ARITH_ALPHABET)
+    record = {"prompt": "guess?", "target": 37}
+    segments = TASKS.get("guess_number").demonstration(record, random.Random(5))
+    turns = iter([text for text, learned in segments if learned])
+    assert all(0 <= int(t) <= 99 for t in [text for text, learned in segments if learned])
+
+    class Replay:
+        async def agenerate(self, req):
+            out = tok.encode(next(turns), add_special_tokens=False) + [tok.eos_token_id]
+            return ModelResponse(input_tokens=req.input_ids, output_tokens=out, output_logprobs=[0.0] * len(out),
+                                 output_versions=[0] * len(out))
+
+    wf = MultiTurnWorkflow(Replay(), tok, lambda d: GuessNumberEnv(d["target"]), None, max_turns=6)
+    ep = asyncio.run(wf(record))
+    ids, learned = encode(tok, segments)
+    assert ep["input_ids"][0].tolist()[:len(ids)] == ids
+    assert ep["loss_mask"][0].tolist()[:len(ids)] == learned
+    # every guess is consistent with the feedback before it
+    lo, hi = 0, 99
+    for text, is_guess in segments[1:]:
+        if is_guess:
+            assert lo <= int(text) <= hi
+            last = int(text)
+        else:
+            lo, hi = (last + 1, hi) if text == " >" else (lo, last - 1)
+
+
 def _synthetic_batch(rows: int, width: int, vocab: int, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(4, width + 1, (rows,), generator=g)
