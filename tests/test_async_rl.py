@@ -336,29 +336,31 @@ def _synthetic_batch(rows: int, width: int, vocab: int, seed: int = 0) -> dict:
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_data_parallel_trainer_takes_the_same_step_as_one_rank(arith_model, agg):
-    """Two DDP ranks, each on its half of the batch (whole groups), end one PPO step with the
-    weights a single rank reaches on the whole batch: losses are weighted by global counts."""
+def test_data_parallel_trainer_takes_the_same_step_as_one_rank(arith_model):
+    """Two DDP ranks, each on its half of every minibatch, end a PPO step with the weights a
+    single rank reaches on the whole batch: losses are weighted by global counts."""
     from tidal.runtime import Cluster
     from tidal.workers.lm_actor import LMActor
 
-    cfg = load_config(LLMConfig, None, [f"model.path={arith_model}", "rollout.group_size=4", "rollout.batch_size=4",
-                                        "actor.ppo_minibatches=2", "actor.max_tokens_per_mb=40", f"actor.loss_agg={agg}",
-                                        "actor.use_decoupled_loss=true", "actor.lr=1e-3"])
     vocab = AutoTokenizer.from_pretrained(arith_model).vocab_size
     batch = _synthetic_batch(16, 12, vocab)
     cluster = Cluster("ray", devices_per_node=3, ray_init_kwargs={"num_cpus": 2})
     try:
-        one = LMActor.create_group(cfg).launch(cluster, "0", name="one")
-        two = LMActor.create_group(cfg).launch(cluster, "1-2", name="two")
-        m1 = one.train_step(batch).wait(120)[0]
-        m2 = two.train_step(batch).wait(120)
-        w1 = one.state_dict().wait(60)[0]
-        w2 = two.state_dict().wait(60)
+        for agg in ("token-mean", "seq-mean-token-mean"):
+            cfg = load_config(LLMConfig, None, [f"model.path={arith_model}", "rollout.group_size=4", "rollout.batch_size=4",
+                                                "actor.ppo_minibatches=2", "actor.max_tokens_per_mb=40", f"actor.loss_agg={agg}",
+                                                "actor.use_decoupled_loss=true", "actor.lr=1e-3"])
+            one = LMActor.create_group(cfg).launch(cluster, "0", name=f"one-{agg}")
+            two = LMActor.create_group(cfg).launch(cluster, "1-2", name=f"two-{agg}")
+            m1 = one.train_step(batch).wait(120)[0]
+            m2 = two.train_step(batch).wait(120)
+            w1 = one.state_dict().wait(60)[0]
+            w2 = two.state_dict().wait(60)
+            one.shutdown()
+            two.shutdown()
+            assert m2[0] == m2[1] and m1["train/tokens"] == m2[0]["train/tokens"], agg
+            for name, value in w1.items():
+                assert torch.equal(w2[0][name], w2[1][name]), (agg, name)  # the ranks stay in lockstep
+                assert torch.allclose(value, w2[0][name], atol=2e-6), (agg, name)
     finally:
         cluster.shutdown()
-    assert m2[0] == m2[1] and m1["train/tokens"] == m2[0]["train/tokens"]
-    for name, value in w1.items():
-        assert torch.equal(w2[0][name], w2[1][name]), name  # the ranks stay in lockstep
-        assert torch.allclose(value, w2[0][name], atol=2e-6), name
