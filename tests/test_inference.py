@@ -166,6 +166,36 @@ def test_in_place_pause_keeps_requests_and_their_cache(server, model_dir, new_we
     assert switched >= 1
 
 
+def test_n_samples_in_one_request_match_single_requests_and_survive_an_abort(server, model_dir, new_weights_dir):
+    """``sampling_params.n``: sample i of a seeded request equals a single request seeded
+    seed + i; samples aborted by a weight update are resumed one by one to their full budget."""
+    v0 = server.engine.weight_version
+
+    async def main():
+        c = client(server)
+        try:
+            g = GenerationConfig(max_new_tokens=12, seed=40)
+            grouped = await c.agenerate_n(ModelRequest([1, 7, 9], g), 4)
+            singles = [await c.agenerate(ModelRequest([1, 7, 9], GenerationConfig(max_new_tokens=12, seed=40 + i)))
+                       for i in range(4)]
+            task = asyncio.create_task(c.agenerate_n(ModelRequest([1, 8], GenerationConfig(max_new_tokens=80)), 6))
+            start = server.engine.stats["generated_tokens"]
+            while server.engine.stats["generated_tokens"] < start + 6 * 8:
+                await asyncio.sleep(0.005)
+            await c.update_weights(version=v0 + 1, model_path=str(new_weights_dir))  # abort mode
+            interrupted = await task
+            await c.update_weights(version=v0 + 2, model_path=str(model_dir))
+            return grouped, singles, interrupted
+        finally:
+            await c.aclose()
+
+    grouped, singles, interrupted = run(main())
+    assert [r.output_tokens for r in grouped] == [r.output_tokens for r in singles]
+    assert all(r.output_len == 80 and r.stop_reason == "length" for r in interrupted)
+    assert all(r.output_versions == sorted(r.output_versions) for r in interrupted)
+    assert any(v0 + 1 in r.output_versions and v0 in r.output_versions for r in interrupted)
+
+
 @pytest.mark.parametrize(
     "body,status",
     [

@@ -55,6 +55,12 @@ class InferenceError(RuntimeError):
     pass
 
 
+def _seeded(g: GenerationConfig, i: int) -> GenerationConfig:
+    """Sample ``i`` of a seeded ``n``-sample request is seeded ``seed + i`` (as the server does)."""
+    return g if g.seed is None else GenerationConfig(g.max_new_tokens, g.temperature, g.top_p, g.top_k,
+                                                     g.stop_token_ids, g.seed + i)
+
+
 class InferenceClient:
     """Requests with the same ``rid`` stick to one server; others go to the least loaded."""
 
@@ -113,34 +119,52 @@ class InferenceClient:
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         """Generate, resuming after every abort (a weight update) with the prompt plus the tokens
         so far and the remaining budget, until the request stops or its budget is spent."""
+        return (await self.agenerate_n(req, 1))[0]
+
+    async def agenerate_n(self, req: ModelRequest, n: int) -> list[ModelResponse]:
+        """``n`` samples of one prompt in one request (SGLang's ``sampling_params.n``); a sample
+        aborted by a weight update is resumed on its own."""
         address = self.pick_server(req.rid)
-        g = req.gconfig
-        out = ModelResponse(input_tokens=list(req.input_ids))
-        reason: str | None = None
-        self._in_flight[address] += 1
+        self._in_flight[address] += n
         try:
-            while reason not in ("stop", "length") and out.output_len < g.max_new_tokens:
-                if reason == "abort":
-                    await asyncio.sleep(self.resume_delay_s)
-                payload = {
-                    "input_ids": req.input_ids + out.output_tokens,
-                    "sampling_params": {"max_new_tokens": g.max_new_tokens - out.output_len, "temperature": g.temperature,
-                                        "top_p": g.top_p, "top_k": g.top_k, "stop_token_ids": g.stop_token_ids,
-                                        "seed": None if g.seed is None else g.seed + out.output_len},
-                    "return_logprob": True,
-                    "rid": req.rid,
-                }
-                result = await self.request(address, "/generate", payload)
-                meta = result["meta_info"]
-                tokens = result["output_ids"]
-                out.output_tokens += tokens
-                out.output_logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
-                out.output_versions += meta.get("output_token_versions") or [meta["weight_version"]] * len(tokens)
-                reason = meta["finish_reason"]["type"]
+            first = await self.request(address, "/generate", self._payload(req, ModelResponse(), n))
+            results = [first] if n == 1 else first
+            outs = []
+            for i, result in enumerate(results):
+                out = ModelResponse(input_tokens=list(req.input_ids))
+                reason = self._absorb(out, result)
+                sample = req if n == 1 else ModelRequest(req.input_ids, _seeded(req.gconfig, i), f"{req.rid}-{i}")
+                outs.append(self._resume(address, sample, out, reason))
+            return list(await asyncio.gather(*outs))
         finally:
-            self._in_flight[address] -= 1
+            self._in_flight[address] -= n
+
+    async def _resume(self, address: str, req: ModelRequest, out: ModelResponse, reason: str | None) -> ModelResponse:
+        while reason not in ("stop", "length") and out.output_len < req.gconfig.max_new_tokens:
+            await asyncio.sleep(self.resume_delay_s)
+            reason = self._absorb(out, await self.request(address, "/generate", self._payload(req, out, 1)))
         out.stop_reason = "length" if reason in (None, "abort") else reason
         return out
+
+    @staticmethod
+    def _payload(req: ModelRequest, out: ModelResponse, n: int) -> dict:
+        g = req.gconfig
+        return {
+            "input_ids": req.input_ids + out.output_tokens,
+            "sampling_params": {"max_new_tokens": g.max_new_tokens - out.output_len, "temperature": g.temperature,
+                                "top_p": g.top_p, "top_k": g.top_k, "stop_token_ids": g.stop_token_ids,
+                                "seed": None if g.seed is None else g.seed + out.output_len, "n": n},
+            "return_logprob": True,
+            "rid": req.rid,
+        }
+
+    @staticmethod
+    def _absorb(out: ModelResponse, result: dict) -> str:
+        meta, tokens = result["meta_info"], result["output_ids"]
+        out.output_tokens += tokens
+        out.output_logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
+        out.output_versions += meta.get("output_token_versions") or [meta["weight_version"]] * len(tokens)
+        return meta["finish_reason"]["type"]
 
     # -- the weight-update cycle -----------------------------------------------------------
 

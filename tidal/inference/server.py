@@ -38,6 +38,7 @@ class SamplingParamsBody(_Strict):
     top_k: int = -1
     stop_token_ids: list[int] = Field(default_factory=list)
     seed: int | None = None
+    n: int = Field(1, ge=1, le=256)  # samples of this prompt (sample i is seeded seed + i)
 
 
 class GenerateBody(_Strict):
@@ -64,6 +65,15 @@ def _finish_reason(result: GenerationResult) -> dict:
     return {"type": "abort", "message": "generation was paused"}
 
 
+def _result_json(result: GenerationResult, return_logprob: bool) -> dict:
+    meta = {"id": result.rid, "finish_reason": _finish_reason(result), "weight_version": result.weight_version,
+            "prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.output_ids),
+            "output_token_versions": result.output_versions}
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(result.output_logprobs, result.output_ids)]
+    return {"output_ids": result.output_ids, "meta_info": meta}
+
+
 def build_app(engine: GenerationEngine, api_key: str | None = None, allowed_dirs: list[str] | None = None) -> FastAPI:
     app = FastAPI(title="tidal inference server")
     allowed = [Path(d).resolve() for d in (allowed_dirs or [])]
@@ -83,22 +93,23 @@ def build_app(engine: GenerationEngine, api_key: str | None = None, allowed_dirs
 
     @app.post("/generate")
     async def generate(body: GenerateBody):
+        """One result, or a list of ``n`` results (SGLang's shape) when ``sampling_params.n > 1``."""
         p = body.sampling_params
-        params = SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
-                                top_k=p.top_k, stop_token_ids=p.stop_token_ids, seed=p.seed)
         loop = asyncio.get_running_loop()
-        done: asyncio.Future[GenerationResult] = loop.create_future()
+        waiting = []
         try:
-            engine.submit(body.input_ids, params, lambda r: loop.call_soon_threadsafe(_settle, done, r), rid=body.rid)
+            for i in range(p.n):
+                params = SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
+                                        top_k=p.top_k, stop_token_ids=p.stop_token_ids,
+                                        seed=None if p.seed is None else p.seed + i)
+                done: asyncio.Future[GenerationResult] = loop.create_future()
+                rid = body.rid if p.n == 1 or body.rid is None else f"{body.rid}-{i}"
+                engine.submit(body.input_ids, params, lambda r, f=done: loop.call_soon_threadsafe(_settle, f, r), rid=rid)
+                waiting.append(done)
         except ValueError as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from None
-        result = await done
-        meta = {"id": result.rid, "finish_reason": _finish_reason(result), "weight_version": result.weight_version,
-                "prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.output_ids),
-                "output_token_versions": result.output_versions}
-        if body.return_logprob:
-            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(result.output_logprobs, result.output_ids)]
-        return {"output_ids": result.output_ids, "meta_info": meta}
+        results = [_result_json(await done, body.return_logprob) for done in waiting]
+        return results[0] if p.n == 1 else results
 
     @app.post("/pause_generation")
     async def pause(body: PauseBody | None = None):

@@ -106,8 +106,8 @@ class RLVRWorkflow:
     async def __call__(self, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
         prompt_ids = self.tokenizer.encode(data["prompt"], add_special_tokens=False)
         prompt_ids = [self.tokenizer.bos_token_id] + prompt_ids
-        responses = await asyncio.gather(*(self.client.agenerate(ModelRequest(prompt_ids, self.gconfig))
-                                           for _ in range(self.group_size)))
+        # the whole group in one request: one HTTP round trip instead of group_size
+        responses = await self.client.agenerate_n(ModelRequest(prompt_ids, self.gconfig), self.group_size)
         seqs, rewards = [], []
         for resp in responses:
             completion = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
