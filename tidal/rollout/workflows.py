@@ -133,13 +133,15 @@ class MultiTurnWorkflow:
         self.client, self.tokenizer, self.make_env = client, tokenizer, make_env
         self.gconfig, self.max_turns, self.turn_discount, self.group_size = gconfig, max_turns, turn_discount, group_size
 
-    async def _one(self, data: dict[str, Any]) -> tuple[Sequence, float]:
+    async def play(self, data: dict[str, Any], gconfig: GenerationConfig | None = None) -> tuple[Sequence, float]:
+        """One episode (with ``gconfig`` instead of the workflow's, e.g. greedy for evaluation)."""
+        gconfig = gconfig or self.gconfig
         env = self.make_env(data)
         seq = Sequence()
         seq.add_context([self.tokenizer.bos_token_id] + self.tokenizer.encode(data["prompt"], add_special_tokens=False))
         reward = 0.0
         for turn in range(self.max_turns):
-            resp = await self.client.agenerate(ModelRequest(list(seq.tokens), self.gconfig))
+            resp = await self.client.agenerate(ModelRequest(list(seq.tokens), gconfig))
             seq.add_response(resp)
             feedback, turn_reward, done = env.step(self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True))
             if turn_reward > 0:
@@ -150,5 +152,5 @@ class MultiTurnWorkflow:
         return seq, reward
 
     async def __call__(self, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-        results = await asyncio.gather(*(self._one(data) for _ in range(self.group_size)))
+        results = await asyncio.gather(*(self.play(data) for _ in range(self.group_size)))
         return pad_episode([s for s, _ in results], [r for _, r in results], self.tokenizer.pad_token_id)

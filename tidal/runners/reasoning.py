@@ -108,15 +108,16 @@ class ReasoningRunner:
         self.dispatcher.resume()
 
     def evaluate(self) -> dict:
-        """Greedy exact-match accuracy (arithmetic) or success rate (multi-turn) on held-out data."""
+        """Greedy exact-match accuracy (single-turn) or greedy success rate (multi-turn) on
+        held-out data."""
+        greedy = GenerationConfig(max_new_tokens=self.gconfig.max_new_tokens, temperature=0.0,
+                                  stop_token_ids=self.gconfig.stop_token_ids)
         if TASKS.get(self.cfg.data.task).multi_turn:
             async def success():
-                eps = await asyncio.gather(*(self.workflow._one(d) for d in self.eval_data))
+                eps = await asyncio.gather(*(self.workflow.play(d, greedy) for d in self.eval_data))
                 return float(np.mean([r > 0 for _, r in eps]))
 
             return {"eval/success_rate": self._run(success())}
-        greedy = GenerationConfig(max_new_tokens=self.gconfig.max_new_tokens, temperature=0.0,
-                                  stop_token_ids=self.gconfig.stop_token_ids)
 
         async def accuracy():
             async def one(p):
