@@ -52,7 +52,7 @@ class LLMRolloutConfig:
     max_concurrent_rollouts: int = 16
     batch_size: int = 16  # episodes (prompts) per training step
     group_size: int = 8  # samples per prompt
-    workflow: str = "rlvr"  # rlvr | multi_turn | module.path:callable
+    workflow: str = "auto"  # auto (by data.task) | rlvr | multi_turn | module.path:callable
     max_new_tokens: int = 6
     temperature: float = 1.0
     top_p: float = 1.0
@@ -133,6 +133,9 @@ def validate_llm(cfg: LLMConfig) -> None:
     from tidal.rollout.tasks import TASKS
 
     require(cfg.data.task in TASKS.names(), "data.task", f"expected one of {', '.join(TASKS.names())}, got {cfg.data.task!r}")
+    kind = "multi_turn" if TASKS.get(cfg.data.task).multi_turn else "rlvr"
+    require(r.workflow in ("auto", kind) or ":" in r.workflow, "rollout.workflow",
+            f"task {cfg.data.task!r} runs the {kind!r} workflow (or 'auto', or module.path:factory), got {r.workflow!r}")
     require(cfg.cluster.backend in ("local", "ray"), "cluster.backend", f"expected local or ray, got {cfg.cluster.backend!r}")
     _check_actor_ranks(cfg)
 

@@ -91,7 +91,7 @@ class ChunkedEnv:
             obs, reward, terms, truncs = self.env.step(actions[:, 0])
             rewards, terms, truncs = reward.astype(np.float32, copy=False)[:, None], terms[:, None], truncs[:, None]
             steps_taken, ended = 1, terms[:, 0] | truncs[:, 0]
-            final_obs = obs if ended.any() else None
+            final_obs = obs.copy() if ended.any() else None  # adapters may reuse their buffers
         else:
             obs, rewards, terms, truncs, steps_taken, ended, final_obs = self._step_chunk(actions)
         self._account(rewards, steps_taken, ended)

@@ -9,6 +9,7 @@ import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from tidal.registry import Registry
 
@@ -26,17 +27,24 @@ def prompt_answer(record: dict, _rng: random.Random) -> list[Segment]:
 @dataclass(frozen=True)
 class Task:
     problems: Callable[..., list[dict]]  # (n, seed, data_cfg) -> records
-    multi_turn: bool = False
     # (record, rng) -> segments laid out as the workflow lays out an episode (for tidal sft)
     demonstration: Callable[[dict, random.Random], list[Segment]] = prompt_answer
+    reward: Callable[..., float] | None = None  # single-turn: reward_fn(completion=..., **record)
+    env: Callable[[dict], Any] | None = None  # multi-turn: record -> env with step(completion)
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.env is not None
 
 
 TASKS: Registry[Task] = Registry("task", "data.task")
 
 
-def register_task(name: str, multi_turn: bool = False, demonstration=prompt_answer):
+def register_task(name: str, demonstration=prompt_answer, reward=None, env=None):
+    """Register ``problems(n, seed, data_cfg)`` under ``name``: single-turn with a ``reward``
+    function, or multi-turn with an ``env`` factory."""
     def decorator(fn):
-        TASKS.register(name)(Task(fn, multi_turn, demonstration))
+        TASKS.register(name)(Task(fn, demonstration, reward, env))
         return fn
 
     return decorator
@@ -54,7 +62,7 @@ def arithmetic_problems(n: int, digits: int = 2, seed: int = 0, ops: str = "+") 
     return out
 
 
-@register_task("arithmetic")
+@register_task("arithmetic", reward=lambda **kw: exact_match_reward(**kw))
 def _arithmetic_task(n: int, seed: int, data) -> list[dict]:
     return arithmetic_problems(n, data.digits, seed, data.ops)
 
@@ -72,7 +80,7 @@ def reverse_problems(n: int, max_len: int = 24, seed: int = 0, tail: float = 1.2
     return out
 
 
-@register_task("reverse")
+@register_task("reverse", reward=lambda **kw: exact_match_reward(**kw))
 def _reverse_task(n: int, seed: int, data) -> list[dict]:
     return reverse_problems(n, data.max_len, seed)
 
@@ -119,6 +127,6 @@ def consistent_guesses(record: dict, rng: random.Random, max_turns: int = 6, hig
     return segments
 
 
-@register_task("guess_number", multi_turn=True, demonstration=consistent_guesses)
+@register_task("guess_number", demonstration=consistent_guesses, env=lambda record: GuessNumberEnv(record["target"]))
 def _guess_number_task(n: int, seed: int, data) -> list[dict]:
     return guess_number_problems(n, seed)

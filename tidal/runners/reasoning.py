@@ -23,7 +23,7 @@ from tidal.inference import GenerationConfig, InferenceClient, ModelRequest
 from tidal.metrics import MetricLogger, Timer, attach_file_log
 from tidal.rollout.dispatcher import RolloutDispatcher
 from tidal.rollout.staleness import StalenessManager
-from tidal.rollout.tasks import TASKS, GuessNumberEnv, exact_match_reward
+from tidal.rollout.tasks import TASKS, exact_match_reward
 from tidal.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow, merge_episodes
 from tidal.runtime import Channel, Cluster, wait_all
 from tidal.workers.inference_worker import InferenceServerWorker
@@ -73,10 +73,11 @@ class ReasoningRunner:
         if ":" in r.workflow:  # a user's workflow: module.path:factory(runner) -> async callable
             module, name = r.workflow.split(":", 1)
             return getattr(importlib.import_module(module), name)(self)
-        if r.workflow == "multi_turn" or TASKS.get(d.task).multi_turn:
-            return MultiTurnWorkflow(self.client, self.tokenizer, lambda data: GuessNumberEnv(data["target"]), self.gconfig,
+        task = TASKS.get(d.task)
+        if task.multi_turn:
+            return MultiTurnWorkflow(self.client, self.tokenizer, task.env, self.gconfig,
                                      max_turns=r.max_turns, turn_discount=r.turn_discount, group_size=r.group_size)
-        return RLVRWorkflow(self.client, self.tokenizer, exact_match_reward, self.gconfig, r.group_size, r.reward_timeout_s)
+        return RLVRWorkflow(self.client, self.tokenizer, task.reward, self.gconfig, r.group_size, r.reward_timeout_s)
 
     def _data(self):
         d = self.cfg.data

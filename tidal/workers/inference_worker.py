@@ -3,8 +3,6 @@ cluster; it publishes its address, and takes weights from the trainer in the clu
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from tidal.inference import GenerationEngine, InferenceServer
@@ -13,11 +11,8 @@ from tidal.runtime import Channel, Worker, recv_weights
 
 class InferenceServerWorker(Worker):
     def __init__(self, model_dir: str, host: str = "127.0.0.1", api_key: str | None = None,
-                 max_batch_size: int = 64, allowed_dirs: list[str] | None = None, torch_threads: int = 1,
-                 gil_switch_interval: float | None = 1e-3):
+                 max_batch_size: int = 64, allowed_dirs: list[str] | None = None, torch_threads: int = 1):
         torch.set_num_threads(torch_threads)
-        if gil_switch_interval is not None:  # the HTTP thread answers a pause between engine steps
-            sys.setswitchinterval(gil_switch_interval)
         engine = GenerationEngine(model_dir, max_batch_size=max_batch_size)
         self.server = InferenceServer(engine, host=host, port=0, api_key=api_key,
                                       allowed_dirs=allowed_dirs or [model_dir]).start()
