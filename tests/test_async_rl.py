@@ -210,6 +210,15 @@ def test_llm_config_rules():
         validate_llm(load_config(LLMConfig, None, ["actor.adv_type=gae"]))
     with pytest.raises(ConfigError, match="actor.prox_logp_method"):
         validate_llm(load_config(LLMConfig, None, ["actor.prox_logp_method=guess"]))
+    with pytest.raises(ConfigError, match="rollout.workflow: task 'arithmetic' runs the 'rlvr' workflow"):
+        validate_llm(load_config(LLMConfig, None, ["rollout.workflow=multi_turn"]))
+    with pytest.raises(ConfigError, match="data.task: expected one of arithmetic, guess_number, reverse"):
+        validate_llm(load_config(LLMConfig, None, ["data.task=chess"]))
+    with pytest.raises(ConfigError, match="cluster.placement: a data-parallel trainer"):
+        validate_llm(load_config(LLMConfig, None, ["cluster.placement={rollout: '0', actor: '1-2'}"]))
+    with pytest.raises(ConfigError, match="rollout.batch_size: 9 sequences per step do not split evenly"):
+        validate_llm(load_config(LLMConfig, None, ["cluster.backend=ray", "cluster.placement={rollout: '0', actor: '1-2'}",
+                                                  "rollout.batch_size=3", "rollout.group_size=3"]))
 
 
 # ----------------------------------------------------------------------------- end to end
