@@ -3,7 +3,7 @@ the same number of training steps, from the same warm-started model, in one run.
 
     tidal sft examples/llm/reverse_grpo.yaml
     python benchmarks/async_rl_bench.py --config examples/llm/reverse_grpo.yaml \
-        --model runs/models/reverse [--steps 30] [--pause-mode in_place] [key=value ...]
+        --model runs/models/reverse [--steps 30] [--pause-mode in_place] [--async-prox loglinear] [key=value ...]
 
 Reports training tokens/s of each and the final held-out accuracy of each.
 """
@@ -57,12 +57,14 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--pause-mode", default="in_place", help="the asynchronous run's rollout.pause_mode")
+    parser.add_argument("--async-prox", default="recompute", help="the asynchronous run's actor.prox_logp_method")
     parser.add_argument("--out", default="benchmarks/results/async_rl_bench.json")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     sync = run(args.config, args.model, args.steps, 0, False, args.overrides)
     print("sync:", json.dumps(sync), flush=True)
-    asyn = run(args.config, args.model, args.steps, 4, True, [f"rollout.pause_mode={args.pause_mode}", *args.overrides])
+    asyn = run(args.config, args.model, args.steps, 4, True, [f"rollout.pause_mode={args.pause_mode}",
+                                                              f"actor.prox_logp_method={args.async_prox}", *args.overrides])
     print("async:", json.dumps(asyn), flush=True)
     result = {"sync": sync, "async": asyn, "tokens_per_s_ratio": asyn["train_tokens_per_s"] / sync["train_tokens_per_s"],
               "accuracy_gap_points": 100 * (asyn["final_accuracy"] - sync["final_accuracy"])}
