@@ -106,3 +106,20 @@ def test_ray_backend_disaggregated_with_data_parallel_actor(tmp_path):
     rows = read_metrics(summary["run_dir"])
     assert len(rows) == 3 and rows[-1]["eval/return_mean"] is not None
     assert all(r["train/skipped_steps"] == 0 for r in rows)
+
+
+@pytest.mark.parametrize("auto_reset", [True, False])
+def test_prefetched_bootstrap_changes_nothing_but_the_overlap(tmp_path, auto_reset):
+    """``runner.overlap_env_bootstrap``: the envs start the next epoch while the actor trains;
+    the run sees the same episodes and takes the same steps as without it."""
+    overrides = [*TINY, f"env.auto_reset={str(auto_reset).lower()}", "runner.max_steps=3", "runner.save_interval=0",
+                 "runner.eval_interval=2"]
+    runs = []
+    for overlap in (False, True):
+        summary = run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *overrides, f"runner.overlap_env_bootstrap={str(overlap).lower()}",
+                      f"runner.experiment=overlap-{overlap}")
+        runs.append(read_metrics(summary["run_dir"]))
+    keys = ["env_steps", "rollout/return_mean", "rollout/episodes", "train/policy_loss", "train/value_loss", "eval/return_mean"]
+    assert [[r.get(k) for k in keys] for r in runs[0]] == [[r.get(k) for k in keys] for r in runs[1]]
+    assert [r["rollout/bootstrap_prefetched"] for r in runs[1]] == [0.0, 1.0, 1.0]  # it did start epochs early
+    assert [r["rollout/bootstrap_prefetched"] for r in runs[0]] == [0.0, 0.0, 0.0]

@@ -39,6 +39,8 @@ class RunnerConfig:
     save_interval: int = 0  # 0: only at the end
     resume_from: str | None = None  # a checkpoint folder
     timeout_s: float = 600.0  # bound on every wait for a phase
+    # while the actor trains, envs start the next epoch (resets, first observations)
+    overlap_env_bootstrap: bool = False
     progress: bool = True  # live progress on the terminal
 
 

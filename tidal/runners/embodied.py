@@ -87,6 +87,7 @@ class EmbodiedRunner:
             "rollout/return_mean": float(np.mean(returns)) if returns else None,
             "rollout/episode_length_mean": float(np.mean(lengths)) if lengths else None,
             "rollout/episodes": len(returns),
+            "rollout/bootstrap_prefetched": float(np.mean([res["prefetched"] for res in env_results])),
         }
 
     def evaluate(self) -> dict:
@@ -156,7 +157,10 @@ class EmbodiedRunner:
             with self.timer("compute_advantages"):
                 metrics.update(self.actor.compute_advantages().wait(timeout)[0])
             with self.timer("train"):
-                metrics.update(self.actor.run_training().wait(timeout)[0])
+                handles = [self.actor.run_training()]
+                if self.cfg.runner.overlap_env_bootstrap and step + 1 < self.cfg.runner.max_steps:
+                    handles.append(self.env.prefetch_train_bootstrap(self.channels["rollout"]))
+                metrics.update(wait_all(handles, timeout)[0][0])
         metrics.update(self.timer.pop())
         metrics.update({"env_steps": self.env_steps, "version": self.rollout_version})
         metrics["env_steps_per_s"] = self.env_steps_this_step(metrics)

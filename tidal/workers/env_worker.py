@@ -77,6 +77,7 @@ class EnvWorker(Worker):
         eval_envs = env.eval_num_envs // self.world_size
         self.eval_env = ChunkedEnv(self._make(eval_envs), False, [cfg.runner.seed + 10**6 + self.rank * eval_envs + i for i in range(eval_envs)])
         self.epoch = 0
+        self._prefetched = False  # the next epoch's first observations were already sent
         self._obs = [e.reset().obs for e in self.envs]
         chunk = env.num_action_chunks
         self._last_dones = [torch.zeros(self.stage_envs, chunk, dtype=torch.bool) for _ in range(self.stages)]
@@ -98,14 +99,12 @@ class EnvWorker(Worker):
                        reward_ch: Channel | None = None, timeout: float = 600.0) -> dict:
         """Step ``rollout.num_steps`` chunks per env, then send the trajectories to the actor."""
         steps = self.cfg.rollout.num_steps
-        if not self.cfg.env.auto_reset:  # every epoch starts fresh episodes (same seed per group)
-            self._obs = [e.reset(seed_offset=self.epoch * self.cfg.env.total_num_envs).obs for e in self.envs]
-            self._last_dones = [torch.zeros_like(d) for d in self._last_dones]
+        outbox = Outbox()
+        prefetched, self._prefetched = self._prefetched, False
+        if not prefetched:
+            await self._start_epoch(outbox, rollout_ch)
         recorders = [_StageRecorder(d) for d in self._last_dones]
         needs = [torch.zeros(self.stage_envs, dtype=torch.bool) for _ in range(self.stages)]
-        outbox = Outbox()
-        for s in range(self.stages):
-            await self._send_obs(outbox, rollout_ch, EnvOutput(obs=self._obs[s]), "train", s)
         for t in range(steps + 1):
             for s in range(self.stages):
                 act: ChunkActions = await self._recv_actions(env_ch, "train", s, timeout)
@@ -137,7 +136,25 @@ class EnvWorker(Worker):
             "returns": [r for ep in episodes for r in ep["returns"]],
             "lengths": [n for ep in episodes for n in ep["lengths"]],
             "env_steps": steps * self.stage_envs * self.stages * self.cfg.env.num_action_chunks,
+            "prefetched": prefetched,
         }
+
+    async def _start_epoch(self, outbox: Outbox, rollout_ch: Channel) -> None:
+        """Reset when every epoch starts fresh episodes (same seed per group), then send each
+        stage's first observation to the rollout."""
+        if not self.cfg.env.auto_reset:
+            self._obs = [e.reset(seed_offset=self.epoch * self.cfg.env.total_num_envs).obs for e in self.envs]
+            self._last_dones = [torch.zeros_like(d) for d in self._last_dones]
+        for s in range(self.stages):
+            await self._send_obs(outbox, rollout_ch, EnvOutput(obs=self._obs[s]), "train", s)
+
+    async def prefetch_train_bootstrap(self, rollout_ch: Channel) -> None:
+        """Start the next epoch early — its resets and first observations — while the actor
+        trains; the next ``interact`` then begins with the rollout's answer."""
+        outbox = Outbox()
+        await self._start_epoch(outbox, rollout_ch)
+        await outbox.flush()
+        self._prefetched = True
 
     def eval_horizon(self) -> int:
         """Chunk steps that take every eval env through one whole episode."""
