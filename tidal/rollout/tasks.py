@@ -62,7 +62,12 @@ def arithmetic_problems(n: int, digits: int = 2, seed: int = 0, ops: str = "+") 
     return out
 
 
-@register_task("arithmetic", reward=lambda **kw: exact_match_reward(**kw))
+def exact_match_reward(completion: str, answer: str, **_) -> float:
+    """1 when the completion (up to the first space or end) is exactly the answer."""
+    return 1.0 if completion.strip().split(" ")[0] == answer else 0.0
+
+
+@register_task("arithmetic", reward=exact_match_reward)
 def _arithmetic_task(n: int, seed: int, data) -> list[dict]:
     return arithmetic_problems(n, data.digits, seed, data.ops)
 
@@ -80,14 +85,9 @@ def reverse_problems(n: int, max_len: int = 24, seed: int = 0, tail: float = 1.2
     return out
 
 
-@register_task("reverse", reward=lambda **kw: exact_match_reward(**kw))
+@register_task("reverse", reward=exact_match_reward)
 def _reverse_task(n: int, seed: int, data) -> list[dict]:
     return reverse_problems(n, data.max_len, seed)
-
-
-def exact_match_reward(completion: str, answer: str, **_) -> float:
-    """1 when the completion (up to the first space or end) is exactly the answer."""
-    return 1.0 if completion.strip().split(" ")[0] == answer else 0.0
 
 
 @dataclass

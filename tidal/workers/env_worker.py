@@ -75,6 +75,7 @@ class EnvWorker(Worker):
             for s in range(self.stages)
         ]
         eval_envs = env.eval_num_envs // self.world_size
+        self._eval_obs = None  # where the running evaluation has got to
         self.eval_env = ChunkedEnv(self._make(eval_envs), False, [cfg.runner.seed + 10**6 + self.rank * eval_envs + i for i in range(eval_envs)])
         self.epoch = 0
         self._prefetched = False  # the next epoch's first observations were already sent
