@@ -268,6 +268,30 @@ def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
     assert torch.isfinite(torch.tensor([r["train/policy_loss"] for r in steps])).all()
 
 
+@pytest.mark.ray
+def test_ray_servers_and_a_data_parallel_trainer_run_the_loop_and_resume(arith_model, tmp_path):
+    """The whole loop on Ray: a server process and two DDP trainer ranks (rank 0 sends the
+    weights and writes the checkpoint), in-place pauses, then a resume on the same layout."""
+    from tidal.runners.reasoning import ReasoningRunner
+
+    overrides = [f"model.path={arith_model}", f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.max_steps=2",
+                 "runner.eval_interval=2", "data.eval_size=8", "rollout.batch_size=4", "rollout.group_size=2",
+                 "rollout.max_staleness=1", "actor.use_decoupled_loss=true", "rollout.pause_mode=in_place",
+                 "cluster.backend=ray", "cluster.devices_per_node=3", "cluster.placement={rollout: '0', actor: '1-2'}"]
+    summaries = []
+    for extra in ([], ["runner.max_steps=3"]):
+        if summaries:
+            extra.append(f"runner.resume_from={summaries[-1]['checkpoint']}")
+        runner = ReasoningRunner(load_config(LLMConfig, None, overrides + extra))
+        try:
+            summaries.append(runner.run())
+        finally:
+            runner.close()
+    rows = [json.loads(x) for x in (Path(summaries[-1]["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows if r["step"] >= 0] == [1, 2, 3]
+    assert summaries[-1]["steps"] == 3 and Path(summaries[-1]["checkpoint"]).is_dir()
+
+
 def test_multi_turn_workflow_appends_feedback_with_loss_mask_zero():
     from tidal.inference import ModelResponse
     from tidal.inference.tiny import char_tokenizer
