@@ -379,10 +379,15 @@ def test_data_parallel_trainer_takes_the_same_step_as_one_rank(arith_model):
     batch = _synthetic_batch(16, 12, vocab)
     cluster = Cluster("ray", devices_per_node=3, ray_init_kwargs={"num_cpus": 2})
     try:
-        for agg in ("token-mean", "seq-mean-token-mean"):
+        # and KL to a reference model shaping the reward, with groups that straddle the ranks
+        cases = {"token-mean": [], "seq-mean-token-mean": [],
+                 "kl-in-reward": ["actor.kl_coef=0.5", "actor.kl_in=reward", "rollout.group_size=8", "rollout.batch_size=2"]}
+        for agg, extra in cases.items():
+            loss_agg = "token-mean" if agg == "kl-in-reward" else agg
             cfg = load_config(LLMConfig, None, [f"model.path={arith_model}", "rollout.group_size=4", "rollout.batch_size=4",
-                                                "actor.ppo_minibatches=2", "actor.max_tokens_per_mb=40", f"actor.loss_agg={agg}",
-                                                "actor.use_decoupled_loss=true", "actor.lr=1e-3"])
+                                                "actor.ppo_minibatches=2", "actor.max_tokens_per_mb=40",
+                                                f"actor.loss_agg={loss_agg}", "actor.use_decoupled_loss=true", "actor.lr=1e-3",
+                                                *extra])
             one = LMActor.create_group(cfg).launch(cluster, "0", name=f"one-{agg}")
             two = LMActor.create_group(cfg).launch(cluster, "1-2", name=f"two-{agg}")
             m1 = one.train_step(batch).wait(120)[0]

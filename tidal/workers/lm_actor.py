@@ -122,7 +122,8 @@ class LMActor(Worker):
         mine = torch.cat([self.my_rows(mb) for mb in minibatches])
         stale = (self.version - batch["versions"])[mask].float()
         if self.ref is not None:
-            batch["ref_logp"] = self.compute_logp(batch, self.ref, mine)
+            # KL in the reward shapes the advantages, which every rank computes over all rows
+            batch["ref_logp"] = self.compute_logp(batch, self.ref, None if a.kl_in == "reward" else mine)
         need_forward = (a.use_decoupled_loss and a.prox_logp_method in ("recompute", "metrics")) or (
             not a.use_decoupled_loss and a.recompute_logprob)
         prox = self.compute_logp(batch, rows=mine) if need_forward else None
