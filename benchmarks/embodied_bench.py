@@ -154,7 +154,7 @@ def bench_solve(seeds: int) -> dict:
     for seed in range(1, seeds + 1):
         cfg = load_config(EmbodiedConfig, EXAMPLES / "cartpole_ppo.yaml",
                           [f"runner.run_dir={RUN_DIR}", "runner.progress=false", f"runner.seed={seed}",
-                           f"actor.seed={seed}"])
+                           f"runner.seed={seed}"])
         start = time.perf_counter()
         runner = EmbodiedRunner(cfg)
         try:

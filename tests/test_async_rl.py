@@ -206,10 +206,10 @@ def test_length_grouped_micro_batches_cover_every_row_once_without_padding_beyon
 
 
 def test_llm_config_rules():
-    with pytest.raises(ConfigError, match="actor.adv_type: expected a critic-free estimator"):
-        validate_llm(load_config(LLMConfig, None, ["actor.adv_type=gae"]))
-    with pytest.raises(ConfigError, match="actor.prox_logp_method"):
-        validate_llm(load_config(LLMConfig, None, ["actor.prox_logp_method=guess"]))
+    with pytest.raises(ConfigError, match="algorithm.adv_type: expected one of .*got .gae."):
+        validate_llm(load_config(LLMConfig, None, ["algorithm.adv_type=gae"]))
+    with pytest.raises(ConfigError, match="algorithm.prox_logp_method"):
+        validate_llm(load_config(LLMConfig, None, ["algorithm.prox_logp_method=guess"]))
     with pytest.raises(ConfigError, match="rollout.workflow: task 'arithmetic' runs the 'rlvr' workflow"):
         validate_llm(load_config(LLMConfig, None, ["rollout.workflow=multi_turn"]))
     with pytest.raises(ConfigError, match="data.task: expected one of arithmetic, guess_number, reverse"):
@@ -243,7 +243,7 @@ def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
     overrides = [f"model.path={arith_model}", f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.max_steps=3",
                  "runner.eval_interval=3", "data.eval_size=8", "rollout.batch_size=4", "rollout.group_size=2",
                  "rollout.max_concurrent_rollouts=8", "runner.experiment=e"]
-    extra = ["actor.loss_agg=seq-mean-token-mean"] if preset == "stable" else []
+    extra = ["algorithm.loss_agg=seq-mean-token-mean"] if preset == "stable" else []
     cfg = load_config(LLMConfig, presets / f"{preset}.yaml", overrides + extra)
     runner = ReasoningRunner(cfg)
     try:
@@ -276,7 +276,7 @@ def test_ray_servers_and_a_data_parallel_trainer_run_the_loop_and_resume(arith_m
 
     overrides = [f"model.path={arith_model}", f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.max_steps=2",
                  "runner.eval_interval=2", "data.eval_size=8", "rollout.batch_size=4", "rollout.group_size=2",
-                 "rollout.max_staleness=1", "actor.use_decoupled_loss=true", "rollout.pause_mode=in_place",
+                 "rollout.max_staleness=1", "algorithm.use_decoupled_loss=true", "rollout.pause_mode=in_place",
                  "cluster.backend=ray", "cluster.devices_per_node=3", "cluster.placement={rollout: '0', actor: '1-2'}"]
     summaries = []
     for extra in ([], ["runner.max_steps=3"]):
@@ -381,12 +381,12 @@ def test_data_parallel_trainer_takes_the_same_step_as_one_rank(arith_model):
     try:
         # and KL to a reference model shaping the reward, with groups that straddle the ranks
         cases = {"token-mean": [], "seq-mean-token-mean": [],
-                 "kl-in-reward": ["actor.kl_coef=0.5", "actor.kl_in=reward", "rollout.group_size=8", "rollout.batch_size=2"]}
+                 "kl-in-reward": ["algorithm.kl_coef=0.5", "algorithm.kl_in=reward", "rollout.group_size=8", "rollout.batch_size=2"]}
         for agg, extra in cases.items():
             loss_agg = "token-mean" if agg == "kl-in-reward" else agg
             cfg = load_config(LLMConfig, None, [f"model.path={arith_model}", "rollout.group_size=4", "rollout.batch_size=4",
                                                 "actor.ppo_minibatches=2", "actor.max_tokens_per_mb=40",
-                                                f"actor.loss_agg={loss_agg}", "actor.use_decoupled_loss=true", "actor.lr=1e-3",
+                                                f"algorithm.loss_agg={loss_agg}", "algorithm.use_decoupled_loss=true", "actor.lr=1e-3",
                                                 *extra])
             one = LMActor.create_group(cfg).launch(cluster, "0", name=f"one-{agg}")
             two = LMActor.create_group(cfg).launch(cluster, "1-2", name=f"two-{agg}")

@@ -32,7 +32,7 @@ def read_metrics(run_dir):
 
 def test_cartpole_ppo_solves_within_100k_steps(tmp_path):
     summary = run(EXAMPLES / "cartpole_ppo.yaml", tmp_path)
-    assert summary["best_eval_return"] >= 475, summary
+    assert summary["best_value"] >= 475, summary
     assert summary["solved_at_env_steps"] <= 100_000
     rows = read_metrics(summary["run_dir"])
     assert REQUIRED_KEYS <= set(rows[0])
@@ -46,7 +46,7 @@ def test_cartpole_ppo_solves_within_100k_steps(tmp_path):
 TINY = [
     "env.total_num_envs=4", "env.pipeline_stage_num=2", "env.num_action_chunks=3", "env.eval_num_envs=2",
     "rollout.num_steps=8", "actor.global_batch_size=16", "actor.micro_batch_size=8", "runner.max_steps=2",
-    "runner.eval_interval=1", "runner.save_interval=1", "runner.target_eval_return=null",
+    "runner.eval_interval=1", "runner.save_interval=1", "runner.target_value=null",
 ]
 
 
@@ -101,7 +101,7 @@ def test_truncated_episode_is_bootstrapped_not_terminal():
 def test_ray_backend_disaggregated_with_data_parallel_actor(tmp_path):
     summary = run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, "cluster.backend=ray", "cluster.devices_per_node=4",
                   "cluster.placement={env: '0', rollout: '1', actor: '2-3'}", "runner.max_steps=3", "runner.eval_interval=3",
-                  "runner.target_eval_return=null", "env.total_num_envs=8", "rollout.num_steps=32",
+                  "runner.target_value=null", "env.total_num_envs=8", "rollout.num_steps=32",
                   "actor.global_batch_size=128", "actor.micro_batch_size=32")
     rows = read_metrics(summary["run_dir"])
     assert len(rows) == 3 and rows[-1]["eval/return_mean"] is not None

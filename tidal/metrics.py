@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -33,8 +34,23 @@ class Timer:
         return out
 
 
+def truncate_metrics(run_dir: str | Path, after_step: int) -> int:
+    """Drop the rows of ``metrics.jsonl`` logged after ``after_step`` (a resumed run logs them
+    again); returns how many were dropped."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= after_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
 class MetricLogger:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, loggers=("jsonl", "tensorboard"), config=None, settings=None):
+        tensorboard = "tensorboard" in loggers
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._queue: queue.Queue = queue.Queue()

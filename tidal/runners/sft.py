@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tidal.config.llm import LLMConfig
+from tidal.config.common import ActorConfig
+from tidal.config.llm import LLMConfig, validate_sft
+from tidal.engine import TrainEngine
 from tidal.inference.tiny import char_tokenizer, tiny_llama
 from tidal.rollout.tasks import ARITH_ALPHABET, TASKS
 
@@ -58,6 +60,7 @@ def greedy_accuracy(model, tokenizer, problems: list[dict], max_new_tokens: int)
 
 
 def run_sft(cfg: LLMConfig) -> dict:
+    validate_sft(cfg)
     torch.manual_seed(cfg.runner.seed)
     torch.set_num_threads(max(1, cfg.cluster.torch_threads))
     model, tokenizer = load_or_build(cfg)
@@ -65,26 +68,31 @@ def run_sft(cfg: LLMConfig) -> dict:
     task = TASKS.get(d.task)
     train = task.problems(d.train_size, d.seed, d)
     held_out = task.problems(cfg.sft.eval_size, d.seed + 10_000, d)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr)
+    # torch's AdamW defaults and no clipping: how the warm start has always trained
+    engine = TrainEngine(model, ActorConfig(lr=cfg.sft.lr, optimizer="adamw", weight_decay=0.01, max_grad_norm=None),
+                         total_steps=cfg.sft.steps, name="sft")
+
+    def loss_fn(module, micro):
+        ids, labels = micro
+        loss = module(input_ids=ids, labels=labels).loss
+        return loss, {"loss": loss.item()}
+
     rng = random.Random(cfg.runner.seed)
     start = time.perf_counter()
-    model.train()
     for step in range(cfg.sft.steps):
         batch = [encode(tokenizer, task.demonstration(p, rng)) for p in rng.sample(train, cfg.sft.batch_size)]
         width = max(len(ids) for ids, _ in batch)
         ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in batch])
         learn = torch.tensor([trained + [False] * (width - len(trained)) for _, trained in batch])
         labels = torch.where(learn, ids, -100)
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = engine.train_batch([(ids, labels)], loss_fn)["loss"][0]
+        engine.end_step()
         if (step + 1) % 100 == 0:
-            log.info("sft step %d loss %.4f", step + 1, loss.item())
+            log.info("sft step %d loss %.4f", step + 1, loss)
     # multi-turn tasks are scored by the RL runner's first evaluation (it needs the environment)
     accuracy = None if task.multi_turn else greedy_accuracy(model, tokenizer, held_out, cfg.rollout.max_new_tokens)
     Path(cfg.model.path).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(cfg.model.path)
     tokenizer.save_pretrained(cfg.model.path)
     return {"model_path": cfg.model.path, "steps": cfg.sft.steps, "held_out_accuracy": accuracy,
-            "final_loss": loss.item(), "wall_time": time.perf_counter() - start}
+            "final_loss": loss, "wall_time": time.perf_counter() - start}
