@@ -268,6 +268,19 @@ def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
     assert torch.isfinite(torch.tensor([r["train/policy_loss"] for r in steps])).all()
 
 
+def test_the_same_experiment_twice_makes_two_run_folders(arith_model, tmp_path):
+    from tidal.runners.reasoning import ReasoningRunner
+
+    overrides = [f"model.path={arith_model}", f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.max_steps=1",
+                 "runner.eval_interval=0", "rollout.batch_size=2", "rollout.group_size=2", "runner.experiment=twice"]
+    folders = []
+    for _ in range(2):
+        with ReasoningRunner(load_config(LLMConfig, None, overrides)) as runner:
+            folders.append(Path(runner.run()["run_dir"]))
+    assert [f.name for f in folders] == ["twice", "twice-2"]
+    assert all(len((f / "metrics.jsonl").read_text().splitlines()) == 1 for f in folders)
+
+
 @pytest.mark.ray
 def test_ray_servers_and_a_data_parallel_trainer_run_the_loop_and_resume(arith_model, tmp_path):
     """The whole loop on Ray: a server process and two DDP trainer ranks (rank 0 sends the

@@ -123,3 +123,10 @@ def test_prefetched_bootstrap_changes_nothing_but_the_overlap(tmp_path, auto_res
     assert [[r.get(k) for k in keys] for r in runs[0]] == [[r.get(k) for k in keys] for r in runs[1]]
     assert [r["rollout/bootstrap_prefetched"] for r in runs[1]] == [0.0, 1.0, 1.0]  # it did start epochs early
     assert [r["rollout/bootstrap_prefetched"] for r in runs[0]] == [0.0, 0.0, 0.0]
+
+
+def test_the_same_experiment_twice_makes_two_run_folders(tmp_path):
+    summaries = [run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *TINY, "runner.max_steps=1", "runner.experiment=twice")
+                 for _ in range(2)]
+    assert [Path(s["run_dir"]).name for s in summaries] == ["twice", "twice-2"]
+    assert all(len(read_metrics(s["run_dir"])) == 1 for s in summaries)
