@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import math
 import threading
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from transformers import AutoTokenizer
 
 from tidal.config import ConfigError, load_config
 from tidal.config.llm import LLMConfig, validate_llm
+from tidal.data import LMBatch, TokenSequence
 from tidal.rollout.dispatcher import EpisodeError, RolloutDispatcher
 from tidal.rollout.staleness import StalenessManager
 from tidal.rollout.tasks import (
@@ -19,7 +21,6 @@ from tidal.rollout.tasks import (
     exact_match_reward,
     reverse_problems,
 )
-from tidal.rollout.workflows import Sequence, merge_episodes, pad_episode
 from tidal.workers.lm_actor import length_grouped_micro_batches, pack_by_tokens, token_logprobs
 
 # ----------------------------------------------------------------------------- staleness
@@ -149,18 +150,19 @@ def test_paused_dispatcher_submits_nothing():
 
 
 def test_padded_episodes_and_merging():
-    s1, s2 = Sequence(), Sequence()
+    s1, s2 = TokenSequence(), TokenSequence()
     s1.add_context([1, 2])
     s2.add_context([1, 2, 3])
     from tidal.inference import ModelResponse
+    from tidal.rollout.workflows import add_response
 
-    s1.add_response(ModelResponse(output_tokens=[7, 8], output_logprobs=[-0.1, -0.2], output_versions=[3, 4]))
-    ep = pad_episode([s1, s2], [1.0, 0.0])
-    assert ep["input_ids"].tolist() == [[1, 2, 7, 8], [1, 2, 3, 0]]
-    assert ep["versions"].tolist() == [[-1, -1, 3, 4], [-1, -1, -1, -1]]
-    assert ep["loss_mask"].tolist() == [[False, False, True, True], [False] * 4]
-    merged = merge_episodes([ep, pad_episode([s2], [0.5])])
-    assert merged["input_ids"].shape == (3, 4) and merged["rewards"].tolist() == [1.0, 0.0, 0.5]
+    add_response(s1, ModelResponse(output_tokens=[7, 8], output_logprobs=[-0.1, -0.2], output_versions=[3, 4]))
+    ep = LMBatch.from_sequences([s1, s2], [1.0, 0.0])
+    assert ep.input_ids.tolist() == [[1, 2, 7, 8], [1, 2, 3, 0]]
+    assert ep.versions.tolist() == [[-1, -1, 3, 4], [-1, -1, -1, -1]]
+    assert ep.loss_mask.tolist() == [[False, False, True, True], [False] * 4]
+    merged = LMBatch.concat([ep, LMBatch.from_sequences([s2], [0.5])])
+    assert merged.input_ids.shape == (3, 4) and merged.rewards.tolist() == [1.0, 0.0, 0.5]
 
 
 def test_tasks_and_rewards():
@@ -231,7 +233,8 @@ def arith_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("m") / "arith"
     cfg = load_config(LLMConfig, None, [f"model.path={path}", "model.hidden=32", "model.layers=1", "sft.steps=20", "sft.eval_size=16"])
     summary = run_sft(cfg)
-    assert 0.0 <= summary["held_out_accuracy"] <= 1.0
+    # 20 steps must already beat guessing uniformly over the vocabulary
+    assert summary["final_loss"] < math.log(len(AutoTokenizer.from_pretrained(path))), summary
     return path
 
 
@@ -322,14 +325,14 @@ def test_multi_turn_workflow_appends_feedback_with_loss_mask_zero():
 
     wf = MultiTurnWorkflow(FakeClient(), tok, lambda d: GuessNumberEnv(d["target"]), None, max_turns=5, turn_discount=0.5)
     ep = asyncio.run(wf({"prompt": "guess?", "target": 42}))
-    text = tok.decode(ep["input_ids"][0].tolist(), skip_special_tokens=True)
+    text = tok.decode(ep.input_ids[0].tolist(), skip_special_tokens=True)
     assert text == "guess?10 >60 <42"
-    assert ep["rewards"].tolist() == [0.25]  # success on the third turn: 1 * 0.5^2
-    mask = ep["loss_mask"][0].tolist()
-    generated = [t for t, m in zip(ep["input_ids"][0].tolist(), mask) if m]
+    assert ep.rewards.tolist() == [0.25]  # success on the third turn: 1 * 0.5^2
+    mask = ep.loss_mask[0].tolist()
+    generated = [t for t, m in zip(ep.input_ids[0].tolist(), mask) if m]
     assert tok.decode(generated) == "106042"
-    assert set(ep["versions"][0][ep["loss_mask"][0]].tolist()) == {7}
-    assert set(ep["versions"][0][~ep["loss_mask"][0]].tolist()) == {-1}
+    assert set(ep.versions[0][ep.loss_mask[0]].tolist()) == {7}
+    assert set(ep.versions[0][~ep.loss_mask[0]].tolist()) == {-1}
 
 
 def test_sft_demonstrations_match_the_multi_turn_episode_layout():
@@ -358,8 +361,8 @@ def test_sft_demonstrations_match_the_multi_turn_episode_layout():
     wf = MultiTurnWorkflow(Replay(), tok, lambda d: GuessNumberEnv(d["target"]), None, max_turns=6)
     ep = asyncio.run(wf(record))
     ids, learned = encode(tok, segments)
-    assert ep["input_ids"][0].tolist()[:len(ids)] == ids
-    assert ep["loss_mask"][0].tolist()[:len(ids)] == learned
+    assert ep.input_ids[0].tolist()[:len(ids)] == ids
+    assert ep.loss_mask[0].tolist()[:len(ids)] == learned
     # every guess is consistent with the feedback before it
     lo, hi = 0, 99
     for text, is_guess in segments[1:]:
@@ -370,15 +373,15 @@ def test_sft_demonstrations_match_the_multi_turn_episode_layout():
             lo, hi = (last + 1, hi) if text == " >" else (lo, last - 1)
 
 
-def _synthetic_batch(rows: int, width: int, vocab: int, seed: int = 0) -> dict:
+def _synthetic_batch(rows: int, width: int, vocab: int, seed: int = 0) -> LMBatch:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(4, width + 1, (rows,), generator=g)
     attention = torch.arange(width)[None, :] < lengths[:, None]
     loss_mask = attention & (torch.arange(width)[None, :] >= 3)
-    return {"input_ids": torch.randint(3, vocab, (rows, width), generator=g) * attention,
-            "attention_mask": attention, "loss_mask": loss_mask,
-            "logprobs": torch.where(loss_mask, -torch.rand(rows, width, generator=g) - 0.5, 0.0),
-            "versions": torch.where(loss_mask, 0, -1), "rewards": torch.randint(0, 2, (rows,), generator=g).float()}
+    return LMBatch(input_ids=torch.randint(3, vocab, (rows, width), generator=g) * attention,
+                   attention_mask=attention, loss_mask=loss_mask,
+                   logprobs=torch.where(loss_mask, -torch.rand(rows, width, generator=g) - 0.5, 0.0),
+                   versions=torch.where(loss_mask, 0, -1), rewards=torch.randint(0, 2, (rows,), generator=g).float())
 
 
 @pytest.mark.ray

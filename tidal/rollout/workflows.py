@@ -1,9 +1,7 @@
-"""Episodes for language agents: ``async def run_episode(client, data) -> dict | None``.
+"""Episodes for language agents: ``async def run_episode(data) -> LMBatch | None``.
 
-An episode returns padded tensors ``[n, L]``: ``input_ids``, ``attention_mask``, ``loss_mask``
-(1 on generated tokens), ``logprobs`` (behaviour log-probs, 0 elsewhere), ``versions``
-(the weight version of each generated token, -1 elsewhere) and ``rewards`` ``[n]``, or
-``None`` to reject. Reward functions run off the event loop with a timeout; an exception or a
+An episode returns an ``LMBatch`` (tidal.data: padded ``[n, L]`` token ids, masks, behaviour
+log-probs and per-token weight versions, and ``rewards`` ``[n]``), or ``None`` to reject. Reward functions run off the event loop with a timeout; an exception or a
 timeout rejects that sample and is counted.
 """
 
@@ -12,11 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from tidal.data import LMBatch, TokenSequence
 from tidal.inference import GenerationConfig, InferenceClient, ModelRequest, ModelResponse
 
 log = logging.getLogger(__name__)
@@ -29,56 +26,8 @@ class RewardCounters:
     timeouts: int = 0
 
 
-@dataclass
-class Sequence:
-    tokens: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-
-    def add_context(self, tokens: list[int]) -> None:
-        self.tokens += tokens
-        self.loss_mask += [0] * len(tokens)
-        self.logprobs += [0.0] * len(tokens)
-        self.versions += [-1] * len(tokens)
-
-    def add_response(self, resp: ModelResponse) -> None:
-        self.tokens += resp.output_tokens
-        self.loss_mask += [1] * resp.output_len
-        self.logprobs += resp.output_logprobs
-        self.versions += resp.output_versions
-
-
-def pad_episode(seqs: list[Sequence], rewards: list[float], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    width = max(len(s.tokens) for s in seqs)
-
-    def pad(values, fill, dtype):
-        return torch.tensor([v + [fill] * (width - len(v)) for v in values], dtype=dtype)
-
-    return {
-        "input_ids": pad([s.tokens for s in seqs], pad_id, torch.long),
-        "attention_mask": pad([[1] * len(s.tokens) for s in seqs], 0, torch.bool),
-        "loss_mask": pad([s.loss_mask for s in seqs], 0, torch.bool),
-        "logprobs": pad([s.logprobs for s in seqs], 0.0, torch.float32),
-        "versions": pad([s.versions for s in seqs], -1, torch.long),
-        "rewards": torch.tensor(rewards, dtype=torch.float32),
-    }
-
-
-def merge_episodes(episodes: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Concatenate episodes along dim 0, padding the token dimension to the longest."""
-    width = max(e["input_ids"].shape[1] for e in episodes)
-    fills = {"input_ids": pad_id, "attention_mask": 0, "loss_mask": 0, "logprobs": 0.0, "versions": -1}
-    out = {}
-    for key in episodes[0]:
-        parts = []
-        for e in episodes:
-            x = e[key]
-            if key in fills and x.shape[1] < width:
-                x = torch.cat([x, torch.full((x.shape[0], width - x.shape[1]), fills[key], dtype=x.dtype)], 1)
-            parts.append(x)
-        out[key] = torch.cat(parts, 0)
-    return out
+def add_response(seq: TokenSequence, resp: ModelResponse) -> None:
+    seq.add_generated(resp.output_tokens, resp.output_logprobs, resp.output_versions)
 
 
 async def score(reward_fn: RewardFn, timeout: float, counters: RewardCounters, **kwargs) -> float | None:
@@ -103,7 +52,7 @@ class RLVRWorkflow:
         self.gconfig, self.group_size, self.reward_timeout_s = gconfig, group_size, reward_timeout_s
         self.counters = RewardCounters()
 
-    async def __call__(self, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+    async def __call__(self, data: dict[str, Any]) -> LMBatch | None:
         prompt_ids = self.tokenizer.encode(data["prompt"], add_special_tokens=False)
         prompt_ids = [self.tokenizer.bos_token_id] + prompt_ids
         # the whole group in one request: one HTTP round trip instead of group_size
@@ -114,12 +63,12 @@ class RLVRWorkflow:
             reward = await score(self.reward_fn, self.reward_timeout_s, self.counters, completion=completion, **data)
             if reward is None:
                 return None  # a group with a missing member cannot be normalised: reject it whole
-            seq = Sequence()
+            seq = TokenSequence()
             seq.add_context(prompt_ids)
-            seq.add_response(resp)
+            add_response(seq, resp)
             seqs.append(seq)
             rewards.append(reward)
-        return pad_episode(seqs, rewards, self.tokenizer.pad_token_id)
+        return LMBatch.from_sequences(seqs, rewards, self.tokenizer.pad_token_id)
 
 
 class MultiTurnWorkflow:
@@ -133,16 +82,16 @@ class MultiTurnWorkflow:
         self.client, self.tokenizer, self.make_env = client, tokenizer, make_env
         self.gconfig, self.max_turns, self.turn_discount, self.group_size = gconfig, max_turns, turn_discount, group_size
 
-    async def play(self, data: dict[str, Any], gconfig: GenerationConfig | None = None) -> tuple[Sequence, float]:
+    async def play(self, data: dict[str, Any], gconfig: GenerationConfig | None = None) -> tuple[TokenSequence, float]:
         """One episode (with ``gconfig`` instead of the workflow's, e.g. greedy for evaluation)."""
         gconfig = gconfig or self.gconfig
         env = self.make_env(data)
-        seq = Sequence()
+        seq = TokenSequence()
         seq.add_context([self.tokenizer.bos_token_id] + self.tokenizer.encode(data["prompt"], add_special_tokens=False))
         reward = 0.0
         for turn in range(self.max_turns):
             resp = await self.client.agenerate(ModelRequest(list(seq.tokens), gconfig))
-            seq.add_response(resp)
+            add_response(seq, resp)
             feedback, turn_reward, done = env.step(self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True))
             if turn_reward > 0:
                 reward = turn_reward * self.turn_discount**turn
@@ -151,6 +100,6 @@ class MultiTurnWorkflow:
             seq.add_context(self.tokenizer.encode(feedback, add_special_tokens=False))
         return seq, reward
 
-    async def __call__(self, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+    async def __call__(self, data: dict[str, Any]) -> LMBatch | None:
         results = await asyncio.gather(*(self.play(data) for _ in range(self.group_size)))
-        return pad_episode([s for s, _ in results], [r for _, r in results], self.tokenizer.pad_token_id)
+        return LMBatch.from_sequences([s for s, _ in results], [r for _, r in results], self.tokenizer.pad_token_id)

@@ -16,11 +16,12 @@ import numpy as np
 from transformers import AutoTokenizer
 
 from tidal.config.llm import LLMConfig, import_object, validate_llm, validate_model_path
+from tidal.data import LMBatch
 from tidal.inference import GenerationConfig, InferenceClient, ModelRequest
 from tidal.rollout.dispatcher import RolloutDispatcher
 from tidal.rollout.staleness import StalenessManager
 from tidal.rollout.tasks import TASKS, exact_match_reward
-from tidal.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow, merge_episodes
+from tidal.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow
 from tidal.runners.loop import RunLoop
 from tidal.runtime import Channel, Cluster, wait_all
 from tidal.workers.inference_worker import InferenceServerWorker
@@ -143,18 +144,18 @@ class ReasoningRunner(RunLoop):
         with self.timer("step"):
             with self.timer("prepare_batch"):
                 episodes = self.dispatcher.prepare_batch(self.train_data, self.cfg.rollout.batch_size, r.timeout_s)
-                batch = merge_episodes(episodes, self.tokenizer.pad_token_id)
+                batch = LMBatch.concat(episodes, self.tokenizer.pad_token_id)
             with self.timer("train"):
                 metrics = self.actor.train_step(batch).wait(r.timeout_s)[0]
             with self.timer("update_weights"):
                 self._update_weights()
         metrics.update(self.timer.pop())
-        gen_tokens = float(batch["loss_mask"].sum())
+        gen_tokens = float(batch.loss_mask.sum())
         metrics.update({
-            "version": self.version, "rollout/reward_mean": float(batch["rewards"].mean()),
+            "version": self.version, "rollout/reward_mean": float(batch.rewards.mean()),
             **{f"rollout/{k}": v for k, v in self.staleness.snapshot().items()},
             **self._reward_failures(),
-            "train/tokens_per_s": float(batch["attention_mask"].sum()) / metrics["time/step"],
+            "train/tokens_per_s": float(batch.attention_mask.sum()) / metrics["time/step"],
             "rollout/generated_tokens_per_s": gen_tokens / metrics["time/step"],
         })
         return metrics

@@ -18,6 +18,7 @@ from tidal.algorithms import (
     ppo_policy_loss,
 )
 from tidal.config.llm import LLMConfig
+from tidal.data import LMBatch
 from tidal.engine import TrainEngine
 from tidal.runtime import Channel, Worker, send_weights
 
@@ -86,55 +87,56 @@ class LMActor(Worker):
         return minibatch[self.rank * per_rank:(self.rank + 1) * per_rank]
 
     @torch.no_grad()
-    def compute_logp(self, batch: dict[str, torch.Tensor], model=None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logp(self, batch: LMBatch, model=None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Token log-probs of ``rows`` (default all) under ``model``; other rows stay 0."""
         model = model or self.model
         model.eval()
-        out = torch.zeros(batch["input_ids"].shape)
+        out = torch.zeros(batch.input_ids.shape)
         rows = torch.arange(out.shape[0]) if rows is None else rows
-        for i, w in length_grouped_micro_batches(batch["attention_mask"], rows, self.cfg.actor.max_tokens_per_mb):
-            out[i, :w] = token_logprobs(model, batch["input_ids"][i, :w], batch["attention_mask"][i, :w], self.temperature)
+        for i, w in length_grouped_micro_batches(batch.attention_mask, rows, self.cfg.actor.max_tokens_per_mb):
+            out[i, :w] = token_logprobs(model, batch.input_ids[i, :w], batch.attention_mask[i, :w], self.temperature)
         return out
 
-    def advantages(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def advantages(self, batch: LMBatch, ref_logp: torch.Tensor | None) -> torch.Tensor:
         """Per-token advantages ``[B, L]``: the sequence reward sits on its last generated token."""
-        mask = batch["loss_mask"]
+        mask = batch.loss_mask
         last = mask.shape[1] - 1 - torch.flip(mask.long(), [1]).argmax(1)
         token_rewards = torch.zeros(mask.shape)
-        token_rewards[torch.arange(mask.shape[0]), last] = batch["rewards"]
+        token_rewards[torch.arange(mask.shape[0]), last] = batch.rewards
         kl = None
         alg = self.cfg.algorithm
         if self.ref is not None and alg.kl_in == "reward":
-            kl = kl_estimate(batch["logprobs"], batch["ref_logp"], alg.kl_kind)
+            kl = kl_estimate(batch.logprobs, ref_logp, alg.kl_kind)
             token_rewards = token_rewards - alg.kl_coef * torch.where(mask, kl, 0.0)
         adv, _ = get_advantage(alg.adv_type)(rewards=token_rewards.T, mask=mask.T, group_size=self.cfg.rollout.group_size,
                                              gamma=alg.gamma)
         return adv.T.float()
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def train_step(self, batch: LMBatch) -> dict[str, float]:
         """One PPO step on the whole batch (every rank receives it): advantages over all of it,
         then each global minibatch is split over the ranks, DDP averages the gradients, and each
         loss is weighted by the tokens (or sequences) of the global minibatch."""
         a, alg = self.cfg.actor, self.cfg.algorithm
         metrics: dict[str, list[float]] = {}
-        mask = batch["loss_mask"]
+        mask = batch.loss_mask
         minibatches = torch.arange(mask.shape[0]).chunk(a.ppo_minibatches)
         mine = torch.cat([self.my_rows(mb) for mb in minibatches])
-        stale = (self.version - batch["versions"])[mask].float()
+        stale = (self.version - batch.versions)[mask].float()
+        ref_logp = None
         if self.ref is not None:
             # KL in the reward shapes the advantages, which every rank computes over all rows
-            batch["ref_logp"] = self.compute_logp(batch, self.ref, None if alg.kl_in == "reward" else mine)
+            ref_logp = self.compute_logp(batch, self.ref, None if alg.kl_in == "reward" else mine)
         need_forward = (alg.use_decoupled_loss and alg.prox_logp_method in ("recompute", "metrics")) or (
             not alg.use_decoupled_loss and alg.recompute_logprob)
         prox = self.compute_logp(batch, rows=mine) if need_forward else None
-        adv = self.advantages(batch)
+        adv = self.advantages(batch, ref_logp)
         for minibatch in minibatches:
             # DDP averages gradients over ranks: weigh by the global minibatch, times world size
             mb_tokens = mask[minibatch].sum().clamp(min=1) / self.world_size
             minibatch = self.my_rows(minibatch)
-            micro_batches = length_grouped_micro_batches(batch["attention_mask"], minibatch, a.max_tokens_per_mb)
-            loss_fn = functools.partial(self._micro_batch_loss, batch=batch, prox=prox, adv=adv, mb_tokens=mb_tokens,
-                                        mb_rows=len(minibatch))
+            micro_batches = length_grouped_micro_batches(batch.attention_mask, minibatch, a.max_tokens_per_mb)
+            loss_fn = functools.partial(self._micro_batch_loss, batch=batch, prox=prox, ref_logp=ref_logp, adv=adv,
+                                        mb_tokens=mb_tokens, mb_rows=len(minibatch))
             for k, v in self.engine.train_batch(micro_batches, loss_fn).items():
                 metrics.setdefault(k, []).extend(v)
         out = {f"train/{k}": float(np.mean(v)) for k, v in metrics.items()}
@@ -148,15 +150,15 @@ class LMActor(Worker):
         out["train/tokens"] = float(mask.sum())
         return out
 
-    def _micro_batch_loss(self, model, micro, *, batch, prox, adv, mb_tokens, mb_rows) -> tuple[torch.Tensor, dict]:
+    def _micro_batch_loss(self, model, micro, *, batch, prox, ref_logp, adv, mb_tokens, mb_rows) -> tuple[torch.Tensor, dict]:
         """The loss of a micro-batch's rows ``i`` (trimmed to width ``w``), weighted as their
         share of the minibatch, and its terms. The version is the weights' before this step."""
         i, w = micro
-        alg, mask, behave = self.cfg.algorithm, batch["loss_mask"], batch["logprobs"]
-        logp = token_logprobs(model, batch["input_ids"][i, :w], batch["attention_mask"][i, :w], self.temperature)
+        alg, mask, behave = self.cfg.algorithm, batch.loss_mask, batch.logprobs
+        logp = token_logprobs(model, batch.input_ids[i, :w], batch.attention_mask[i, :w], self.temperature)
         m, b, ad = mask[i, :w], behave[i, :w], adv[i, :w]
         if alg.use_decoupled_loss:
-            approx = loglinear_prox_logp(b, logp, batch["versions"][i, :w], self.version)
+            approx = loglinear_prox_logp(b, logp, batch.versions[i, :w], self.version)
             p = approx if alg.prox_logp_method == "loglinear" else prox[i, :w]
             loss, info = decoupled_ppo_loss(logp, p, b, ad, m, alg.clip_ratio_low, alg.clip_ratio_high,
                                             behav_weight_cap=alg.behav_weight_cap, cap_mode=alg.cap_mode, agg=alg.loss_agg)
@@ -166,7 +168,7 @@ class LMActor(Worker):
             old = prox[i, :w] if alg.recompute_logprob else b
             loss, info = ppo_policy_loss(logp, old, ad, m, alg.clip_ratio_low, alg.clip_ratio_high, agg=alg.loss_agg)
         if self.ref is not None and alg.kl_in == "loss":
-            kl = torch.where(m, kl_estimate(logp, batch["ref_logp"][i, :w], alg.kl_kind), 0.0).sum() / m.sum().clamp(min=1)
+            kl = torch.where(m, kl_estimate(logp, ref_logp[i, :w], alg.kl_kind), 0.0).sum() / m.sum().clamp(min=1)
             loss = loss + alg.kl_coef * kl
             info["kl_ref"] = kl.detach()
         # the micro-batch's share of the minibatch, so the sum equals the loss over it
