@@ -107,7 +107,7 @@ def test_a_failing_sink_warns_once_and_the_others_keep_going(tmp_path, caplog):
         logger.log(step, {"x": step})
     logger.close(timeout=10)
     assert [row["step"] for row in _rows(tmp_path)] == [0, 1, 2]
-    warnings = [r.getMessage() for r in caplog.records]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tidal.metrics"]
     assert len(warnings) == 2, warnings
     assert "'test-broken-log'" in warnings[0] or "'test-broken-log'" in warnings[1]
     assert any("'test-broken-start'" in w and "no server" in w for w in warnings)
@@ -179,6 +179,19 @@ def test_wandb_offline_run_in_the_run_folder(tmp_path, monkeypatch):
     assert not any("bad" in h or "tag" in h for h in history)
     assert summary["best_eval_return"] == 20.0
     assert config["algorithm"] == CONFIG["algorithm"], config
+
+
+def test_a_real_wandb_failure_leaves_the_jsonl_log_going(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    caplog.set_level(logging.WARNING, logger="tidal.metrics")
+    (tmp_path / "wandb").write_text("")  # a file where W&B needs its folder
+    logger = MetricLogger(tmp_path, loggers=["wandb", "jsonl"])
+    logger.log(0, {"x": 1.0})
+    logger.close(timeout=20)
+    assert _rows(tmp_path) == [{"step": 0, "x": 1.0}]
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "tidal.metrics"]
+    assert "'wandb' failed" in warning and "Not a directory" in warning
 
 
 # -- MLflow ----------------------------------------------------------------------------------------
