@@ -22,8 +22,12 @@ from tidal.metrics import (
     truncate_metrics,
 )
 
-CONFIG = {"algorithm": {"adv_type": "gae", "clip_ratio_low": 0.2}, "runner": {"seed": 3},
-          "env": {"ids": [1, 2]}, "note": "x" * 7000}
+CONFIG = {
+    "algorithm": {"adv_type": "gae", "clip_ratio_low": 0.2},
+    "runner": {"seed": 3},
+    "env": {"ids": [1, 2]},
+    "note": "x" * 7000,
+}
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -63,6 +67,8 @@ def test_bad_arguments_are_clear_errors(tmp_path):
         MetricLogger(tmp_path, loggers="wandb")
     with pytest.raises(ValueError, match=r"'wandb'.*\['projec'\].*project"):
         MetricLogger(tmp_path, loggers=["jsonl"], settings={"wandb": {"projec": "p"}})
+    with pytest.raises(ValueError, match=r"logger settings: unknown logger 'wandbb'"):
+        MetricLogger(tmp_path, loggers=["jsonl"], settings={"wandbb": {"project": "p"}})
     logger = MetricLogger(tmp_path, loggers=["jsonl"])
     with pytest.raises(TypeError, match=r"metrics\['x'\] must be a number"):
         logger.log(0, {"x": [1, 2]})
@@ -155,8 +161,12 @@ def test_wandb_offline_run_in_the_run_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "cartpole-1"
-    logger = MetricLogger(run_dir, loggers=["wandb"], config=CONFIG,
-                          settings={"wandb": {"project": "tidal-test", "mode": "online"}})
+    logger = MetricLogger(
+        run_dir,
+        loggers=["wandb"],
+        config=CONFIG,
+        settings={"wandb": {"project": "tidal-test", "mode": "online"}},
+    )
     for step in range(3):
         logger.log(step, {"rollout/return_mean": 10.0 * step, "bad": math.inf, "tag": "s"})
     logger.log_summary({"best_eval_return": 20.0, "checkpoint": None})
@@ -167,15 +177,23 @@ def test_wandb_offline_run_in_the_run_folder(tmp_path, monkeypatch):
     for record in _wandb_records(run_file):
         kind = record.WhichOneof("record_type")
         if kind == "history":
-            history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                            for i in record.history.item})
+            history.append(
+                {
+                    i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                    for i in record.history.item
+                }
+            )
         elif kind == "summary":
             summary.update({i.key: json.loads(i.value_json) for i in record.summary.update})
         elif kind == "run":
             run = record.run
             config.update({i.key: json.loads(i.value_json) for i in record.run.config.update})
     assert run.project == "tidal-test" and run.display_name == "cartpole-1"
-    assert [(h["_step"], h["rollout/return_mean"]) for h in history] == [(0, 0.0), (1, 10.0), (2, 20.0)]
+    assert [(h["_step"], h["rollout/return_mean"]) for h in history] == [
+        (0, 0.0),
+        (1, 10.0),
+        (2, 20.0),
+    ]
     assert not any("bad" in h or "tag" in h for h in history)
     assert summary["best_eval_return"] == 20.0
     assert config["algorithm"] == CONFIG["algorithm"], config
@@ -203,8 +221,9 @@ def test_mlflow_local_store_in_the_run_folder_then_the_tracking_uri(tmp_path, mo
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)  # nothing may land in the working directory
     run_dir = tmp_path / "runs" / "pendulum-1"
-    logger = MetricLogger(run_dir, loggers=["mlflow"], config=CONFIG,
-                          settings={"mlflow": {"experiment": "pendulum"}})
+    logger = MetricLogger(
+        run_dir, loggers=["mlflow"], config=CONFIG, settings={"mlflow": {"experiment": "pendulum"}}
+    )
     logger.log(0, {"eval/return_mean": -900.0, "loss@actor": 1.0, "nan": math.nan})
     logger.log(5, {"eval/return_mean": -200.0, "loss@actor": 0.5})
     logger.log_summary({"best_eval_return": -200.0, "checkpoint": "ckpt/5", "solved_at": None})
@@ -240,8 +259,16 @@ def test_mlflow_local_store_in_the_run_folder_then_the_tracking_uri(tmp_path, mo
 
 @pytest.mark.parametrize(
     "key, name",
-    [("eval/return_mean", "eval/return_mean"), ("loss@actor", "loss_actor"), ("a//b/", "a/b"),
-     ("/abs", "abs"), ("a/../b", "a/__/b"), ("é:x", "__x"), ("", "_"), ("k" * 300, "k" * 250)],
+    [
+        ("eval/return_mean", "eval/return_mean"),
+        ("loss@actor", "loss_actor"),
+        ("a//b/", "a/b"),
+        ("/abs", "abs"),
+        ("a/../b", "a/__/b"),
+        ("é:x", "__x"),
+        ("", "_"),
+        ("k" * 300, "k" * 250),
+    ],
 )
 def test_mlflow_names_are_sanitised_deterministically(key, name):
     from mlflow.utils.validation import _validate_metric_name
@@ -252,7 +279,11 @@ def test_mlflow_names_are_sanitised_deterministically(key, name):
 
 def test_flatten_config():
     assert flatten_config({"a": {"b": {"c": 1}, "d": "x"}, "e": None, "f": {}}) == {
-        "a.b.c": "1", "a.d": "x", "e": "null", "f": "{}"}
+        "a.b.c": "1",
+        "a.d": "x",
+        "e": "null",
+        "f": "{}",
+    }
 
 
 # -- truncation ------------------------------------------------------------------------------------

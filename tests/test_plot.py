@@ -17,8 +17,13 @@ def _write_run(path: Path, slope: float, eval_every: int = 5, steps: int = 40) -
     path.mkdir(parents=True)
     rows = []
     for step in range(steps):
-        row = {"step": step, "env_steps": 512 * (step + 1), "time/elapsed": 0.7 * step,
-               "rollout/return_mean": slope * step + np.sin(step), "loss": 1.0 / (step + 1)}
+        row = {
+            "step": step,
+            "env_steps": 512 * (step + 1),
+            "time/elapsed": 0.7 * step,
+            "rollout/return_mean": slope * step + np.sin(step),
+            "loss": 1.0 / (step + 1),
+        }
         if step % eval_every == 0:
             row["eval/return_mean"] = slope * step
         rows.append(json.dumps(row))
@@ -65,8 +70,11 @@ def test_a_torn_last_line_is_skipped(tmp_path):
 
 
 def test_errors_name_what_exists(runs, tmp_path, capsys):
-    with pytest.raises(PlotError, match=r"unknown key\(s\) eval/acc; keys in the metrics: env_steps, "
-                                        r"eval/return_mean, loss, rollout/return_mean, step, time/elapsed"):
+    with pytest.raises(
+        PlotError,
+        match=r"unknown key\(s\) eval/acc; keys in the metrics: env_steps, "
+        r"eval/return_mean, loss, rollout/return_mean, step, time/elapsed",
+    ):
         plot_runs(runs, keys=["loss", "eval/acc"])
     with pytest.raises(PlotError, match="run folders inside it: cartpole-a, cartpole-b"):
         plot_runs([tmp_path])

@@ -170,7 +170,9 @@ class MlflowSink(MetricSink):
             uri = f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
         self.client = MlflowClient(tracking_uri=uri)
         experiment_id = self._experiment_id(options.get("experiment") or "tidal", local)
-        run = self.client.create_run(experiment_id, run_name=options.get("run_name") or run_dir.name)
+        run = self.client.create_run(
+            experiment_id, run_name=options.get("run_name") or run_dir.name
+        )
         self.run_id = run.info.run_id
         self._last_step = 0
         self._log_params(flatten_config(config))
@@ -189,7 +191,9 @@ class MlflowSink(MetricSink):
 
         entries = [Param(mlflow_name(k), v[:MAX_PARAM_VAL_LENGTH]) for k, v in params.items()]
         for start in range(0, len(entries), MAX_PARAMS_TAGS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=entries[start : start + MAX_PARAMS_TAGS_PER_BATCH])
+            self.client.log_batch(
+                self.run_id, params=entries[start : start + MAX_PARAMS_TAGS_PER_BATCH]
+            )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         self._log_metrics(_finite_numbers(metrics), step)
@@ -202,7 +206,9 @@ class MlflowSink(MetricSink):
         now = int(time.time() * 1000)
         entries = [Metric(mlflow_name(k), v, now, step) for k, v in metrics.items()]
         for start in range(0, len(entries), MAX_METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=entries[start : start + MAX_METRICS_PER_BATCH])
+            self.client.log_batch(
+                self.run_id, metrics=entries[start : start + MAX_METRICS_PER_BATCH]
+            )
 
     def log_summary(self, summary: dict[str, Any]) -> None:
         from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
@@ -212,8 +218,9 @@ class MlflowSink(MetricSink):
         for key, value in summary.items():
             if key not in numbers and value is not None:
                 text = value if isinstance(value, str) else json.dumps(value)
-                self.client.set_tag(self.run_id, mlflow_name(f"summary/{key}"),
-                                    text[:MAX_TAG_VAL_LENGTH])
+                self.client.set_tag(
+                    self.run_id, mlflow_name(f"summary/{key}"), text[:MAX_TAG_VAL_LENGTH]
+                )
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
@@ -260,9 +267,14 @@ class _SinkWorker:
         except Exception as exc:
             if not self._failed:
                 self._failed = True
-                log.warning("metric logger %r failed and is off for the rest of this run "
-                            "(the other loggers keep going): %s: %s",
-                            self.name, type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+                log.warning(
+                    "metric logger %r failed and is off for the rest of this run "
+                    "(the other loggers keep going): %s: %s",
+                    self.name,
+                    type(exc).__name__,
+                    exc,
+                    exc_info=log.isEnabledFor(logging.DEBUG),
+                )
             return None
 
 
@@ -285,8 +297,12 @@ class MetricLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._closed = False
         self._workers = [
-            _SinkWorker(name, _sink_factory(SINKS.get(name), self.run_dir, config,
-                                            dict(settings.get(name) or {})))
+            _SinkWorker(
+                name,
+                _sink_factory(
+                    SINKS.get(name), self.run_dir, config, dict(settings.get(name) or {})
+                ),
+            )
             for name in names
         ]
 
@@ -315,8 +331,11 @@ class MetricLogger:
         deadline = time.monotonic() + timeout
         stuck = [w.name for w in self._workers if not w.join(deadline - time.monotonic())]
         if stuck:
-            log.warning("metric loggers %s did not close within %.0f s; leaving them behind",
-                        ", ".join(stuck), timeout)
+            log.warning(
+                "metric loggers %s did not close within %.0f s; leaving them behind",
+                ", ".join(stuck),
+                timeout,
+            )
 
 
 def _sink_factory(cls: type[MetricSink], run_dir: Path, config: dict, options: dict):
@@ -335,6 +354,10 @@ def _logger_names(loggers: Iterable[str]) -> list[str]:
 def _checked_settings(settings: dict | None) -> dict:
     settings = dict(settings or {})
     for name, options in settings.items():
+        if name not in SINKS.names():
+            raise ValueError(
+                f"logger settings: unknown logger {name!r}; known: {', '.join(SINKS.names())}"
+            )
         known = SINKS.get(name).options
         if options is None:
             continue
@@ -342,8 +365,10 @@ def _checked_settings(settings: dict | None) -> dict:
             raise TypeError(f"logger settings for {name!r}: expected a mapping, got {options!r}")
         unknown = sorted(set(options) - known)
         if unknown:
-            raise ValueError(f"logger settings for {name!r}: unknown option(s) {unknown}; "
-                             f"known: {sorted(known) or 'none'}")
+            raise ValueError(
+                f"logger settings for {name!r}: unknown option(s) {unknown}; "
+                f"known: {sorted(known) or 'none'}"
+            )
     return settings
 
 
@@ -368,15 +393,18 @@ def _plain_values(values: Mapping[str, Any], what: str) -> dict[str, Any]:
         if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
             value = value.item()
         if value is not None and not isinstance(value, (bool, int, float, str)):
-            raise TypeError(f"MetricLogger: {what}[{key!r}] must be a number, string or None, "
-                            f"got {type(value).__name__}")
+            raise TypeError(
+                f"MetricLogger: {what}[{key!r}] must be a number, string or None, "
+                f"got {type(value).__name__}"
+            )
         out[key] = value
     return out
 
 
 def _finite_numbers(values: Mapping[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in values.items()
-            if isinstance(v, (int, float)) and math.isfinite(v)}
+    return {
+        k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and math.isfinite(v)
+    }
 
 
 def _finite_or_none(v):

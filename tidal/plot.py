@@ -64,20 +64,29 @@ def default_keys(available: set[str]) -> list[str]:
     keys = [next((k for k in group if k in available), None) for group in (EVAL_KEYS, TRAIN_KEYS)]
     keys = [k for k in keys if k is not None]
     if not keys:
-        raise PlotError(f"none of the default keys ({', '.join(EVAL_KEYS + TRAIN_KEYS)}) is in "
-                        f"the metrics; pass --keys from: {_listing(available)}")
+        raise PlotError(
+            f"none of the default keys ({', '.join(EVAL_KEYS + TRAIN_KEYS)}) is in "
+            f"the metrics; pass --keys from: {_listing(available)}"
+        )
     return keys
 
 
 def curve(rows: list[dict], x_column: str, key: str) -> tuple[list[float], list[float]]:
     """The (x, y) points of rows that have both as finite numbers."""
-    points = [(row[x_column], row[key]) for row in rows
-              if _is_number(row.get(x_column)) and _is_number(row.get(key))]
+    points = [
+        (row[x_column], row[key])
+        for row in rows
+        if _is_number(row.get(x_column)) and _is_number(row.get(key))
+    ]
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def plot_runs(runs: Sequence[str | Path], keys: Sequence[str] | None = None, x: str = "step",
-              out: str | Path | None = None) -> Path:
+def plot_runs(
+    runs: Sequence[str | Path],
+    keys: Sequence[str] | None = None,
+    x: str = "step",
+    out: str | Path | None = None,
+) -> Path:
     """Plot ``keys`` (default: see ``default_keys``) of each run against ``x`` (``step``,
     ``env_steps`` or ``time``) into ``out`` (default ``<first run>/plots/curves.png``)."""
     if not runs:
@@ -90,8 +99,9 @@ def plot_runs(runs: Sequence[str | Path], keys: Sequence[str] | None = None, x: 
     keys = list(keys) if keys else default_keys(available)
     unknown = [k for k in keys if k not in available]
     if unknown:
-        raise PlotError(f"unknown key(s) {', '.join(unknown)}; keys in the metrics: "
-                        f"{_listing(available)}")
+        raise PlotError(
+            f"unknown key(s) {', '.join(unknown)}; keys in the metrics: {_listing(available)}"
+        )
     x_column = X_COLUMNS[x]
     for run, rows in data.items():
         if x_column not in numeric_keys(rows):
@@ -112,8 +122,14 @@ def _draw(data: dict[str, list[dict]], keys: list[str], x: str, out: Path) -> No
         for index, (label, rows) in enumerate(data.items()):
             xs, ys = curve(rows, X_COLUMNS[x], key)
             if xs:  # a run keeps its colour in every subplot, even where another run has no curve
-                ax.plot(xs, ys, label=label, color=f"C{index % 10}",
-                        marker="o" if len(xs) <= 30 else None, markersize=3)
+                ax.plot(
+                    xs,
+                    ys,
+                    label=label,
+                    color=f"C{index % 10}",
+                    marker="o" if len(xs) <= 30 else None,
+                    markersize=3,
+                )
         ax.set_title(key)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
@@ -127,7 +143,9 @@ def _check_image_type(out: Path) -> None:
 
     kinds = FigureCanvasBase.get_supported_filetypes()
     if out.suffix.lstrip(".").lower() not in kinds:
-        raise PlotError(f"-o {out}: the name must end in an image type: .{', .'.join(sorted(kinds))}")
+        raise PlotError(
+            f"-o {out}: the name must end in an image type: .{', .'.join(sorted(kinds))}"
+        )
 
 
 def _labels(runs: list[Path]) -> list[str]:
@@ -151,12 +169,19 @@ def add_plot_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``tidal plot`` on the CLI's subparsers; its handler is ``args.fn``."""
     p = subparsers.add_parser("plot", help="learning curves of one or more runs, as a PNG")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run folders holding metrics.jsonl")
-    p.add_argument("--keys", nargs="+", metavar="K",
-                   help="metrics to plot (default: the evaluation metric and the training "
-                        "return or reward)")
+    p.add_argument(
+        "--keys",
+        nargs="+",
+        metavar="K",
+        help="metrics to plot (default: the evaluation metric and the training return or reward)",
+    )
     p.add_argument("-x", choices=list(X_COLUMNS), default="step", help="the x axis")
-    p.add_argument("-o", "--out", metavar="FILE.png",
-                   help="output file (default: <first run>/plots/curves.png)")
+    p.add_argument(
+        "-o",
+        "--out",
+        metavar="FILE.png",
+        help="output file (default: <first run>/plots/curves.png)",
+    )
     p.set_defaults(fn=plot_command)
     return p
 
