@@ -275,3 +275,23 @@ def test_malformed_files_are_named_without_a_traceback(tmp_path, capsys, text, m
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_the_run_loop_feeds_every_logger_and_plots(tmp_path, monkeypatch):
+    """Metrics, the resolved config and the summary reach W&B (offline) and MLflow (SQLite in
+    the run folder) as well as the JSONL file; ``tidal plot`` draws the run."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    summary = run_to_end(fake(tmp_path, "runner.max_steps=3", "runner.eval_interval=1",
+                              "runner.loggers=[jsonl,tensorboard,wandb,mlflow]", "runner.mlflow={experiment: core}"))
+    run_dir = Path(summary["run_dir"])
+    assert list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("core").experiment_id])
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "eval/return_mean")] == [-1.0, -2.0, -3.0]
+    assert run.data.params["runner.max_steps"] == "3" and run.data.metrics["summary/steps"] == 3
+    assert main(["plot", str(run_dir), "-x", "time", "-o", str(tmp_path / "curves.png")]) == 0
+    assert (tmp_path / "curves.png").stat().st_size > 10_000

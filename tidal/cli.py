@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("--allow-weights-from", action="append",
                          help="a directory weight updates may load from (repeatable; default: the model's)")
     p_serve.set_defaults(fn=serve)
+    from tidal.plot import add_plot_parser
+
+    add_plot_parser(sub)
     args = parser.parse_args(argv)
     return args.fn(args)
 

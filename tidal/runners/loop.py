@@ -157,11 +157,13 @@ class RunLoop(ABC):
         finally:
             progress.close()
             restore_signals()
-        return {
+        summary = {
             "steps": step + 1, "wall_time": time.perf_counter() - start, "run_dir": str(self.run_dir),
             "checkpoint": checkpoint, "target_metric": r.target_metric, "best_value": best,
             "solved_at_step": solved_at, "evals": self.evals, **self.summarize(),
         }
+        self.logger.log_summary({k: v for k, v in summary.items() if k != "evals"})
+        return summary
 
     def checkpoint(self, step: int) -> str:
         """Save the state after ``step`` steps, once: a step already saved is not written again."""
