@@ -36,7 +36,9 @@ def test_example_train_jsonl(cache):
 
 def test_example_eval_parquet_is_held_out(cache):
     train = load_prompts(DATA / "train.jsonl", cache, prompt_key="question")
-    held_out = load_prompts(DATA / "eval.parquet", cache, prompt_key="question", key="data.eval_path")
+    held_out = load_prompts(
+        DATA / "eval.parquet", cache, prompt_key="question", key="data.eval_path"
+    )
     assert len(held_out) == 64
     assert not set(train["prompt"]) & set(held_out["prompt"])
 
@@ -53,37 +55,65 @@ def test_example_answers_are_worked_correctly():
 
 
 def test_generator_is_deterministic_and_unique():
-    spec = importlib.util.spec_from_file_location("make_word_problems", DATA / "make_word_problems.py")
+    spec = importlib.util.spec_from_file_location(
+        "make_word_problems", DATA / "make_word_problems.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     a, b = module.unique_problems(300, seed=3), module.unique_problems(300, seed=3)
     assert a == b and len({p["question"] for p in a}) == 300
     assert a != module.unique_problems(300, seed=4)
     first_lines = [json.loads(x) for x in (DATA / "train.jsonl").read_text().splitlines()[:5]]
-    assert module.unique_problems(5, seed=0) == first_lines  # the committed file is the script's output
+    assert (
+        module.unique_problems(5, seed=0) == first_lines
+    )  # the committed file is the script's output
 
 
 def test_example_sft_conversations(cache):
     table = load_conversations(DATA / "sft.jsonl", cache)
     roles = [[m["role"] for m in row] for row in table["messages"]]
-    assert {tuple(r) for r in roles} == {("system", "user", "assistant"),
-                                         ("system", "user", "assistant", "user", "assistant")}
+    assert {tuple(r) for r in roles} == {
+        ("system", "user", "assistant"),
+        ("system", "user", "assistant", "user", "assistant"),
+    }
 
 
 def test_json_chat_prompts_and_other_fields_travel(tmp_path, cache):
-    rows = [{"uid": f"q{i}", "chat": [{"role": "user", "content": f"{i}+{i}?"}], "ref": 2 * i, "level": i % 3}
-            for i in range(5)]
+    rows = [
+        {
+            "uid": f"q{i}",
+            "chat": [{"role": "user", "content": f"{i}+{i}?"}],
+            "ref": 2 * i,
+            "level": i % 3,
+        }
+        for i in range(5)
+    ]
     (tmp_path / "d.json").write_text(json.dumps(rows))
-    table = load_prompts(tmp_path / "d.json", cache, prompt_key="chat", answer_key="ref", id_key="uid")
-    assert table[3] == {"id": "q3", "prompt": [{"role": "user", "content": "3+3?"}], "answer": 6, "level": 0}
+    table = load_prompts(
+        tmp_path / "d.json", cache, prompt_key="chat", answer_key="ref", id_key="uid"
+    )
+    assert table[3] == {
+        "id": "q3",
+        "prompt": [{"role": "user", "content": "3+3?"}],
+        "answer": 6,
+        "level": 0,
+    }
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"prompt_key": "prompt"}, r"data.prompt_key: '.*train.jsonl' has no field 'prompt'; its fields: question, answer"),
-    ({"prompt_key": "question", "answer_key": "solution"},
-     r"data.answer_key: '.*train.jsonl' has no field 'solution'; its fields: prompt, answer"),
-    ({"prompt_key": "question", "answer_key": None, "id_key": "answer"}, None),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"prompt_key": "prompt"},
+            r"data.prompt_key: '.*train.jsonl' has no field 'prompt'; its fields: question, answer",
+        ),
+        (
+            {"prompt_key": "question", "answer_key": "solution"},
+            r"data.answer_key: '.*train.jsonl' has no field 'solution'; its fields: prompt, answer",
+        ),
+        ({"prompt_key": "question", "answer_key": None, "id_key": "answer"}, None),
+    ],
+)
 def test_missing_keys_name_the_key_file_and_fields(cache, kwargs, message):
     if message is None:  # any field can serve as the id
         assert load_prompts(DATA / "train.jsonl", cache, **kwargs)[0]["id"].endswith("#### 39")
@@ -95,7 +125,10 @@ def test_missing_keys_name_the_key_file_and_fields(cache, kwargs, message):
 def test_bad_files_name_the_config_key(tmp_path, cache):
     with pytest.raises(DataConfigError, match=r"data.eval_path: no such file '.*nope.jsonl'"):
         load_table(tmp_path / "nope.jsonl", cache, key="data.eval_path")
-    with pytest.raises(DataConfigError, match=r"data.path: .*data.csv' is not a dataset file; expected one of .jsonl"):
+    with pytest.raises(
+        DataConfigError,
+        match=r"data.path: .*data.csv' is not a dataset file; expected one of .jsonl",
+    ):
         load_table(tmp_path / "data.csv", cache)
     for name, text in (("empty.jsonl", ""), ("empty.json", "[]")):
         (tmp_path / name).write_text(text)
@@ -108,16 +141,25 @@ def test_bad_files_name_the_config_key(tmp_path, cache):
 
 def test_bad_fields_name_the_config_key(tmp_path, cache):
     numbers = write_jsonl(tmp_path / "numbers.jsonl", [{"prompt": 1, "answer": "1"}])
-    with pytest.raises(DataConfigError, match="data.prompt_key: field 'prompt' .* expected a string or a list of chat"):
+    with pytest.raises(
+        DataConfigError,
+        match="data.prompt_key: field 'prompt' .* expected a string or a list of chat",
+    ):
         load_prompts(numbers, cache)
-    holes = write_jsonl(tmp_path / "holes.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": None, "answer": "2"}])
-    with pytest.raises(DataConfigError, match="data.prompt_key: field 'prompt' is empty in 1 of 2 records"):
+    holes = write_jsonl(
+        tmp_path / "holes.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": None, "answer": "2"}]
+    )
+    with pytest.raises(
+        DataConfigError, match="data.prompt_key: field 'prompt' is empty in 1 of 2 records"
+    ):
         load_prompts(holes, cache)
     both = write_jsonl(tmp_path / "both.jsonl", [{"q": "a", "prompt": "b", "answer": "1"}])
     with pytest.raises(DataConfigError, match="data.prompt_key: .* has both 'q' and 'prompt'"):
         load_prompts(both, cache, prompt_key="q")
     chats = write_jsonl(tmp_path / "chats.jsonl", [{"messages": "hello"}])
-    with pytest.raises(DataConfigError, match="data.messages_key: field 'messages' .* expected a list of chat"):
+    with pytest.raises(
+        DataConfigError, match="data.messages_key: field 'messages' .* expected a list of chat"
+    ):
         load_conversations(chats, cache)
 
 
@@ -140,5 +182,7 @@ def test_iterator_position_is_restored(cache):
     resumed = RecordIterator(table, seed=999)
     resumed.load_state_dict(state)
     assert resumed.next_batch(50) == expected and resumed.epoch == 2
-    with pytest.raises(DataConfigError, match="data.path: the checkpointed position is for 64 records"):
+    with pytest.raises(
+        DataConfigError, match="data.path: the checkpointed position is for 64 records"
+    ):
         RecordIterator(table.select(range(10)), seed=1).load_state_dict(state)

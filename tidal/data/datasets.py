@@ -34,8 +34,9 @@ def load_table(path: str | Path, cache_dir: str | Path, key: str = "data.path"):
     path = Path(path)
     builder = FORMATS.get(path.suffix.lower())
     if builder is None:
-        raise DataConfigError(f"{key}: {str(path)!r} is not a dataset file; expected one of "
-                              f"{', '.join(FORMATS)}")
+        raise DataConfigError(
+            f"{key}: {str(path)!r} is not a dataset file; expected one of {', '.join(FORMATS)}"
+        )
     if not path.is_file():
         raise DataConfigError(f"{key}: no such file {str(path)!r}")
     if path.stat().st_size == 0:
@@ -43,13 +44,15 @@ def load_table(path: str | Path, cache_dir: str | Path, key: str = "data.path"):
     datasets.config.HF_HUB_OFFLINE = True  # in case ``datasets`` was imported before this module
     datasets.disable_progress_bars()
     try:
-        table = datasets.load_dataset(builder, data_files=str(path), split="train",
-                                      cache_dir=str(cache_dir))
+        table = datasets.load_dataset(
+            builder, data_files=str(path), split="train", cache_dir=str(cache_dir)
+        )
     except Exception as exc:  # malformed JSON, mixed column types, a corrupt Parquet file, ...
         if "corresponds to no data" in str(exc):  # how ``datasets`` says "[]"
             raise DataConfigError(f"{key}: {str(path)!r} holds no records") from None
-        raise DataConfigError(f"{key}: cannot read {str(path)!r} as {builder}: "
-                              f"{type(exc).__name__}: {exc}") from exc
+        raise DataConfigError(
+            f"{key}: cannot read {str(path)!r} as {builder}: {type(exc).__name__}: {exc}"
+        ) from exc
     if len(table) == 0:
         raise DataConfigError(f"{key}: {str(path)!r} holds no records")
     return table
@@ -57,12 +60,15 @@ def load_table(path: str | Path, cache_dir: str | Path, key: str = "data.path"):
 
 def _require_column(table, column: str, key: str, path: str | Path) -> None:
     if column not in table.column_names:
-        raise DataConfigError(f"{key}: {str(path)!r} has no field {column!r}; its fields: "
-                              f"{', '.join(table.column_names)}")
+        raise DataConfigError(
+            f"{key}: {str(path)!r} has no field {column!r}; its fields: "
+            f"{', '.join(table.column_names)}"
+        )
     nulls = table.data.column(column).null_count
     if nulls:
-        raise DataConfigError(f"{key}: field {column!r} is empty in {nulls} of {len(table)} records "
-                              f"of {str(path)!r}")
+        raise DataConfigError(
+            f"{key}: field {column!r} is empty in {nulls} of {len(table)} records of {str(path)!r}"
+        )
 
 
 def _is_string(feature) -> bool:
@@ -76,21 +82,28 @@ def _is_messages(feature) -> bool:
     import datasets
 
     inner = getattr(feature, "feature", None)
-    return (isinstance(feature, datasets.List | datasets.LargeList) and isinstance(inner, dict)
-            and _is_string(inner.get("role")) and _is_string(inner.get("content")))
+    return (
+        isinstance(feature, datasets.List | datasets.LargeList)
+        and isinstance(inner, dict)
+        and _is_string(inner.get("role"))
+        and _is_string(inner.get("content"))
+    )
 
 
 def _rename(table, source: str, target: str, key: str, path) -> Any:
     if source == target:
         return table
     if target in table.column_names:
-        raise DataConfigError(f"{key}: {str(path)!r} has both {source!r} and {target!r}; "
-                              f"rename one, or set {key}: {target}")
+        raise DataConfigError(
+            f"{key}: {str(path)!r} has both {source!r} and {target!r}; "
+            f"rename one, or set {key}: {target}"
+        )
     return table.rename_column(source, target)
 
 
 def _with_ids(table, id_key: str, path):
-    """An ``id`` per record (for logs and evaluation rows): the ``id_key`` field, else the row index."""
+    """An ``id`` per record (for logs and evaluation rows): the ``id_key`` field, else the row
+    index."""
     if id_key in table.column_names:
         return _rename(table, id_key, "id", "data.id_key", path)
     if "id" in table.column_names:
@@ -98,8 +111,14 @@ def _with_ids(table, id_key: str, path):
     return table.add_column("id", list(range(len(table))))
 
 
-def load_prompts(path: str | Path, cache_dir: str | Path, prompt_key: str = "prompt",
-                 answer_key: str | None = "answer", id_key: str = "id", key: str = "data.path"):
+def load_prompts(
+    path: str | Path,
+    cache_dir: str | Path,
+    prompt_key: str = "prompt",
+    answer_key: str | None = "answer",
+    id_key: str = "id",
+    key: str = "data.path",
+):
     """Single-turn records: ``prompt`` (a string or chat messages), ``answer`` (when
     ``answer_key`` is set), ``id`` and the row's other fields. ``key`` names the path's config key
     (``data.path`` or ``data.eval_path``) in errors."""
@@ -107,8 +126,10 @@ def load_prompts(path: str | Path, cache_dir: str | Path, prompt_key: str = "pro
     _require_column(table, prompt_key, "data.prompt_key", path)
     feature = table.features[prompt_key]
     if not (_is_string(feature) or _is_messages(feature)):
-        raise DataConfigError(f"data.prompt_key: field {prompt_key!r} of {str(path)!r} holds {feature}; "
-                              "expected a string or a list of chat messages ({role, content})")
+        raise DataConfigError(
+            f"data.prompt_key: field {prompt_key!r} of {str(path)!r} holds {feature}; "
+            "expected a string or a list of chat messages ({role, content})"
+        )
     table = _rename(table, prompt_key, "prompt", "data.prompt_key", path)
     if answer_key is not None:
         _require_column(table, answer_key, "data.answer_key", path)
@@ -116,15 +137,23 @@ def load_prompts(path: str | Path, cache_dir: str | Path, prompt_key: str = "pro
     return _with_ids(table, id_key, path)
 
 
-def load_conversations(path: str | Path, cache_dir: str | Path, messages_key: str = "messages",
-                       id_key: str = "id", key: str = "data.path"):
-    """SFT records: ``messages`` (a list of ``{role, content}``), ``id`` and the row's other fields."""
+def load_conversations(
+    path: str | Path,
+    cache_dir: str | Path,
+    messages_key: str = "messages",
+    id_key: str = "id",
+    key: str = "data.path",
+):
+    """SFT records: ``messages`` (a list of ``{role, content}``), ``id`` and the row's other
+    fields."""
     table = load_table(path, cache_dir, key)
     _require_column(table, messages_key, "data.messages_key", path)
     if not _is_messages(table.features[messages_key]):
-        raise DataConfigError(f"data.messages_key: field {messages_key!r} of {str(path)!r} holds "
-                              f"{table.features[messages_key]}; expected a list of chat messages "
-                              "({role, content})")
+        raise DataConfigError(
+            f"data.messages_key: field {messages_key!r} of {str(path)!r} holds "
+            f"{table.features[messages_key]}; expected a list of chat messages "
+            "({role, content})"
+        )
     table = _rename(table, messages_key, "messages", "data.messages_key", path)
     return _with_ids(table, id_key, path)
 
@@ -158,13 +187,20 @@ class RecordIterator:
         return [next(self) for _ in range(n)]
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "shuffle": self.shuffle, "epoch": self.epoch,
-                "position": self.position, "size": len(self.table)}
+        return {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "epoch": self.epoch,
+            "position": self.position,
+            "size": len(self.table),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["size"] != len(self.table):
-            raise DataConfigError(f"data.path: the checkpointed position is for {state['size']} records, "
-                                  f"the dataset now has {len(self.table)}; did the file change?")
+            raise DataConfigError(
+                f"data.path: the checkpointed position is for {state['size']} records, "
+                f"the dataset now has {len(self.table)}; did the file change?"
+            )
         self.seed, self.shuffle = state["seed"], state["shuffle"]
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._permutation()

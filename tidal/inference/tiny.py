@@ -58,7 +58,11 @@ CHATML_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-CHAT_SPECIALS = {"pad_token": "<|endoftext|>", "bos_token": "<|startoftext|>", "eos_token": "<|im_end|>"}
+CHAT_SPECIALS = {
+    "pad_token": "<|endoftext|>",
+    "bos_token": "<|startoftext|>",
+    "eos_token": "<|im_end|>",
+}
 
 
 def byte_level_tokenizer(corpus: Iterable[str] = (), vocab_size: int = 512,
@@ -70,8 +74,12 @@ def byte_level_tokenizer(corpus: Iterable[str] = (), vocab_size: int = 512,
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = [*CHAT_SPECIALS.values(), "<|im_start|>"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(list(corpus), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, **CHAT_SPECIALS,
                                    additional_special_tokens=["<|im_start|>"])
@@ -79,20 +87,37 @@ def byte_level_tokenizer(corpus: Iterable[str] = (), vocab_size: int = 512,
     return fast
 
 
-def tiny_qwen2(vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 2, max_positions: int = 512,
-               seed: int = 0, special_ids: dict[str, int] | None = None) -> Qwen2ForCausalLM:
+def tiny_qwen2(
+    vocab_size: int,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 2,
+    max_positions: int = 512,
+    seed: int = 0,
+    special_ids: dict[str, int] | None = None,
+) -> Qwen2ForCausalLM:
     """A tiny Qwen2; head_dim = hidden / heads (32 by default: vLLM's CPU kernels reject 16)."""
     import torch
 
     torch.manual_seed(seed)
     ids = special_ids or {}
-    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                      max_position_embeddings=max_positions, tie_word_embeddings=False, **ids)
+    cfg = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        **ids,
+    )
     return Qwen2ForCausalLM(cfg)
 
 
-def save_tiny_chat_model(path: str | Path, corpus: Iterable[str] = (), vocab_size: int = 512, **kwargs) -> Path:
+def save_tiny_chat_model(
+    path: str | Path, corpus: Iterable[str] = (), vocab_size: int = 512, **kwargs
+) -> Path:
     """A Qwen2 folder with a chat tokenizer, loadable with ``AutoModelForCausalLM`` /
     ``AutoTokenizer`` (``local_files_only=True``); ``kwargs`` go to :func:`tiny_qwen2`."""
     path = Path(path)

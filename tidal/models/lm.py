@@ -17,10 +17,18 @@ import torch
 log = logging.getLogger(__name__)
 
 # model.dtype -> what transformers' from_pretrained takes
-DTYPES: dict[str, Any] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                          "float16": torch.float16, "auto": "auto"}
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
+DTYPES: dict[str, Any] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "auto": "auto",
+}
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 Messages = list[dict[str, str]]
@@ -46,25 +54,36 @@ def check_causal_lm(path: str | Path, key: str = "model.path"):
 
     folder = Path(path)
     if not folder.is_dir():
-        raise ModelConfigError(f"{key}: no such folder {str(folder)!r} (a Hugging Face model folder, "
-                               "as save_pretrained writes it; nothing is downloaded)")
+        raise ModelConfigError(
+            f"{key}: no such folder {str(folder)!r} (a Hugging Face model folder, "
+            "as save_pretrained writes it; nothing is downloaded)"
+        )
     if not (folder / "config.json").is_file():
-        raise ModelConfigError(f"{key}: {str(folder)!r} has no config.json; it is not a Hugging Face "
-                               "model folder")
+        raise ModelConfigError(
+            f"{key}: {str(folder)!r} has no config.json; it is not a Hugging Face model folder"
+        )
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
     except Exception as exc:  # an unknown model_type, a malformed config.json
-        raise ModelConfigError(f"{key}: cannot read {str(folder / 'config.json')!r}: {exc}") from exc
+        raise ModelConfigError(
+            f"{key}: cannot read {str(folder / 'config.json')!r}: {exc}"
+        ) from exc
     architectures = getattr(config, "architectures", None) or []
     if architectures and not set(architectures) & _causal_lm_classes():
-        raise ModelConfigError(f"{key}: {str(folder)!r} holds a {', '.join(architectures)}, not a causal "
-                               "LM (a *ForCausalLM model)")
+        raise ModelConfigError(
+            f"{key}: {str(folder)!r} holds a {', '.join(architectures)}, not a causal "
+            "LM (a *ForCausalLM model)"
+        )
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ModelConfigError(f"{key}: model type {config.model_type!r} in {str(folder)!r} has no "
-                               "causal-LM class in transformers")
+        raise ModelConfigError(
+            f"{key}: model type {config.model_type!r} in {str(folder)!r} has no "
+            "causal-LM class in transformers"
+        )
     for kind, names in (("weights", WEIGHT_FILES), ("tokenizer", TOKENIZER_FILES)):
         if not any((folder / name).is_file() for name in names):
-            raise ModelConfigError(f"{key}: {str(folder)!r} has no {kind} (expected one of {', '.join(names)})")
+            raise ModelConfigError(
+                f"{key}: {str(folder)!r} has no {kind} (expected one of {', '.join(names)})"
+            )
     return config
 
 
@@ -75,8 +94,10 @@ def _check_options(dtype: str, attn_implementation: str | None) -> None:
         raise ModelConfigError(f"model.dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
     if attn_implementation is not None and attn_implementation not in known:
-        raise ModelConfigError(f"model.attn_implementation: expected one of {', '.join(known)}, "
-                               f"got {attn_implementation!r}")
+        raise ModelConfigError(
+            f"model.attn_implementation: expected one of {', '.join(known)}, "
+            f"got {attn_implementation!r}"
+        )
 
 
 def load_tokenizer(path: str | Path, key: str = "model.path"):
@@ -92,8 +113,13 @@ def load_tokenizer(path: str | Path, key: str = "model.path"):
     return tokenizer
 
 
-def load_causal_lm(path: str | Path, dtype: str = "float32", attn_implementation: str | None = None,
-                   gradient_checkpointing: bool = False, key: str = "model.path"):
+def load_causal_lm(
+    path: str | Path,
+    dtype: str = "float32",
+    attn_implementation: str | None = None,
+    gradient_checkpointing: bool = False,
+    key: str = "model.path",
+):
     """``(model, tokenizer)`` from a local folder; options go to ``from_pretrained``."""
     from transformers import AutoModelForCausalLM
 
@@ -101,18 +127,25 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", attn_implementation
     check_causal_lm(path, key)
     tokenizer = load_tokenizer(path, key)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=DTYPES[dtype],
-                                                     attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            local_files_only=True,
+            dtype=DTYPES[dtype],
+            attn_implementation=attn_implementation,
+        )
     except Exception as exc:
-        raise ModelConfigError(f"{key}: cannot load a causal LM from {str(path)!r} (model.dtype={dtype}, "
-                               f"model.attn_implementation={attn_implementation}): {exc}") from exc
+        raise ModelConfigError(
+            f"{key}: cannot load a causal LM from {str(path)!r} (model.dtype={dtype}, "
+            f"model.attn_implementation={attn_implementation}): {exc}"
+        ) from exc
     if gradient_checkpointing:
         enable_checkpointing(model)
     return model, tokenizer
 
 
 def enable_checkpointing(model) -> None:
-    """Recompute activations in the backward pass (transformers 5 renamed gradient checkpointing)."""
+    """Recompute activations in the backward pass (transformers 5 renamed gradient
+    checkpointing to activation checkpointing)."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -126,8 +159,10 @@ def enable_checkpointing(model) -> None:
 
 def _require_template(tokenizer) -> None:
     if not getattr(tokenizer, "chat_template", None):
-        raise ModelConfigError(f"data.chat_template: the tokenizer of {tokenizer.name_or_path!r} has no "
-                               "chat template; set data.chat_template=false or use a chat tokenizer")
+        raise ModelConfigError(
+            f"data.chat_template: the tokenizer of {tokenizer.name_or_path!r} has no "
+            "chat template; set data.chat_template=false or use a chat tokenizer"
+        )
 
 
 def as_messages(prompt: str | Messages, system: str | None = None) -> Messages:
@@ -137,16 +172,21 @@ def as_messages(prompt: str | Messages, system: str | None = None) -> Messages:
     if system is None:
         return messages
     if messages and messages[0]["role"] == "system":
-        raise ModelConfigError("data.system_prompt: the record's messages already start with a system turn")
+        raise ModelConfigError(
+            "data.system_prompt: the record's messages already start with a system turn"
+        )
     return [{"role": "system", "content": system}, *messages]
 
 
 def _render(tokenizer, messages: Messages, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt
+    )
 
 
-def render_prompt(tokenizer, prompt: str | Messages, system: str | None = None,
-                  chat_template: bool = True) -> list[int]:
+def render_prompt(
+    tokenizer, prompt: str | Messages, system: str | None = None, chat_template: bool = True
+) -> list[int]:
     """Token ids of a prompt ready for generation. With ``chat_template`` the tokenizer's template
     renders it (special tokens included) with the assistant's generation prompt; without, the
     plain text follows BOS (when the tokenizer has one)."""
@@ -155,8 +195,9 @@ def render_prompt(tokenizer, prompt: str | Messages, system: str | None = None,
         text = _render(tokenizer, as_messages(prompt, system), generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)
     if not isinstance(prompt, str):
-        raise ModelConfigError("data.chat_template: a prompt made of chat messages needs "
-                               "data.chat_template=true")
+        raise ModelConfigError(
+            "data.chat_template: a prompt made of chat messages needs data.chat_template=true"
+        )
     if system is not None:
         raise ModelConfigError("data.system_prompt: a system prompt needs data.chat_template=true")
     bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
@@ -186,10 +227,12 @@ def _chat_segments(tokenizer, messages: Messages) -> list[tuple[str, bool]]:
 
 def _suffix(text: str, prefix: str) -> str:
     if not text.startswith(prefix):
-        raise ModelConfigError("data.chat_template: the tokenizer's chat template renders earlier turns "
-                               "differently once later turns follow (e.g. it drops reasoning), so "
-                               "assistant turns cannot be masked by prefix")
-    return text[len(prefix):]
+        raise ModelConfigError(
+            "data.chat_template: the tokenizer's chat template renders earlier turns "
+            "differently once later turns follow (e.g. it drops reasoning), so "
+            "assistant turns cannot be masked by prefix"
+        )
+    return text[len(prefix) :]
 
 
 def _after_eos(reply: str, eos: str | None) -> int:
@@ -198,13 +241,17 @@ def _after_eos(reply: str, eos: str | None) -> int:
     return len(reply) if at < 0 else at + len(eos)
 
 
-def sft_tokens(tokenizer, messages: Messages, system: str | None = None) -> tuple[list[int], list[int]]:
+def sft_tokens(
+    tokenizer, messages: Messages, system: str | None = None
+) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)`` of a conversation rendered with the chat template; the mask is
     1 exactly on the assistant replies' tokens (and their EOS). Each piece is tokenized on its
     own, as at generation time, where the reply's tokens follow the prompt's."""
     _require_template(tokenizer)
     if not any(m["role"] == "assistant" for m in messages):
-        raise ModelConfigError("data.messages_key: a conversation without an assistant turn has nothing to learn")
+        raise ModelConfigError(
+            "data.messages_key: a conversation without an assistant turn has nothing to learn"
+        )
     ids, mask = [], []
     for text, trained in _chat_segments(tokenizer, as_messages(messages, system)):
         piece = tokenizer.encode(text, add_special_tokens=False)

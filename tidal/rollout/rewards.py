@@ -42,6 +42,7 @@ REWARDS: Registry[RewardSpec] = Registry("reward", "reward.name")
 
 def register_reward(name: str, check_kwargs: Callable[[dict], None] | None = None):
     """Register ``fn(completion, **record_and_kwargs) -> float`` (sync or async) under ``name``."""
+
     def decorator(fn):
         REWARDS.register(name)(RewardSpec(fn, check_kwargs))
         return fn
@@ -59,8 +60,9 @@ def exact_match_reward(completion: str, answer: str, **_) -> float:
 
 
 @register_reward("exact_match")
-def exact_match(completion: str, answer: Any, first_word: bool = False, ignore_case: bool = False,
-                **_) -> float:
+def exact_match(
+    completion: str, answer: Any, first_word: bool = False, ignore_case: bool = False, **_
+) -> float:
     """1 when the stripped completion equals the stripped reference ``answer`` (only its first
     word with ``first_word``)."""
     text, reference = completion.strip(), str(answer).strip()
@@ -81,13 +83,16 @@ def _compile(pattern: str) -> re.Pattern:
 
 def _check_regex_kwargs(kwargs: dict) -> None:
     if not isinstance(kwargs.get("pattern"), str):
-        raise ValueError("reward.kwargs.pattern: regex_match needs a regular expression (a string), "
-                         f"got {kwargs.get('pattern')!r}")
+        raise ValueError(
+            "reward.kwargs.pattern: regex_match needs a regular expression (a string), "
+            f"got {kwargs.get('pattern')!r}"
+        )
     try:
         _compile(kwargs["pattern"])
     except re.error as exc:
-        raise ValueError(f"reward.kwargs.pattern: invalid regular expression "
-                         f"{kwargs['pattern']!r}: {exc}") from None
+        raise ValueError(
+            f"reward.kwargs.pattern: invalid regular expression {kwargs['pattern']!r}: {exc}"
+        ) from None
 
 
 @register_reward("regex_match", check_kwargs=_check_regex_kwargs)
@@ -153,7 +158,9 @@ class MathVerifyProcess:
             self._conn.send((reference, completion))
             if not self._conn.poll(timeout_s):
                 self.close()  # the child is stuck in sympy: kill it, the next call starts another
-                raise TimeoutError(f"math_verify took more than {timeout_s} s (reward.kwargs.timeout_s)")
+                raise TimeoutError(
+                    f"math_verify took more than {timeout_s} s (reward.kwargs.timeout_s)"
+                )
             ok, value = self._conn.recv()
         if not ok:
             raise RuntimeError(f"math_verify failed: {value}")
@@ -162,8 +169,9 @@ class MathVerifyProcess:
     def _start(self) -> None:
         ctx = mp.get_context("spawn")  # fork is unsafe in a process with threads
         self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=_verifier_main, args=(child_conn,), daemon=True,
-                                 name="tidal-math-verify")
+        self._proc = ctx.Process(
+            target=_verifier_main, args=(child_conn,), daemon=True, name="tidal-math-verify"
+        )
         self._proc.start()
         child_conn.close()
 
@@ -181,12 +189,15 @@ _VERIFIER = MathVerifyProcess()
 def _check_math_verify_kwargs(kwargs: dict) -> None:
     timeout = kwargs.get("timeout_s", 5.0)
     if not isinstance(timeout, int | float) or timeout <= 0:
-        raise ValueError(f"reward.kwargs.timeout_s: must be a positive number of seconds, got {timeout!r}")
+        raise ValueError(
+            f"reward.kwargs.timeout_s: must be a positive number of seconds, got {timeout!r}"
+        )
 
 
 @register_reward("math_verify", check_kwargs=_check_math_verify_kwargs)
-def math_verify(completion: str, answer: Any, timeout_s: float = 5.0, isolate: bool = True,
-                **_) -> float:
+def math_verify(
+    completion: str, answer: Any, timeout_s: float = 5.0, isolate: bool = True, **_
+) -> float:
     """1 when the completion's final answer equals the reference mathematically (``\\boxed{}``,
     fractions, LaTeX, plain numbers; GSM8K references and completions are cut after their last
     ``#### ``). ``isolate`` runs the check in a child process killed after ``timeout_s``;
@@ -222,7 +233,8 @@ class Reward:
         return self.fn(**{**record, **self.kwargs, "completion": completion})
 
     def __call__(self, completion: str, **record) -> float:
-        """Score synchronously (an async reward runs on a private event loop: call from a thread)."""
+        """Score synchronously (an async reward runs on a private event loop: call it from a
+        thread)."""
         value = self._call(completion, record)
         if inspect.isawaitable(value):
             value = asyncio.run(_awaited(value))
@@ -235,18 +247,29 @@ class Reward:
             if self.is_async:
                 value = await asyncio.wait_for(self._call(completion, record), timeout_s)
             else:
-                value = await asyncio.wait_for(asyncio.to_thread(self._call, completion, record), timeout_s)
+                value = await asyncio.wait_for(
+                    asyncio.to_thread(self._call, completion, record), timeout_s
+                )
             return self._as_float(value)
         except TimeoutError:
             self.counters.timeouts += 1
-            log.warning("reward %s timed out after %s s on record %r", self.name, timeout_s, record.get("id"))
+            log.warning(
+                "reward %s timed out after %s s on record %r",
+                self.name,
+                timeout_s,
+                record.get("id"),
+            )
         except Exception:  # a broken reward rejects the sample; it is counted, not fatal
             self.counters.errors += 1
             log.exception("reward %s failed on record %r", self.name, record.get("id"))
         return None
 
     def _as_float(self, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
             raise TypeError(f"reward {self.name} returned {value!r}; expected a finite number")
         return float(value)
 
@@ -258,12 +281,16 @@ async def _awaited(awaitable):
 def _import_function(name: str) -> Callable[..., Any]:
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"reward.name: expected a registered reward ({', '.join(REWARDS.names())}) "
-                         f"or module.path:function, got {name!r}")
+        raise ValueError(
+            f"reward.name: expected a registered reward ({', '.join(REWARDS.names())}) "
+            f"or module.path:function, got {name!r}"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"reward.name: cannot import module {module_name!r} for {name!r}: {exc}") from None
+        raise ValueError(
+            f"reward.name: cannot import module {module_name!r} for {name!r}: {exc}"
+        ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward.name: module {module_name!r} has no function {attr!r}")
@@ -277,14 +304,22 @@ def _check_signature(name: str, fn: Callable[..., Any], kwargs: dict, strict: bo
         params = inspect.signature(fn).parameters
         inspect.signature(fn).bind_partial(completion="", **kwargs)
     except TypeError as exc:
-        raise ValueError(f"reward.kwargs: reward {name!r} does not accept {sorted(kwargs)}: {exc}") from None
+        raise ValueError(
+            f"reward.kwargs: reward {name!r} does not accept {sorted(kwargs)}: {exc}"
+        ) from None
     except ValueError:  # no signature (a builtin): nothing to check
         return
     unknown = sorted(k for k in kwargs if k not in params)
     if strict and unknown:
-        options = [p for p in params if p != "completion" and params[p].kind != inspect.Parameter.VAR_KEYWORD]
-        raise ValueError(f"reward.kwargs: reward {name!r} has no option {', '.join(unknown)}; "
-                         f"its options: {', '.join(options)}")
+        options = [
+            p
+            for p in params
+            if p != "completion" and params[p].kind != inspect.Parameter.VAR_KEYWORD
+        ]
+        raise ValueError(
+            f"reward.kwargs: reward {name!r} has no option {', '.join(unknown)}; "
+            f"its options: {', '.join(options)}"
+        )
 
 
 def resolve_reward(name: str, kwargs: dict | None = None) -> Reward:
