@@ -8,6 +8,8 @@ import pytest
 from tidal.data.datasets import (
     DataConfigError,
     RecordIterator,
+    check_conversations,
+    check_prompts,
     load_conversations,
     load_prompts,
     load_table,
@@ -186,3 +188,12 @@ def test_iterator_position_is_restored(cache):
         DataConfigError, match="data.path: the checkpointed position is for 64 records"
     ):
         RecordIterator(table.select(range(10)), seed=1).load_state_dict(state)
+
+
+def test_checks_before_the_run_folder_exists(tmp_path):
+    assert check_prompts(DATA / "eval.parquet", prompt_key="question") == 64
+    assert check_conversations(DATA / "sft.jsonl") == 24
+    with pytest.raises(DataConfigError, match="data.eval_path: no such file"):
+        check_prompts(tmp_path / "x.parquet", key="data.eval_path")
+    with pytest.raises(DataConfigError, match="data.messages_key: .* has no field 'chat'"):
+        check_conversations(DATA / "sft.jsonl", messages_key="chat")

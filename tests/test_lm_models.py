@@ -12,6 +12,7 @@ from tidal.models.lm import (
     check_causal_lm,
     load_causal_lm,
     load_tokenizer,
+    prompt_answer_messages,
     render_prompt,
     sft_tokens,
 )
@@ -191,3 +192,11 @@ def test_sft_rejects_templates_that_rewrite_history(model_dir):
         sft_tokens(tok, CHAT)
     with pytest.raises(ModelConfigError, match="data.messages_key: .* without an assistant turn"):
         sft_tokens(tok, CHAT[:2])
+
+
+def test_prompt_answer_records_become_conversations(tokenizer):
+    record = {"prompt": "2+2?", "answer": 4, "id": 0}
+    messages = prompt_answer_messages(record, system="Be brief.")
+    assert messages == CHAT[:3]
+    ids, mask = sft_tokens(tokenizer, messages)
+    assert tokenizer.decode([i for i, m in zip(ids, mask) if m]) == "4<|im_end|>"

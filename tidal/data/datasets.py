@@ -10,6 +10,7 @@ prompt is a string or a list of chat messages. Conversation records (SFT) hold `
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,19 @@ def load_conversations(
         )
     table = _rename(table, messages_key, "messages", "data.messages_key", path)
     return _with_ids(table, id_key, path)
+
+
+def check_prompts(path: str | Path, **keys) -> int:
+    """Validate a prompt file before the run folder exists (its cache is thrown away); the
+    number of records. ``keys`` are :func:`load_prompts`'s."""
+    with tempfile.TemporaryDirectory(prefix="tidal-data-check-") as cache:
+        return len(load_prompts(path, cache, **keys))
+
+
+def check_conversations(path: str | Path, **keys) -> int:
+    """:func:`check_prompts` for an SFT file (``keys`` are :func:`load_conversations`'s)."""
+    with tempfile.TemporaryDirectory(prefix="tidal-data-check-") as cache:
+        return len(load_conversations(path, cache, **keys))
 
 
 class RecordIterator:

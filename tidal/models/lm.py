@@ -178,6 +178,12 @@ def as_messages(prompt: str | Messages, system: str | None = None) -> Messages:
     return [{"role": "system", "content": system}, *messages]
 
 
+def prompt_answer_messages(record: dict, system: str | None = None) -> Messages:
+    """A single-turn record (``prompt``, ``answer``) as an SFT conversation."""
+    reply = {"role": "assistant", "content": str(record["answer"])}
+    return [*as_messages(record["prompt"], system), reply]
+
+
 def _render(tokenizer, messages: Messages, generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=generation_prompt
