@@ -295,3 +295,42 @@ def test_the_run_loop_feeds_every_logger_and_plots(tmp_path, monkeypatch):
     assert run.data.params["runner.max_steps"] == "3" and run.data.metrics["summary/steps"] == 3
     assert main(["plot", str(run_dir), "-x", "time", "-o", str(tmp_path / "curves.png")]) == 0
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+class DiesOnce(FakeRunner):
+    """A rank dies at step 3 of the first attempt only."""
+
+    died = False
+
+    def train_step(self, step):
+        if step == 3 and not DiesOnce.died:
+            DiesOnce.died = True
+            from tidal.runtime import WorkerError
+
+            raise WorkerError("env", 1, "interact", "rank died: ActorDiedError: the actor died unexpectedly")
+        return super().train_step(step)
+
+
+def test_a_dead_worker_restarts_the_run_from_its_newest_checkpoint(tmp_path, caplog):
+    from tidal.runners.loop import run_with_restarts
+
+    cfg = load_config(FakeConfig, None, [f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.experiment=x",
+                                         "runner.max_steps=5", "runner.save_interval=2", "runner.max_restarts=1"])
+    with caplog.at_level(logging.WARNING, logger="tidal.train"):
+        summary = run_with_restarts(DiesOnce, cfg)
+    assert summary["restarts"] == 1 and summary["steps"] == 5 and summary["run_dir"] == str(tmp_path / "x")
+    assert "restart 1 of 1 after a worker fault (WorkerError: env[rank 1].interact failed: rank died" in caplog.text
+    assert [r["step"] for r in rows(tmp_path / "x")] == [0, 1, 2, 3, 4]  # step 2 trained again, logged once
+    DiesOnce.died = False
+    cfg.runner.max_restarts = 0
+    with pytest.raises(Exception, match="rank died"):
+        run_with_restarts(DiesOnce, cfg)
+
+
+def test_a_bug_is_not_restarted(tmp_path):
+    from tidal.runners.loop import run_with_restarts
+
+    cfg = load_config(FakeConfig, None, [f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.max_restarts=3"])
+    with pytest.raises(ValueError, match="step 1 exploded"):
+        run_with_restarts(lambda c: FakeRunner(c, fail_at=1), cfg)
+    assert len(list(tmp_path.iterdir())) == 1

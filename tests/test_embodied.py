@@ -130,3 +130,35 @@ def test_the_same_experiment_twice_makes_two_run_folders(tmp_path):
                  for _ in range(2)]
     assert [Path(s["run_dir"]).name for s in summaries] == ["twice", "twice-2"]
     assert all(len(read_metrics(s["run_dir"])) == 1 for s in summaries)
+
+
+@pytest.mark.ray
+def test_ray_run_restarts_after_a_killed_actor_and_resumes(tmp_path):
+    """A Ray actor killed in the middle of a run (after its first checkpoint): the run restarts
+    its groups, resumes from the newest checkpoint and finishes, each step logged once."""
+    import threading
+    import time
+
+    import ray
+
+    from tidal.runners.loop import run_with_restarts
+
+    cfg = load_config(EmbodiedConfig, EXAMPLES / "cartpole_ppo.yaml", [
+        f"runner.run_dir={tmp_path}", "runner.progress=false", *TINY, "runner.max_steps=6", "runner.eval_interval=0",
+        "runner.max_restarts=1", "runner.timeout_s=20", "cluster.backend=ray", "cluster.devices_per_node=2",
+        "cluster.placement={env: '0', 'rollout,actor': '1'}", "env.pipeline_stage_num=1"])
+    runners = []
+
+    def kill_env_after_first_checkpoint():
+        deadline = time.time() + 120
+        while time.time() < deadline and not (runners and list(runners[0].run_dir.glob("checkpoints/step_000002"))):
+            time.sleep(0.05)
+        ray.kill(runners[0].env._ranks[0].actor, no_restart=True)
+
+    killer = threading.Thread(target=kill_env_after_first_checkpoint, daemon=True)
+    killer.start()
+    summary = run_with_restarts(lambda c: runners.append(EmbodiedRunner(c)) or runners[-1], cfg)
+    killer.join(5)
+    assert summary["restarts"] == 1 and summary["steps"] == 6
+    assert len(runners) == 2 and runners[1].start_step >= 2
+    assert [r["step"] for r in read_metrics(summary["run_dir"])] == list(range(6))

@@ -32,6 +32,10 @@ def _config(args: argparse.Namespace):
     return task, load_config(_load(HALVES[task][0]), args.config, args.overrides)
 
 
+class _ConfigFailure(Exception):
+    """A config error found while building a runner (e.g. an env id that cannot be made)."""
+
+
 def _fail(kind: str, exc: BaseException) -> int:
     print(f"tidal: {kind}: {exc}", file=sys.stderr, flush=True)
     return 2
@@ -39,17 +43,24 @@ def _fail(kind: str, exc: BaseException) -> int:
 
 def train(args: argparse.Namespace) -> int:
     from tidal.config import ConfigError
-    from tidal.runners.loop import Interrupted
+    from tidal.runners.loop import Interrupted, run_with_restarts
 
     _setup_logging()
     try:
         task, cfg = _config(args)
-        runner = _load(HALVES[task][1])(cfg)
     except (ConfigError, FileNotFoundError) as exc:
         return _fail("config error", exc)
+
+    def make_runner(cfg):
+        try:
+            return _load(HALVES[task][1])(cfg)
+        except (ConfigError, FileNotFoundError) as exc:
+            raise _ConfigFailure(exc) from None
+
     try:
-        with runner:
-            summary = runner.run()
+        summary = run_with_restarts(make_runner, cfg)
+    except _ConfigFailure as exc:
+        return _fail("config error", exc.args[0])
     except Interrupted as exc:
         print(f"tidal: {exc}", file=sys.stderr, flush=True)
         return 128 + exc.signum

@@ -55,6 +55,7 @@ class RunnerConfig:
         None, "a checkpoint folder, a checkpoints/ folder, or 'auto' (the experiment's newest, else fresh)"
     )
     timeout_s: float = setting(600.0, "bound on every wait for a phase; a hung rank is named after this")
+    max_restarts: int = setting(0, "when a worker dies or hangs, restart the groups and resume from the newest checkpoint, up to this many times")
     progress: bool = setting(True, "live progress on the terminal")
     loggers: list[str] = setting(factory=lambda: ["jsonl", "tensorboard"], help="metric sinks: jsonl, tensorboard, wandb, mlflow")
     wandb: dict[str, Any] = setting(factory=dict, help="W&B settings (project, entity, mode, name); WANDB_MODE=offline needs no network")
@@ -100,7 +101,7 @@ def validate_common(cluster: ClusterConfig, runner: RunnerConfig, actor: ActorCo
     require(cluster.connect_timeout_s > 0, "cluster.connect_timeout_s", f"must be > 0, got {cluster.connect_timeout_s}")
     require(runner.max_steps >= 1, "runner.max_steps", f"must be >= 1, got {runner.max_steps}")
     require(runner.timeout_s > 0, "runner.timeout_s", f"must be > 0, got {runner.timeout_s}")
-    for key in ("eval_interval", "save_interval", "keep_checkpoints"):
+    for key in ("eval_interval", "save_interval", "keep_checkpoints", "max_restarts"):
         value = getattr(runner, key)
         require(value >= 0, f"runner.{key}", f"must be >= 0, got {value}")
     require(runner.max_minutes is None or runner.max_minutes > 0, "runner.max_minutes", f"must be > 0, got {runner.max_minutes}")

@@ -18,6 +18,7 @@ original error is what propagates.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -35,6 +36,7 @@ from tidal.checkpoint import (
 )
 from tidal.config import to_yaml
 from tidal.metrics import MetricLogger, Timer, attach_file_log, truncate_metrics
+from tidal.runtime.errors import ChannelTimeoutError, WorkerError, WorkerTimeoutError
 
 log = logging.getLogger("tidal.train")
 
@@ -218,6 +220,36 @@ class RunLoop(ABC):
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(graceful=exc_type is None)
+
+
+def is_worker_fault(exc: BaseException) -> bool:
+    """A fault a restart can cure: a rank that died or stopped answering, a lost connection
+    (an inference server gone) — not a bug that would fail again the same way."""
+    if isinstance(exc, WorkerError):
+        return exc.error.startswith("rank died")
+    return isinstance(exc, WorkerTimeoutError | ChannelTimeoutError | ConnectionError)
+
+
+def run_with_restarts(make_runner: Callable[[Any], RunLoop], cfg: Any) -> dict:
+    """Run to the end; on a worker fault, restart every group and resume from the run's newest
+    checkpoint, up to ``runner.max_restarts`` times (each restart logged)."""
+    restarts = 0
+    while True:
+        runner = make_runner(cfg)
+        try:
+            with runner:
+                summary = runner.run()
+            return {**summary, "restarts": restarts}
+        except Exception as exc:
+            if restarts >= cfg.runner.max_restarts or not is_worker_fault(exc):
+                raise
+            restarts += 1
+            found = complete_checkpoints(runner.run_dir / "checkpoints")
+            resume = str(runner.run_dir / "checkpoints") if found else None
+            log.warning("restart %d of %d after a worker fault (%s: %s); resuming from %s", restarts,
+                        cfg.runner.max_restarts, type(exc).__name__, str(exc).splitlines()[0],
+                        resume or "nothing (no checkpoint yet): starting over")
+            cfg = dataclasses.replace(cfg, runner=dataclasses.replace(cfg.runner, resume_from=resume))
 
 
 def find_resume_checkpoint(runner) -> Path | None:
