@@ -235,24 +235,24 @@ def test_channel_backpressure(cluster):
 def test_concurrent_producers_and_consumers(cluster, echo):
     ch = new_channel(cluster)
     producers = echo.produce(ch, "q", 20)
-    got, lock = [], threading.Lock()
+    received = [[], []]  # what each consumer took, in the order it took it
 
-    def consume():
+    def consume(mine):
         for _ in range(30):
-            item = ch.get(key="q", timeout=30)
-            with lock:
-                got.append(item)
+            mine.append(ch.get(key="q", timeout=30))
 
-    threads = [threading.Thread(target=consume) for _ in range(2)]
+    threads = [threading.Thread(target=consume, args=(mine,)) for mine in received]
     for t in threads:
         t.start()
     producers.wait(timeout=60)
     for t in threads:
         t.join(timeout=60)
+    got = received[0] + received[1]
     assert sorted(got) == sorted((r, i) for r in range(3) for i in range(20))
-    for r in range(3):  # per-producer order survives
-        seq = [i for rr, i in got if rr == r]
-        assert len(seq) == 20
+    for mine in received:  # per-producer order survives: each consumer sees every producer's items in order
+        for r in range(3):
+            seq = [i for rr, i in mine if rr == r]
+            assert seq == sorted(seq), f"producer {r}'s items came out of order: {seq}"
 
 
 def test_worker_consumes_what_driver_produces(cluster, echo):
@@ -357,3 +357,51 @@ def test_weight_transfer_to_every_rank(cluster, echo):
     expected = model.weight.sum().item()
     for version, total in receiving.wait(timeout=60):
         assert version == 7 and abs(total - expected) < 1e-6
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+def test_gil_switch_interval_is_opt_in_and_restored():
+    import sys
+
+    from tidal.runtime import Cluster
+
+    before = sys.getswitchinterval()
+    with Cluster("local", devices_per_node=1):
+        assert sys.getswitchinterval() == before  # off unless asked for
+    cluster = Cluster("local", devices_per_node=1, gil_switch_interval=1e-4)
+    assert sys.getswitchinterval() == pytest.approx(1e-4)
+    cluster.shutdown()
+    assert sys.getswitchinterval() == before
+
+
+def test_backends_register_by_name():
+    from tidal.runtime import Cluster, backend_names, register_backend
+    from tidal.runtime.backends.local import LocalBackend
+
+    with pytest.raises(ValueError, match=r"cluster.backend: expected one of .*local, .*ray.*, got 'slurm'"):
+        Cluster("slurm")
+    name = f"local-{uuid.uuid4().hex[:6]}"
+    register_backend(name)(type("ThreadsAgain", (LocalBackend,), {}))
+    assert name in backend_names()
+    with pytest.raises(ValueError, match="registered twice"):
+        register_backend(name)(LocalBackend)
+    with Cluster(name, devices_per_node=2) as cluster:
+        group = EchoWorker.create_group(offset=1).launch(cluster, placement=2, name="custom")
+        assert group.add(1).wait(timeout=30) == [2, 3]
+        group.shutdown()
+
+
+def test_worker_module_does_not_import_the_cluster():
+    """No import cycle: ``worker`` may name the cluster in annotations only."""
+    import ast
+    import inspect
+
+    import tidal.runtime.worker as worker
+
+    tree = ast.parse(inspect.getsource(worker))
+    runtime_imports = [
+        node.module for node in tree.body if isinstance(node, ast.ImportFrom) and node.module
+    ]
+    assert "tidal.runtime.cluster" not in runtime_imports

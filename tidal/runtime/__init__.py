@@ -4,10 +4,12 @@ It knows nothing of RL. Two backends behind one API: ``local`` (threads of this 
 and ``ray`` (Ray actors on many nodes).
 """
 
+from tidal.runtime.backends import Backend, ChannelTransport, backend_names, register_backend
 from tidal.runtime.batch import batch_size, merge_batches, split_batch
 from tidal.runtime.channel import AsyncWork, Channel
 from tidal.runtime.cluster import Cluster
 from tidal.runtime.comm import CommMapper, Outbox, async_recv_batch, recv_batch, send_batch
+from tidal.runtime.defaults import DEFAULT_TIMEOUT_S
 from tidal.runtime.errors import (
     ChannelTimeoutError,
     PlacementError,
@@ -20,8 +22,11 @@ from tidal.runtime.weights import WeightsUpdate, async_recv_weights, recv_weight
 from tidal.runtime.worker import Worker, WorkerGroup
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "AsyncWork",
+    "Backend",
     "Channel",
+    "ChannelTransport",
     "ChannelTimeoutError",
     "Cluster",
     "CommMapper",
@@ -36,11 +41,13 @@ __all__ = [
     "WorkerTimeoutError",
     "async_recv_batch",
     "async_recv_weights",
+    "backend_names",
     "batch_size",
     "merge_batches",
     "parse_devices",
     "recv_batch",
     "recv_weights",
+    "register_backend",
     "send_batch",
     "send_weights",
     "split_batch",

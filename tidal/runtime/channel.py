@@ -15,21 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import dataclasses
-import pickle
 import threading
 from collections import defaultdict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
-import cloudpickle
-
+from tidal.runtime.defaults import DEFAULT_TIMEOUT_S
 from tidal.runtime.errors import ChannelTimeoutError
-from tidal.runtime.handle import DEFAULT_TIMEOUT
 
 DEFAULT_KEY = "default"
-_RAY_REPLY_MARGIN = 30.0  # extra time the caller gives the channel actor to answer
 
 
 class Waiter:
@@ -161,10 +156,6 @@ class ChannelStore:
         with self._lock:
             return len(self._items.get(key, ()))
 
-    def keys(self) -> list:
-        with self._lock:
-            return [k for k, q in self._items.items() if q]
-
     def _add_getter(self, key: Hashable, target: float | None) -> Waiter:
         fut = Waiter()
         with self._lock:
@@ -289,274 +280,74 @@ class AsyncWork:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> Any:
-        timeout = timeout if timeout is not None else (self._timeout or DEFAULT_TIMEOUT)
+        timeout = timeout if timeout is not None else (self._timeout or DEFAULT_TIMEOUT_S)
         return _wait_or_cancel(self._future, timeout, self._on_timeout)
 
     async def async_wait(self, timeout: float | None = None) -> Any:
-        timeout = timeout if timeout is not None else (self._timeout or DEFAULT_TIMEOUT)
+        timeout = timeout if timeout is not None else (self._timeout or DEFAULT_TIMEOUT_S)
         return await _await_or_cancel(self._future, timeout, self._on_timeout)
 
     def __await__(self):
         return self.async_wait().__await__()
 
 
+def timeout_error(channel: str, op: str, key, timeout: float) -> Callable[[], Exception]:
+    return lambda: ChannelTimeoutError(channel, op, key, timeout)
+
+
+def settle(fut, channel: str, op: str, key, async_op: bool, timeout: float | None):
+    """Wait for a store future (at most ``timeout``), or hand it back as an ``AsyncWork``."""
+    limit = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    on_timeout = timeout_error(channel, op, key, limit)
+    if async_op:
+        return AsyncWork(fut, on_timeout, limit)
+    return _wait_or_cancel(fut, limit, on_timeout)
+
+
 class Channel:
     """A named channel. Create it on the driver with ``Channel.create(name, cluster)`` and pass
-    it to workers as an argument; it works the same from the driver and from any rank."""
+    it to workers as an argument; it works the same from the driver and from any rank. Where
+    the queues live is the backend's business (its ``ChannelTransport``)."""
 
-    def __init__(self, name: str, backend: str, store: ChannelStore | None = None, actor=None):
-        self.name, self.backend = name, backend
-        self._store, self._actor = store, actor
+    def __init__(self, name: str, transport):
+        self.name, self._transport = name, transport
 
     @classmethod
     def create(cls, name: str, cluster, maxsize: int = 0) -> Channel:
-        if cluster.backend == "local":
-            return cls(name, "local", store=ChannelStore(name, maxsize))
-        return cls(name, "ray", actor=_create_channel_actor(name, cluster.namespace, maxsize))
+        if maxsize < 0:
+            raise ValueError(f"channel {name!r}: maxsize must be >= 0, got {maxsize}")
+        return cls(name, cluster.backend_impl.create_channel(name, maxsize))
 
-    # -- operations -------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        return self._transport.backend
 
     def put(self, item: Any, key: Hashable = DEFAULT_KEY, weight: float = 1.0, async_op: bool = False,
             timeout: float | None = None):
         """Append ``item`` under ``key``; waits while the key is full (``maxsize``)."""
-        if self._store is not None:
-            return self._finish(self._store.put(key, item, weight), "put", key, async_op, timeout)
-        return self._ray_op("put", key, async_op, timeout, _box(item), weight)
+        return self._transport.put(key, item, weight, async_op, timeout)
 
     def put_shared(self, item: Any, keys: list[Hashable], weight: float = 1.0, timeout: float | None = None) -> None:
         """Deliver one item under several keys with a single object-store write (e.g. the same
         weights to every rank of a group). Receivers must treat it as read-only."""
-        boxed = None if self._store is not None else _box(item, force_ref=True)
-        for key in keys:
-            if self._store is not None:
-                self._finish(self._store.put(key, item, weight), "put", key, False, timeout)
-            else:
-                self._ray_op("put", key, False, timeout, boxed, weight)
+        self._transport.put_shared(item, keys, weight, timeout)
 
     def get(self, key: Hashable = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None):
         """Take the oldest item under ``key``, waiting for one."""
-        if self._store is not None:
-            return self._finish(self._store.get(key), "get", key, async_op, timeout)
-        return self._ray_op("get", key, async_op, timeout)
+        return self._transport.get(key, async_op, timeout)
 
     def get_batch(self, target_weight: float, key: Hashable = DEFAULT_KEY, async_op: bool = False,
                   timeout: float | None = None):
         """Take, at once, the oldest items whose weights add up to at least ``target_weight``."""
-        if self._store is not None:
-            return self._finish(self._store.get_batch(key, target_weight), "get_batch", key, async_op, timeout)
-        return self._ray_op("get_batch", key, async_op, timeout, target_weight)
+        if target_weight <= 0:
+            raise ValueError(f"channel {self.name!r}: get_batch target_weight must be > 0, got {target_weight}")
+        return self._transport.get_batch(key, target_weight, async_op, timeout)
 
     def qsize(self, key: Hashable = DEFAULT_KEY) -> int:
-        if self._store is not None:
-            return self._store.qsize(key)
-        import ray
-
-        return ray.get(self._actor.qsize.remote(key), timeout=DEFAULT_TIMEOUT)
+        return self._transport.qsize(key)
 
     def empty(self, key: Hashable = DEFAULT_KEY) -> bool:
         return self.qsize(key) == 0
 
     def close(self) -> None:
-        if self._actor is not None:
-            import ray
-
-            ray.kill(self._actor, no_restart=True)
-            self._actor = None
-
-    # -- plumbing -----------------------------------------------------------------------
-
-    def _timeout_error(self, op: str, key, timeout: float) -> Callable[[], Exception]:
-        return lambda: ChannelTimeoutError(self.name, op, key, timeout)
-
-    def _finish(self, fut: cf.Future, op: str, key, async_op: bool, timeout: float | None):
-        limit = DEFAULT_TIMEOUT if timeout is None else timeout
-        on_timeout = self._timeout_error(op, key, limit)
-        if async_op:
-            return AsyncWork(fut, on_timeout, limit)
-        return _wait_or_cancel(fut, limit, on_timeout)
-
-    def _ray_op(self, op: str, key, async_op: bool, timeout: float | None, *args):
-        """Call the channel actor, which enforces ``timeout`` itself (atomically: a timed-out
-        get takes nothing); the caller gives it a margin to answer."""
-        import ray
-
-        limit = DEFAULT_TIMEOUT if timeout is None else timeout
-        reply = getattr(self._actor, op).remote(key, *args, limit)
-        if async_op:
-            fut = _chain(reply.future(), lambda status: self._unbox_async(status, op, key, limit))
-            on_timeout = self._timeout_error(op + " (no answer from the channel actor)", key, limit)
-            return AsyncWork(fut, on_timeout, limit + _RAY_REPLY_MARGIN)
-        try:
-            status = ray.get(reply, timeout=limit + _RAY_REPLY_MARGIN)
-        except ray.exceptions.GetTimeoutError:
-            raise ChannelTimeoutError(self.name, op + " (no answer from the channel actor)", key, limit) from None
-        value = self._unpack(status, op, key, limit)
-        if op == "get":
-            return _unbox(value)
-        if op == "get_batch":
-            return [_unbox(v) for v in value]
-        return None
-
-    def _unbox_async(self, status, op, key, limit):
-        value = self._unpack(status, op, key, limit)
-        if op == "get":
-            return _unbox_future(value)
-        if op == "get_batch":
-            return _gather([_unbox_future(v) for v in value])
-        return None
-
-    def _unpack(self, status, op, key, limit):
-        ok, value = status
-        if not ok:
-            raise ChannelTimeoutError(self.name, op, key, limit)
-        return value
-
-
-# Payloads below this travel inline in the channel actor's call; larger ones go through the
-# object store once (put by the producer, read by the consumer, never by the channel actor).
-INLINE_LIMIT_BYTES = 100 * 1024
-
-
-def _payload_bytes(item: Any) -> int:
-    import numpy as np
-    import torch
-
-    if isinstance(item, torch.Tensor):
-        return item.numel() * item.element_size()
-    if isinstance(item, np.ndarray):
-        return item.nbytes
-    if isinstance(item, dict):
-        return sum(_payload_bytes(v) for v in item.values())
-    if isinstance(item, (list, tuple)):
-        return sum(_payload_bytes(v) for v in item)
-    if dataclasses.is_dataclass(item) and not isinstance(item, type):
-        return sum(_payload_bytes(getattr(item, f.name)) for f in dataclasses.fields(item))
-    return 0
-
-
-def _box(item: Any, force_ref: bool = False) -> tuple:
-    import ray
-
-    if force_ref or _payload_bytes(item) >= INLINE_LIMIT_BYTES:
-        return ("ref", [ray.put(item)])  # in a list, so Ray passes the reference, not the value
-    # pickled here so the channel actor never needs the item's classes
-    return ("inline", cloudpickle.dumps(item))
-
-
-def _unbox(boxed: tuple) -> Any:
-    import ray
-
-    kind, value = boxed
-    return ray.get(value[0]) if kind == "ref" else pickle.loads(value)
-
-
-def _unbox_future(boxed: tuple) -> cf.Future | Any:
-    kind, value = boxed
-    return value[0].future() if kind == "ref" else pickle.loads(value)
-
-
-def _chain(fut: cf.Future, then: Callable[[Any], Any]) -> cf.Future:
-    """A future for ``then(fut.result())``; if ``then`` returns a future, its result."""
-    out: cf.Future = cf.Future()
-
-    def done(f: cf.Future):
-        try:
-            value = then(f.result())
-        except BaseException as exc:
-            out.set_exception(exc)
-            return
-        if isinstance(value, cf.Future):
-            value.add_done_callback(lambda g: _copy_outcome(g, out))
-        else:
-            out.set_result(value)
-
-    fut.add_done_callback(done)
-    return out
-
-
-def _copy_outcome(src: cf.Future, dst: cf.Future) -> None:
-    exc = src.exception()
-    if exc is not None:
-        dst.set_exception(exc)
-    else:
-        dst.set_result(src.result())
-
-
-def _resolved(value: Any) -> cf.Future:
-    fut: cf.Future = cf.Future()
-    fut.set_result(value)
-    return fut
-
-
-def _gather(items: list) -> cf.Future:
-    """One future for a list of futures (or plain values), in order."""
-    futures = [f if isinstance(f, cf.Future) else _resolved(f) for f in items]
-    out: cf.Future = cf.Future()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-    if not futures:
-        out.set_result([])
-
-    def done(_):
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            try:
-                out.set_result([f.result() for f in futures])
-            except BaseException as exc:
-                out.set_exception(exc)
-
-    for f in futures:
-        f.add_done_callback(done)
-    return out
-
-
-class _ChannelActor:
-    """Holds the queues of one channel on the ray backend; items are boxed object refs."""
-
-    def __init__(self, name: str, maxsize: int):
-        self.store = ChannelStore(name, maxsize)
-
-    async def _await(self, fut: cf.Future, timeout: float):
-        try:
-            return True, await _await_or_cancel(fut, timeout, lambda: TimeoutError())
-        except TimeoutError:
-            return False, None
-
-    async def put(self, key, boxed: tuple, weight: float, timeout: float):
-        return await self._await(self.store.put(key, boxed, weight), timeout)
-
-    async def get(self, key, timeout: float):
-        return await self._await(self.store.get(key), timeout)
-
-    async def get_batch(self, key, target_weight: float, timeout: float):
-        return await self._await(self.store.get_batch(key, target_weight), timeout)
-
-    def qsize(self, key) -> int:
-        return self.store.qsize(key)
-
-
-def _create_channel_actor(name: str, namespace: str, maxsize: int):
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    actor_name = f"tidal.channel.{name}"
-    try:
-        ray.get_actor(actor_name, namespace=namespace)
-    except ValueError:
-        pass
-    else:
-        raise ValueError(f"channel {name!r} already exists in Ray namespace {namespace!r}")
-    here = ray.get_runtime_context().get_node_id()
-    return (
-        ray.remote(_ChannelActor)
-        .options(
-            name=actor_name,
-            namespace=namespace,
-            num_cpus=0,
-            max_concurrency=10000,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
-        )
-        .remote(name, maxsize)
-    )
+        self._transport.close()

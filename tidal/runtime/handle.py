@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from tidal.runtime.defaults import DEFAULT_TIMEOUT_S
 from tidal.runtime.errors import WorkerError, WorkerTimeoutError
-
-# Every wait has a bound; this is the one used when the caller gives none.
-DEFAULT_TIMEOUT = float(os.environ.get("TIDAL_WAIT_TIMEOUT", "3600"))
 
 
 @dataclass
@@ -36,7 +33,7 @@ class Handle:
 
     def wait(self, timeout: float | None = None) -> list[Any]:
         """Per-rank results in rank order. Raises as soon as any rank fails, naming it."""
-        timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+        timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
         deadline = time.monotonic() + timeout
         pending = set(self._futures)
         while pending:
@@ -49,7 +46,7 @@ class Handle:
         return [self._results[r].value for r in self.ranks]
 
     async def async_wait(self, timeout: float | None = None) -> list[Any]:
-        timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+        timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
         wrapped = {asyncio.wrap_future(f): f for f in self._futures}
         pending = set(wrapped)
         deadline = time.monotonic() + timeout
@@ -91,7 +88,7 @@ class Handle:
 def wait_all(handles: list[Handle], timeout: float | None = None) -> list[list[Any]]:
     """Wait for several handles at once; the first failure anywhere raises at once (a rank
     waiting on a peer that failed would otherwise hold the caller until the timeout)."""
-    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
     deadline = time.monotonic() + timeout
     owner = {f: h for h in handles for f in h._futures}
     pending = set(owner)

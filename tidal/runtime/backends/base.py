@@ -1,0 +1,126 @@
+"""The interface every runtime backend implements, and the registry that finds them by name.
+
+A backend starts and stops the machinery ranks run on, reports the nodes, launches the ranks of
+a group, and creates the transport behind a channel. ``Cluster`` owns one backend; workers,
+groups and channels talk to it only through this interface.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from abc import ABC, abstractmethod
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from tidal.runtime.placement import NodeInfo, RankPlacement
+from tidal.runtime.rank import EventLoopThread, RankInfo
+
+
+@dataclass
+class BackendOptions:
+    """What a cluster was asked for; each backend reads the fields that concern it."""
+
+    namespace: str = "tidal"
+    address: str | None = None
+    devices_per_node: int | None = None
+    ray_init_kwargs: dict = field(default_factory=dict)
+    shared_event_loop: bool = True
+    gil_switch_interval: float | None = None
+
+
+class RankHandle(Protocol):
+    """The driver's grip on one launched rank."""
+
+    def construct(self, cls: type, args: tuple, kwargs: dict) -> cf.Future: ...
+
+    def submit(self, method: str, args: tuple, kwargs: dict) -> cf.Future: ...
+
+    def kill(self) -> None: ...
+
+
+class ChannelTransport(ABC):
+    """Where a channel's queues live and how items reach them. Operations with ``async_op``
+    return an ``AsyncWork``; the others wait (at most ``timeout``) and return the result."""
+
+    backend: ClassVar[str]
+
+    @abstractmethod
+    def put(self, key: Hashable, item: Any, weight: float, async_op: bool, timeout: float | None): ...
+
+    @abstractmethod
+    def put_shared(self, item: Any, keys: list, weight: float, timeout: float | None) -> None: ...
+
+    @abstractmethod
+    def get(self, key: Hashable, async_op: bool, timeout: float | None): ...
+
+    @abstractmethod
+    def get_batch(self, key: Hashable, target_weight: float, async_op: bool, timeout: float | None): ...
+
+    @abstractmethod
+    def qsize(self, key: Hashable) -> int: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release what the transport holds."""
+
+
+class Backend(ABC):
+    name: ClassVar[str]
+    # ranks are separate processes: torch.distributed across the ranks of a group works
+    multi_process: ClassVar[bool]
+
+    def __init__(self, options: BackendOptions):
+        self.options = options
+
+    @abstractmethod
+    def start(self) -> list[NodeInfo]:
+        """Bring the backend up and return its nodes."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Undo ``start``: stop what this backend started, restore what it changed."""
+
+    @abstractmethod
+    def launch_ranks(
+        self, group: str, ranks: list[RankPlacement], infos: list[RankInfo], timeout: float
+    ) -> tuple[list[RankHandle], list[RankInfo]]:
+        """Start one rank per placement; returns their handles and their final ``RankInfo``s
+        (a backend may fill in e.g. the rendezvous address)."""
+
+    @abstractmethod
+    def create_channel(self, name: str, maxsize: int) -> ChannelTransport:
+        """The transport of a new channel."""
+
+    def shared_loop(self) -> EventLoopThread | None:
+        """The event loop ranks share for their ``async`` methods, if the backend has one."""
+        return None
+
+
+_BACKENDS: dict[str, type[Backend]] = {}
+
+
+def register_backend(name: str):
+    """Class decorator: make a backend available as ``Cluster(name)``."""
+
+    def decorate(cls: type[Backend]) -> type[Backend]:
+        if name in _BACKENDS:
+            raise ValueError(f"runtime backend {name!r} is registered twice")
+        cls.name = name
+        _BACKENDS[name] = cls
+        return cls
+
+    return decorate
+
+
+def backend_class(name: str) -> type[Backend]:
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"cluster.backend: expected one of {', '.join(sorted(_BACKENDS))}, got {name!r}"
+        ) from None
+
+
+def backend_names() -> list[str]:
+    return sorted(_BACKENDS)

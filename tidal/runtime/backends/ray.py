@@ -1,0 +1,155 @@
+"""The ``ray`` backend: every rank is a Ray actor (its own process, on the node its device
+belongs to). It starts Ray when no cluster is running, or joins the one at ``address``."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import socket
+import sys
+from dataclasses import replace
+
+from tidal.runtime.backends.base import Backend, register_backend
+from tidal.runtime.backends.ray_channel import RayTransport, create_channel_actor
+from tidal.runtime.errors import WorkerError
+from tidal.runtime.handle import CallResult
+from tidal.runtime.placement import NodeInfo
+from tidal.runtime.rank import RankInfo, RankRunner
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class RayRankActor:
+    """The Ray actor behind one rank (an async actor: its event loop serves every call)."""
+
+    def __init__(self):
+        self.runner: RankRunner | None = None
+
+    def node_address(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    async def construct(self, cls, args, kwargs, info: RankInfo) -> CallResult:
+        from tidal.runtime.serialization import register_tensor_serializer
+
+        register_tensor_serializer()
+        os.environ.update(info.dist_env())
+        self.runner = RankRunner(info)
+        return await self.runner.construct(cls, args, kwargs)
+
+    async def call(self, method: str, args: tuple, kwargs: dict) -> CallResult:
+        return await self.runner.call(method, args, kwargs)
+
+
+class RayRank:
+    def __init__(self, actor, info: RankInfo):
+        self.actor, self.info = actor, info
+
+    def construct(self, cls, args, kwargs) -> cf.Future:
+        return self.actor.construct.remote(cls, args, kwargs, self.info).future()
+
+    def submit(self, method: str, args: tuple, kwargs: dict) -> cf.Future:
+        return self.actor.call.remote(method, args, kwargs).future()
+
+    def kill(self) -> None:
+        import ray
+
+        ray.kill(self.actor, no_restart=True)
+
+
+@register_backend("ray")
+class RayBackend(Backend):
+    multi_process = True
+
+    def __init__(self, options):
+        super().__init__(options)
+        self._started_ray = False
+
+    def start(self) -> list[NodeInfo]:
+        import ray
+
+        from tidal.runtime.serialization import register_tensor_serializer
+
+        if not ray.is_initialized():
+            init_kwargs = dict(self.options.ray_init_kwargs)
+            init_kwargs.setdefault("namespace", self.options.namespace)
+            init_kwargs.setdefault("log_to_driver", True)
+            init_kwargs.setdefault("include_dashboard", False)
+            if self.options.address is not None:
+                init_kwargs["address"] = self.options.address
+            ray.init(**init_kwargs)
+            self._started_ray = True
+        register_tensor_serializer()
+        return self._nodes()
+
+    def _nodes(self) -> list[NodeInfo]:
+        import ray
+
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        alive.sort(key=lambda n: ("node:__internal_head__" not in n["Resources"], n["NodeID"]))
+        nodes = []
+        for i, n in enumerate(alive):
+            gpus = int(n["Resources"].get("GPU", 0))
+            kind = "gpu" if gpus else "cpu"
+            count = self.options.devices_per_node or gpus or int(n["Resources"].get("CPU", 1)) or 1
+            nodes.append(NodeInfo(i, n["NodeID"], n["NodeManagerAddress"], count, kind))
+        return nodes
+
+    def stop(self) -> None:
+        if self._started_ray:
+            import ray
+
+            ray.shutdown()
+            self._started_ray = False
+
+    def create_channel(self, name: str, maxsize: int) -> RayTransport:
+        return RayTransport(name, create_channel_actor(name, self.options.namespace, maxsize))
+
+    def launch_ranks(self, group, ranks, infos, timeout):
+        import ray
+
+        actors = [self._start_actor(r, info) for r, info in zip(ranks, infos)]
+        refs = [a.node_address.remote() for a in actors]
+        ready, not_ready = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        if not_ready:
+            _kill_all(actors)
+            missing = [i for i, ref in enumerate(refs) if ref in not_ready]
+            raise WorkerError(
+                group, missing[0], "__init__",
+                f"ranks {missing} could not be scheduled within {timeout:g} s (Ray resources: "
+                f"{ray.available_resources()})",
+            )
+        try:
+            master_addr, master_port = ray.get(refs[0])
+        except Exception as exc:
+            _kill_all(actors)
+            raise WorkerError(group, 0, "__init__", f"rank failed to start: {exc}") from exc
+        infos = [replace(i, master_addr=master_addr, master_port=master_port) for i in infos]
+        return [RayRank(a, i) for a, i in zip(actors, infos)], infos
+
+    @staticmethod
+    def _start_actor(placement, info: RankInfo):
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        env_vars = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **dict(info.env)}
+        if placement.node.device_kind == "gpu":
+            env_vars["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
+        return ray.remote(RayRankActor).options(
+            num_cpus=0,  # placement is tidal's job; Ray's CPU accounting would leave actors pending
+            scheduling_strategy=NodeAffinitySchedulingStrategy(placement.node.node_id, soft=False),
+            runtime_env={"env_vars": env_vars},
+            max_concurrency=1000,
+        ).remote()
+
+
+def _kill_all(actors) -> None:
+    import ray
+
+    for a in actors:
+        ray.kill(a, no_restart=True)

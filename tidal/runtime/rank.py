@@ -1,0 +1,105 @@
+"""What runs one rank, whatever the backend: its identity, its event loop and its calls."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import functools
+import inspect
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+from tidal.runtime.handle import CallResult
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    group: str
+    rank: int
+    world_size: int
+    device: int
+    node_index: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    env: tuple[tuple[str, str], ...] = ()
+
+    def dist_env(self) -> dict[str, str]:
+        """What ``torch.distributed``'s env:// initialisation reads, plus the device pinning."""
+        return {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            **dict(self.env),
+        }
+
+
+class RankRunner:
+    """Builds one rank's worker and runs its method calls; the same for both backends."""
+
+    def __init__(self, info: RankInfo):
+        self.info = info
+        self.compute = cf.ThreadPoolExecutor(1, thread_name_prefix=f"{info.group}-{info.rank}")
+        self.worker = None
+
+    async def construct(self, cls: type, args: tuple, kwargs: dict) -> CallResult:
+        def build():
+            worker = cls.__new__(cls)
+            worker._tidal = self.info
+            worker._tidal_compute = self.compute
+            worker.__init__(*args, **kwargs)
+            return worker
+
+        result = await self._run(build, is_async=False)
+        if result.error is None:
+            self.worker, result.value = result.value, None
+        return result
+
+    async def call(self, method: str, args: tuple, kwargs: dict) -> CallResult:
+        fn = getattr(self.worker, method)
+        call = functools.partial(fn, *args, **kwargs)
+        return await self._run(call, inspect.iscoroutinefunction(fn))
+
+    async def _run(self, fn, is_async: bool) -> CallResult:
+        start = time.perf_counter()
+        try:
+            if is_async:
+                value = await fn()
+            else:
+                value = await asyncio.get_running_loop().run_in_executor(self.compute, fn)
+            return CallResult(value=value, duration=time.perf_counter() - start)
+        except BaseException as exc:  # reported to the caller, never swallowed
+            return CallResult(
+                error=f"{type(exc).__name__}: {exc}",
+                traceback=traceback.format_exc(),
+                duration=time.perf_counter() - start,
+            )
+
+    def close(self) -> None:
+        self.compute.shutdown(wait=False, cancel_futures=True)
+
+
+class EventLoopThread:
+    """An asyncio event loop running in a daemon thread."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Cancel what still runs on the loop (callers already gave up on it), then stop."""
+
+        def cancel_and_stop():
+            for task in asyncio.all_tasks(self.loop):
+                task.cancel()
+            self.loop.call_soon(self.loop.stop)
+
+        self.loop.call_soon_threadsafe(cancel_and_stop)
