@@ -13,6 +13,7 @@ from typing import Any
 
 from tidal.config.loader import ConfigError, require
 from tidal.config.schema import setting
+from tidal.runtime.defaults import DEFAULT_TIMEOUT_S
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adam", "adamw")
@@ -54,7 +55,7 @@ class RunnerConfig:
     resume_from: str | None = setting(
         None, "a checkpoint folder, a checkpoints/ folder, or 'auto' (the experiment's newest, else fresh)"
     )
-    timeout_s: float = setting(600.0, "bound on every wait for a phase; a hung rank is named after this")
+    timeout_s: float = setting(DEFAULT_TIMEOUT_S, "bound on every wait for a phase; a hung rank is named after this")
     max_restarts: int = setting(0, "when a worker dies or hangs, restart the groups and resume from the newest checkpoint, up to this many times")
     progress: bool = setting(True, "live progress on the terminal")
     loggers: list[str] = setting(factory=lambda: ["jsonl", "tensorboard"], help="metric sinks: jsonl, tensorboard, wandb, mlflow")
