@@ -212,6 +212,14 @@ def _completion_prompts(prompt: Any, tokenizer) -> list[list[int]]:
 
 def chat_prompt(messages: Any, tokenizer) -> list[int]:
     """The token ids of ``messages`` rendered by the tokenizer's chat template."""
+    ids = tokenizer(render_chat(messages, tokenizer), add_special_tokens=False).input_ids
+    if not ids:
+        raise ValueError("messages: the chat template rendered an empty prompt")
+    return ids
+
+
+def render_chat(messages: Any, tokenizer, add_generation_prompt: bool = True) -> str:
+    """``messages`` (checked: roles, text content) through the tokenizer's chat template."""
     if tokenizer is None:
         raise ValueError("messages: this server's model folder has no tokenizer")
     if getattr(tokenizer, "chat_template", None) is None:
@@ -230,11 +238,7 @@ def chat_prompt(messages: Any, tokenizer) -> list[int]:
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content: must be a string or a list of text parts")
         clean.append({"role": m["role"], "content": content})
-    text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    if not ids:
-        raise ValueError("messages: the chat template rendered an empty prompt")
-    return ids
+    return tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 def _text(result: GenerationResult, engine: GenerationEngine) -> str:
