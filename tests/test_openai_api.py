@@ -113,10 +113,32 @@ def test_chat_uses_the_template_with_logprobs_and_stop(client, server, tok):
     assert stopped.choices[0].message.content == tok.decode(ids[:ids.index(ids[k])], skip_special_tokens=True)
 
 
+def test_streaming_gives_the_same_text_as_it_is_generated(client):
+    messages = [{"role": "user", "content": "5+5="}]
+    for stop in (None, "a"):
+        whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0, stop=stop,
+                                               extra_body={"ignore_eos": True})
+        chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0,
+                                                     stop=stop, stream=True, stream_options={"include_usage": True},
+                                                     extra_body={"ignore_eos": True}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == whole.choices[0].message.content
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+        if stop is None:  # it came in pieces
+            assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1
+    pieces = {0: "", 1: ""}
+    for c in client.completions.create(model=NAME, prompt="ab", max_tokens=8, n=2, seed=4, stream=True,
+                                       extra_body={"ignore_eos": True}):
+        pieces[c.choices[0].index] += c.choices[0].text
+    whole = client.completions.create(model=NAME, prompt="ab", max_tokens=8, n=2, seed=4, extra_body={"ignore_eos": True})
+    assert [pieces[0], pieces[1]] == [c.text for c in whole.choices]
+
+
 @pytest.mark.parametrize("kwargs,error,field", [
     ({"temperature": -1}, "BadRequestError", "temperature"),
     ({"temperature": 2, "top_p": 0}, "BadRequestError", "top_p"),
-    ({"stream": True}, "BadRequestError", "stream"),
+    ({"stream": True, "logprobs": True}, "BadRequestError", "stream"),
     ({"frequency_penalty": 0.5}, "BadRequestError", "frequency_penalty"),
     ({"max_tokens": 100_000}, "BadRequestError", "max_tokens"),
     ({"n": 0}, "BadRequestError", "n"),

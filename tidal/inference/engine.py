@@ -66,6 +66,7 @@ class _Request:
     params: GenerationConfig
     on_done: Callable[[GenerationResult], None]
     generator: torch.Generator | None = None
+    on_token: Callable[[int], None] | None = None  # called with each new token (streaming)
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -100,13 +101,15 @@ class GenerationEngine:
     # -- public API (thread-safe) ---------------------------------------------------------
 
     def submit(self, prompt: list[int], params: GenerationConfig, on_done: Callable[[GenerationResult], None],
-               rid: str | None = None) -> str:
+               rid: str | None = None, on_token: Callable[[int], None] | None = None) -> str:
+        """Queue a request; ``on_done(result)`` (and ``on_token(token)`` for every token) run on
+        the engine's thread and must be quick."""
         self.validate(prompt, params)
         rid = rid or uuid.uuid4().hex
         gen = None
         if not params.greedy:
             gen = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed() % 2**63)
-        self._incoming.put(_Request(rid, list(prompt), params, on_done, gen))
+        self._incoming.put(_Request(rid, list(prompt), params, on_done, gen, on_token))
         self._wake.set()
         return rid
 
@@ -250,6 +253,8 @@ class GenerationEngine:
 
     def _accept(self, req: _Request, token: int, logprob: float, top: list | None) -> None:
         req.output.append(token)
+        if req.on_token is not None:
+            req.on_token(token)
         if top is not None:
             req.top.append(top)
         req.logprobs.append(logprob)

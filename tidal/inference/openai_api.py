@@ -2,10 +2,11 @@
 ``POST /v1/chat/completions`` (the tokenizer's chat template).
 
 Supported: ``n``, ``max_tokens`` (``max_completion_tokens``), ``temperature``, ``top_p``,
-``stop``, ``seed``, ``logprobs`` / ``top_logprobs``, ``usage``, finish reasons; vLLM's
+``stop``, ``seed``, ``logprobs`` / ``top_logprobs``, ``usage``, finish reasons, streaming
+(server-sent events, text as it is generated; ``stream_options.include_usage``); vLLM's
 extensions ``top_k``, ``stop_token_ids``, ``ignore_eos`` and ``return_token_ids`` (the
 prompt's and each choice's token ids, and tidal's per-token weight versions). A field that
-would change the answer and is not implemented (``stream``, ``tools``, penalties, ...) is a
+would change the answer and is not implemented (``tools``, penalties, ...) is a
 400 naming it; errors have OpenAI's shape. A request interrupted by a weight update
 (``pause_generation`` in abort mode) is resumed on the new weights, so the answer is never
 cut short by training.
@@ -14,32 +15,33 @@ cut short by training.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from tidal.inference.engine import GenerationEngine, GenerationResult
 from tidal.inference.params import GenerationConfig
 from tidal.inference.protocol import error_json, generate_all, json_body, output_text
 
-IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options",
+IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier",
                      "parallel_tool_calls", "add_special_tokens"})
 # accepted only at these defaults (they would change the answer)
 DEFAULT_ONLY: dict[str, tuple] = {
-    "stream": (False,), "echo": (False,), "best_of": (1,), "suffix": ("",), "logit_bias": ({},),
+    "echo": (False,), "best_of": (1,), "suffix": ("",), "logit_bias": ({},),
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "response_format": ({"type": "text"},), "modalities": (["text"],), "audio": (),
     "prediction": (), "min_tokens": (0,), "guided_json": (), "guided_regex": (),
 }
 COMMON = {"n", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stop_token_ids",
-          "ignore_eos", "return_token_ids"}
-COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+          "ignore_eos", "return_token_ids", "stream"}
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "stream_options"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "stream_options"}
 
 
 def add_openai_routes(app: FastAPI, engine: GenerationEngine, model_name: str) -> None:
@@ -60,6 +62,9 @@ def add_openai_routes(app: FastAPI, engine: GenerationEngine, model_name: str) -
         logprobs = _int(body, "logprobs", None, 0, 20)
         cfg = _config(body, engine, prompts, default_max_tokens=16, top_logprobs=logprobs or 0)
         n = _int(body, "n", 1, 1, 128)
+        if _streaming(body, logprobs is not None):
+            return _event_stream(engine, prompts, cfg, n, "cmpl", "text_completion", model_name,
+                                 lambda text: {"text": text}, _include_usage(body))
         results = await _generate(engine, prompts, cfg, n)
         choices = []
         for i, (p, result) in enumerate(results):
@@ -84,7 +89,11 @@ def add_openai_routes(app: FastAPI, engine: GenerationEngine, model_name: str) -
         if body.get("max_completion_tokens") is not None:
             body = {**body, "max_tokens": body["max_completion_tokens"]}
         cfg = _config(body, engine, [prompt], default_max_tokens=None, top_logprobs=top)
-        results = await _generate(engine, [prompt], cfg, _int(body, "n", 1, 1, 128))
+        n = _int(body, "n", 1, 1, 128)
+        if _streaming(body, want_logprobs):
+            return _event_stream(engine, [prompt], cfg, n, "chatcmpl", "chat.completion.chunk", model_name,
+                                 lambda text: {"delta": {"role": "assistant", "content": text}}, _include_usage(body))
+        results = await _generate(engine, [prompt], cfg, n)
         choices = []
         for i, (_, result) in enumerate(results):
             choice = {"index": i, "message": {"role": "assistant", "content": _text(result, engine)},
@@ -92,6 +101,90 @@ def add_openai_routes(app: FastAPI, engine: GenerationEngine, model_name: str) -
                       "logprobs": _chat_logprobs(result, engine.tokenizer) if want_logprobs else None}
             choices.append(_with_ids(choice, body, prompt, result))
         return _envelope("chatcmpl", "chat.completion", model_name, choices, [prompt], results)
+
+
+def _streaming(body: dict, logprobs: bool) -> bool:
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise ValueError(f"stream: must be true or false, got {stream!r}")
+    if stream and logprobs:
+        raise ValueError("stream: log-probs are not streamed by this server; ask without stream")
+    if stream and body.get("return_token_ids"):
+        raise ValueError("stream: token ids are not streamed by this server; ask without stream")
+    if not stream and body.get("stream_options") is not None:
+        raise ValueError("stream_options: only with stream: true")
+    return stream
+
+
+def _include_usage(body: dict) -> bool:
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise ValueError("stream_options: supported is {include_usage: bool}")
+    return bool(options.get("include_usage"))
+
+
+def _event_stream(engine: GenerationEngine, prompts: list[list[int]], cfg: GenerationConfig, n: int, prefix: str,
+                  kind: str, model: str, piece, include_usage: bool) -> StreamingResponse:
+    """Server-sent events: a chunk per piece of new text as tokens arrive, a last chunk per
+    choice with its finish reason, the usage when asked, then ``[DONE]``. Text that could be
+    the start of a stop string is held back until it is known not to be one."""
+    jobs = [(p, prompt, cfg.seeded(i)) for p, prompt in enumerate(prompts) for i in range(n)]
+    for _, prompt, job_cfg in jobs:
+        try:
+            engine.validate(prompt, job_cfg)
+        except ValueError as exc:
+            raise ValueError(_openai_names(str(exc))) from None
+    tok = engine.tokenizer
+    hold = max((len(s) for s in cfg.stop), default=0)
+    stream_id, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(index: int, fields: dict, finish: str | None) -> str:
+        choice = {"index": index, **fields, "logprobs": None, "finish_reason": finish}
+        return "data: " + json.dumps({"id": stream_id, "object": kind, "created": created, "model": model,
+                                      "choices": [choice]}) + "\n\n"
+
+    async def events():
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def run(index: int, prompt: list[int], job_cfg: GenerationConfig) -> None:
+            result = await generate_resumed(engine, prompt, job_cfg, lambda t: queue.put_nowait((index, t, None)))
+            queue.put_nowait((index, None, result))
+
+        tasks = [asyncio.create_task(run(i, prompt, job_cfg)) for i, (_, prompt, job_cfg) in enumerate(jobs)]
+        ids: list[list[int]] = [[] for _ in jobs]
+        sent = [0] * len(jobs)
+        results: list[GenerationResult | None] = [None] * len(jobs)
+        try:
+            while any(r is None for r in results):
+                index, token, result = await queue.get()
+                if result is not None:
+                    results[index] = result
+                    final = output_text(result, tok) if tok is not None else ""
+                    if final[sent[index]:]:
+                        yield chunk(index, piece(final[sent[index]:]), None)
+                    yield chunk(index, piece(""), _finish(result))
+                    continue
+                ids[index].append(token)
+                if tok is None:
+                    continue
+                text = tok.decode(ids[index], skip_special_tokens=True)
+                safe = max(sent[index], len(text) - hold)
+                if safe > sent[index]:
+                    yield chunk(index, piece(text[sent[index]:safe]), None)
+                    sent[index] = safe
+            if include_usage:
+                completion_tokens = sum(len(r.output_ids) for r in results)
+                prompt_tokens = sum(len(p) for p in prompts)
+                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens}
+                yield "data: " + json.dumps({"id": stream_id, "object": kind, "created": created, "model": model,
+                                              "choices": [], "usage": usage}) + "\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def _check_model(body: Any, model_name: str) -> JSONResponse | None:
@@ -167,16 +260,17 @@ def _openai_names(message: str) -> str:
             .replace("input_ids", "prompt").replace("sampling_params.", ""))
 
 
-async def generate_resumed(engine: GenerationEngine, prompt: list[int], cfg: GenerationConfig) -> GenerationResult:
+async def generate_resumed(engine: GenerationEngine, prompt: list[int], cfg: GenerationConfig,
+                           on_token=None) -> GenerationResult:
     """Generate; after an abort (a weight update) continue from the tokens so far with the rest
     of the budget (the engine holds the new request until generation resumes)."""
     rid = uuid.uuid4().hex
-    (total,) = await generate_all(engine, [(prompt, cfg, rid)])
+    (total,) = await generate_all(engine, [(prompt, cfg, rid)], on_token)
     while total.finish_reason == "abort" and len(total.output_ids) < cfg.max_new_tokens:
         done = len(total.output_ids)
         rest = replace(cfg, max_new_tokens=cfg.max_new_tokens - done,
                        seed=None if cfg.seed is None else cfg.seed + done)
-        (more,) = await generate_all(engine, [(prompt + total.output_ids, rest, rid)])
+        (more,) = await generate_all(engine, [(prompt + total.output_ids, rest, rid)], on_token)
         total = replace(more, output_ids=total.output_ids + more.output_ids,
                         output_logprobs=total.output_logprobs + more.output_logprobs,
                         output_versions=total.output_versions + more.output_versions,

@@ -207,17 +207,20 @@ def finish_reason_json(result: GenerationResult) -> dict:
     return {"type": "abort", "message": "generation was paused"}
 
 
-async def generate_all(engine, jobs: list[tuple[list[int], GenerationConfig, str | None]]
-                       ) -> list[GenerationResult]:
+async def generate_all(engine, jobs: list[tuple[list[int], GenerationConfig, str | None]],
+                       on_token=None) -> list[GenerationResult]:
     """Run ``(prompt, config, rid)`` jobs on the engine from an event loop. Every job is
-    validated before any is submitted, so a refused batch starts nothing."""
+    validated before any is submitted, so a refused batch starts nothing. ``on_token(token)``
+    is called on the event loop for every token of a single job (streaming)."""
     for prompt, cfg, _ in jobs:
         engine.validate(prompt, cfg)
     loop = asyncio.get_running_loop()
     futures = []
     for prompt, cfg, rid in jobs:
         fut: asyncio.Future[GenerationResult] = loop.create_future()
-        engine.submit(prompt, cfg, lambda r, f=fut: loop.call_soon_threadsafe(_settle, f, r), rid=rid)
+        token_cb = None if on_token is None else (lambda t: loop.call_soon_threadsafe(on_token, t))
+        engine.submit(prompt, cfg, lambda r, f=fut: loop.call_soon_threadsafe(_settle, f, r), rid=rid,
+                      on_token=token_cb)
         futures.append(fut)
     return list(await asyncio.gather(*futures))
 
