@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from tidal.inference import GenerationEngine, SamplingParams
+from tidal.inference import GenerationConfig, GenerationEngine
 from tidal.inference.tiny import save_tiny_model
 
 
@@ -39,12 +39,12 @@ def run_engine(engine: GenerationEngine, jobs, concurrent: bool) -> float:
     start = time.perf_counter()
     if concurrent:
         for i, (prompt, n) in enumerate(jobs):
-            engine.submit(prompt, SamplingParams(max_new_tokens=n, seed=i), lambda r: done.release())
+            engine.submit(prompt, GenerationConfig(max_new_tokens=n, seed=i), lambda r: done.release())
         for _ in jobs:
             done.acquire()
     else:
         for i, (prompt, n) in enumerate(jobs):
-            engine.submit(prompt, SamplingParams(max_new_tokens=n, seed=i), lambda r: done.release())
+            engine.submit(prompt, GenerationConfig(max_new_tokens=n, seed=i), lambda r: done.release())
             done.acquire()
     return sum(n for _, n in jobs) / (time.perf_counter() - start)
 

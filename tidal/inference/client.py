@@ -14,17 +14,9 @@ import aiohttp
 import torch
 from safetensors.torch import save
 
+from tidal.inference.params import GenerationConfig
+
 StopReason = Literal["stop", "length", "abort"]
-
-
-@dataclass
-class GenerationConfig:
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
 
 
 @dataclass
@@ -32,6 +24,9 @@ class ModelRequest:
     input_ids: list[int]
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # requests of one session (e.g. the turns of an episode) go to one server, where a prefix
+    # cache can reuse their shared context; without one, a request goes to the least loaded
+    session_id: str | None = None
 
 
 @dataclass
@@ -55,14 +50,9 @@ class InferenceError(RuntimeError):
     pass
 
 
-def _seeded(g: GenerationConfig, i: int) -> GenerationConfig:
-    """Sample ``i`` of a seeded ``n``-sample request is seeded ``seed + i`` (as the server does)."""
-    return g if g.seed is None else GenerationConfig(g.max_new_tokens, g.temperature, g.top_p, g.top_k,
-                                                     g.stop_token_ids, g.seed + i)
-
-
 class InferenceClient:
-    """Requests with the same ``rid`` stick to one server; others go to the least loaded."""
+    """Requests of one ``session_id`` stick to one server; the others go to the least loaded
+    (fewest requests in flight from this client)."""
 
     def __init__(self, addresses: list[str], api_key: str | None = None, timeout: float = 300.0,
                  max_retries: int = 4, backoff_s: float = 0.2, resume_delay_s: float = 0.05):
@@ -89,9 +79,9 @@ class InferenceClient:
             await self._http.close()
             self._http = None
 
-    def pick_server(self, rid: str | None) -> str:
-        if rid is not None:
-            digest = int(hashlib.sha1(rid.encode()).hexdigest(), 16)
+    def pick_server(self, session_id: str | None = None) -> str:
+        if session_id is not None:
+            digest = int(hashlib.sha1(session_id.encode()).hexdigest(), 16)
             return self.addresses[digest % len(self.addresses)]
         return min(self.addresses, key=lambda a: self._in_flight[a])
 
@@ -124,7 +114,7 @@ class InferenceClient:
     async def agenerate_n(self, req: ModelRequest, n: int) -> list[ModelResponse]:
         """``n`` samples of one prompt in one request (SGLang's ``sampling_params.n``); a sample
         aborted by a weight update is resumed on its own."""
-        address = self.pick_server(req.rid)
+        address = self.pick_server(req.session_id)
         self._in_flight[address] += n
         try:
             first = await self.request(address, "/generate", self._payload(req, ModelResponse(), n))
@@ -133,7 +123,7 @@ class InferenceClient:
             for i, result in enumerate(results):
                 out = ModelResponse(input_tokens=list(req.input_ids))
                 reason = self._absorb(out, result)
-                sample = req if n == 1 else ModelRequest(req.input_ids, _seeded(req.gconfig, i), f"{req.rid}-{i}")
+                sample = req if n == 1 else ModelRequest(req.input_ids, req.gconfig.seeded(i), f"{req.rid}-{i}")
                 outs.append(self._resume(address, sample, out, reason))
             return list(await asyncio.gather(*outs))
         finally:
@@ -148,15 +138,18 @@ class InferenceClient:
 
     @staticmethod
     def _payload(req: ModelRequest, out: ModelResponse, n: int) -> dict:
-        g = req.gconfig
-        return {
-            "input_ids": req.input_ids + out.output_tokens,
-            "sampling_params": {"max_new_tokens": g.max_new_tokens - out.output_len, "temperature": g.temperature,
-                                "top_p": g.top_p, "top_k": g.top_k, "stop_token_ids": g.stop_token_ids,
-                                "seed": None if g.seed is None else g.seed + out.output_len, "n": n},
-            "return_logprob": True,
-            "rid": req.rid,
-        }
+        """SGLang's request: the prompt plus the tokens so far, the rest of the budget."""
+        g = req.gconfig.seeded(out.output_len)
+        params = {"max_new_tokens": g.max_new_tokens - out.output_len, "temperature": g.temperature,
+                  "top_p": g.top_p, "top_k": g.top_k, "stop_token_ids": g.stop_token_ids, "seed": g.seed,
+                  "n": n, "ignore_eos": True}  # stop only at the ids asked for (SGLang stops at EOS)
+        if g.stop:
+            params["stop"] = g.stop
+        payload = {"input_ids": req.input_ids + out.output_tokens, "sampling_params": params,
+                   "return_logprob": True, "rid": req.rid}
+        if g.top_logprobs:
+            payload["top_logprobs_num"] = g.top_logprobs
+        return payload
 
     @staticmethod
     def _absorb(out: ModelResponse, result: dict) -> str:
