@@ -1,6 +1,7 @@
 """Agents written with the openai SDK, recorded into training sequences."""
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -66,14 +67,15 @@ def test_a_multi_turn_agent_becomes_one_sequence_per_run(server, model_dir, tok)
             await inference.aclose()
 
     episode, reference = run(main())
-    assert set(episode) == set(reference)  # the format RLVRWorkflow produces
-    assert all(episode[k].dtype == reference[k].dtype for k in episode)
-    assert episode["input_ids"].shape[0] == 3 and episode["rewards"].tolist() == [0.25] * 3
+    assert type(episode) is type(reference)  # the record RLVRWorkflow produces
+    fields = [f.name for f in dataclasses.fields(episode)]
+    assert all(getattr(episode, k).dtype == getattr(reference, k).dtype for k in fields)
+    assert episode.input_ids.shape[0] == 3 and episode.rewards.tolist() == [0.25] * 3
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     for row in range(3):
-        n = int(episode["attention_mask"][row].sum())
-        ids, mask = episode["input_ids"][row, :n], episode["loss_mask"][row, :n]
-        versions = episode["versions"][row, :n]
+        n = int(episode.attention_mask[row].sum())
+        ids, mask = episode.input_ids[row, :n], episode.loss_mask[row, :n]
+        versions = episode.versions[row, :n]
         assert (versions[mask] == 0).all() and (versions[~mask] == -1).all()
         spans = _spans(mask)
         assert len(spans) == 2  # two answers, with the tool turn between them as context
@@ -81,7 +83,7 @@ def test_a_multi_turn_agent_becomes_one_sequence_per_run(server, model_dir, tok)
         with torch.no_grad():  # behaviour log-probs are the model's, on exactly these tokens
             logp = torch.log_softmax(model(ids[None]).logits[0, :-1].float(), -1)
         ref = logp.gather(1, ids[1:, None]).squeeze(1)
-        assert (ref[mask[1:]] - episode["logprobs"][row, 1:n][mask[1:]]).abs().max() < 1e-4
+        assert (ref[mask[1:]] - episode.logprobs[row, 1:n][mask[1:]]).abs().max() < 1e-4
 
 
 def _spans(mask):
@@ -107,12 +109,12 @@ def test_individual_mode_discounts_the_episode_reward_per_turn(server, tok):
             await inference.aclose()
 
     episode = run(main())
-    assert episode["rewards"].tolist() == [0.125, 0.25]  # one row per call
-    answers = episode["loss_mask"].sum(1)
+    assert episode.rewards.tolist() == [0.125, 0.25]  # one row per call
+    answers = episode.loss_mask.sum(1)
     assert ((answers >= 1) & (answers <= 8)).all()
     # the second row's context holds the first call's prompt and answer, then the tool turn
-    first = episode["input_ids"][0, :int(episode["attention_mask"][0].sum())]
-    assert torch.equal(episode["input_ids"][1, :len(first)], first)
+    first = episode.input_ids[0, :int(episode.attention_mask[0].sum())]
+    assert torch.equal(episode.input_ids[1, :len(first)], first)
 
 
 def test_rewards_per_completion_and_unsupported_arguments(server, tok):

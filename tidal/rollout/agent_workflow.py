@@ -25,11 +25,10 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import torch
-
+from tidal.data import LMBatch, TokenSequence
 from tidal.inference import GenerationConfig, InferenceClient
 from tidal.inference.agent_client import Completion, RecordingOpenAI
-from tidal.rollout.workflows import Sequence, pad_episode
+from tidal.rollout.workflows import add_response
 
 AgentFn = Callable[[RecordingOpenAI, dict[str, Any]], Awaitable[float | None]]
 MODES = ("concat", "individual", "auto")
@@ -41,31 +40,31 @@ def extends(completions: list[Completion]) -> bool:
                for a, b in zip(completions, completions[1:]))
 
 
-def concat_sequence(completions: list[Completion]) -> Sequence:
+def concat_sequence(completions: list[Completion]) -> TokenSequence:
     if not extends(completions):
         raise ValueError("mode concat: a call's prompt does not extend the previous prompt and answer")
-    seq = Sequence()
+    seq = TokenSequence()
     for c in completions:
         seq.add_context(c.prompt_ids[len(seq.tokens):])
-        seq.add_response(c.response)
+        add_response(seq, c.response)
     return seq
 
 
 def individual_sequences(completions: list[Completion], reward: float, turn_discount: float
-                         ) -> tuple[list[Sequence], list[float]]:
+                         ) -> tuple[list[TokenSequence], list[float]]:
     seqs, rewards = [], []
     last = len(completions) - 1
     for i, c in enumerate(completions):
-        seq = Sequence()
+        seq = TokenSequence()
         seq.add_context(c.prompt_ids)
-        seq.add_response(c.response)
+        add_response(seq, c.response)
         seqs.append(seq)
         rewards.append(c.reward if c.reward is not None else reward * turn_discount ** (last - i))
     return seqs, rewards
 
 
 def episode_sequences(completions: list[Completion], reward: float, mode: str = "auto",
-                      turn_discount: float = 1.0) -> tuple[list[Sequence], list[float]]:
+                      turn_discount: float = 1.0) -> tuple[list[TokenSequence], list[float]]:
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
     if not completions:
@@ -88,7 +87,7 @@ class AgentWorkflow:
         self.agent, self.inference, self.tokenizer = agent, inference, tokenizer
         self.gconfig, self.group_size, self.mode, self.turn_discount = gconfig, group_size, mode, turn_discount
 
-    async def run(self, data: dict[str, Any]) -> tuple[list[Sequence], list[float]] | None:
+    async def run(self, data: dict[str, Any]) -> tuple[list[TokenSequence], list[float]] | None:
         client = RecordingOpenAI(self.inference, self.tokenizer, self.gconfig)
         try:
             reward = await self.agent(client, data)
@@ -101,10 +100,10 @@ class AgentWorkflow:
             reward = made[-1].reward
         return episode_sequences(made, float(reward), self.mode, self.turn_discount)
 
-    async def __call__(self, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+    async def __call__(self, data: dict[str, Any]) -> LMBatch | None:
         runs = await asyncio.gather(*(self.run(data) for _ in range(self.group_size)))
         if any(r is None for r in runs):
             return None  # a group with a missing member cannot be normalised: reject it whole
         seqs = [s for r in runs for s in r[0]]
         rewards = [x for r in runs for x in r[1]]
-        return pad_episode(seqs, rewards, self.tokenizer.pad_token_id)
+        return LMBatch.from_sequences(seqs, rewards, self.tokenizer.pad_token_id)
