@@ -110,3 +110,15 @@ def test_llm_model_path_and_context_are_checked_before_anything_starts(tmp_path,
     for bad in ("sft.steps=0", "sft.batch_size=0"):
         assert main(["sft", str(arith), bad]) == 2
         assert f"{bad.split('=')[0]}: must be >= 1" in capsys.readouterr().err
+
+
+def test_an_unreachable_ray_address_is_named_within_the_connect_timeout(tmp_path, capsys):
+    import time
+
+    from tidal.cli import main
+
+    start = time.perf_counter()
+    code = main(["train", str(EXAMPLES[0]), f"runner.run_dir={tmp_path}", "cluster.backend=ray",
+                 "cluster.address=127.0.0.1:9", "cluster.connect_timeout_s=2"])
+    assert code == 2 and time.perf_counter() - start < 20
+    assert "cluster.address: cannot reach a Ray cluster at '127.0.0.1:9'" in capsys.readouterr().err

@@ -52,9 +52,11 @@ def train(args: argparse.Namespace) -> int:
         return _fail("config error", exc)
 
     def make_runner(cfg):
+        from tidal.runtime.errors import ClusterUnreachable
+
         try:
             return _load(HALVES[task][1])(cfg)
-        except (ConfigError, FileNotFoundError) as exc:
+        except (ConfigError, FileNotFoundError, ClusterUnreachable) as exc:
             raise _ConfigFailure(exc) from None
 
     try:

@@ -29,6 +29,8 @@ class ClusterConfig:
     connect_timeout_s: float = setting(30.0, "bound on joining the Ray cluster at cluster.address")
     devices_per_node: int | None = setting(None, "GPUs or CPU slots per node; None: detected")
     torch_threads: int = setting(1, "intra-op threads per process (small models run fastest on 1)")
+    gil_switch_interval: float | None = setting(
+        2e-4, "local backend: sys.setswitchinterval while the run lives (ranks woken by a peer get the GIL sooner); null: Python's 5 ms")
     placement: dict[str, str] = setting(
         factory=dict, help="component(s) -> devices, e.g. {env: '0', 'rollout,actor': '1'}; empty: all on 0"
     )

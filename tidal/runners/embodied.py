@@ -12,7 +12,7 @@ import numpy as np
 from tidal.config import ConfigError, EmbodiedConfig, validate_embodied
 from tidal.envs import make_env
 from tidal.runners.loop import RunLoop, fmt
-from tidal.runtime import Channel, Cluster, wait_all
+from tidal.runtime import Channel, wait_all
 from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker, Topology
 
 log = logging.getLogger("tidal.train")
@@ -36,8 +36,7 @@ class EmbodiedRunner(RunLoop):
 
     def build(self) -> None:
         cfg, spaces = self.cfg, self.spaces
-        self.cluster = Cluster(cfg.cluster.backend, address=cfg.cluster.address,
-                               devices_per_node=cfg.cluster.devices_per_node)
+        self.cluster = self.start_cluster()
         components = ["env", "rollout", "actor"] + (["reward"] if cfg.reward.enabled else [])
         placement = self.cluster.placement(cfg.cluster.resolved_placement(components))
         self.env = EnvWorker.create_group(cfg, self.topo).launch(self.cluster, placement, name="env")

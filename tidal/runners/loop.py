@@ -116,6 +116,14 @@ class RunLoop(ABC):
     def summarize(self) -> dict:
         return {}
 
+    def start_cluster(self):
+        """The cluster ``cluster.*`` describes (the one place a runner makes it)."""
+        from tidal.runtime import Cluster
+
+        c = self.cfg.cluster
+        return Cluster(c.backend, address=c.address, connect_timeout_s=c.connect_timeout_s,
+                       devices_per_node=c.devices_per_node, gil_switch_interval=c.gil_switch_interval)
+
     # -- the loop --------------------------------------------------------------------------
 
     def run(self) -> dict:

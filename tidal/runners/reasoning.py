@@ -23,7 +23,7 @@ from tidal.rollout.staleness import StalenessManager
 from tidal.rollout.tasks import TASKS, exact_match_reward
 from tidal.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow
 from tidal.runners.loop import RunLoop
-from tidal.runtime import Channel, Cluster, wait_all
+from tidal.runtime import Channel, wait_all
 from tidal.workers.inference_worker import InferenceServerWorker
 from tidal.workers.lm_actor import LMActor
 
@@ -45,7 +45,7 @@ class ReasoningRunner(RunLoop):
     def build(self) -> None:
         cfg, r = self.cfg, self.cfg.rollout
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.cluster = Cluster(cfg.cluster.backend, address=cfg.cluster.address, devices_per_node=cfg.cluster.devices_per_node)
+        self.cluster = self.start_cluster()
         placement = self.cluster.placement(cfg.cluster.resolved_placement(["rollout", "actor"]))
         devices = placement.devices("rollout")[: r.num_servers] if r.num_servers <= len(placement.devices("rollout")) else r.num_servers
         self.servers = InferenceServerWorker.create_group(cfg.model.path, max_batch_size=r.max_batch_size,

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from tidal.algorithms import advantage_spec
 from tidal.config import EmbodiedConfig
 from tidal.data import ChunkActions, EnvOutput, Trajectory
 from tidal.envs import ChunkedEnv, make_env
@@ -68,7 +69,7 @@ class EnvWorker(Worker):
         self.stages = env.pipeline_stage_num
         self.stage_envs = env.total_num_envs // (self.world_size * self.stages)
         self.gamma = cfg.algorithm.gamma
-        self.bootstrap = cfg.algorithm.adv_type == "gae"
+        self.bootstrap = advantage_spec(cfg.algorithm.adv_type).needs_bootstrap
         self.bootstrap_on = "truncations" if cfg.algorithm.bootstrap_type == "truncated" else "dones"
         self.envs = [
             ChunkedEnv(self._make(self.stage_envs), env.auto_reset, self._seeds(s, self.stage_envs, env.group_size))
