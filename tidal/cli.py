@@ -66,6 +66,7 @@ def train(args: argparse.Namespace) -> int:
     except Interrupted as exc:
         print(f"tidal: {exc}", file=sys.stderr, flush=True)
         return 128 + exc.signum
+    summary.pop("evals", None)  # every evaluation is in metrics.jsonl
     print(json.dumps(summary, indent=2))
     return 0
 

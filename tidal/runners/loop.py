@@ -309,34 +309,26 @@ def fmt(v) -> str:
 
 
 class Progress:
-    """Live progress (step, the runner's line, ETA) on a terminal; a line per step otherwise."""
+    """A live progress bar (step, the runner's line, ETA) when stderr is a terminal; elsewhere the
+    log line of each step says the same."""
 
     def __init__(self, total: int, start: int, enabled: bool):
         from rich.console import Console
 
-        self.console = Console(stderr=True)
-        self.enabled, self.total, self.start = enabled, total, start
         self.live = None
-        self.t0 = time.perf_counter()
-        if enabled and self.console.is_terminal:
+        console = Console(stderr=True)
+        if enabled and console.is_terminal:
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.live = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=self.console)
+                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console)
             self.task = self.live.add_task("train", total=total, completed=start, info="")
             self.live.start()
 
     def update(self, step: int, info: str) -> None:
-        if not self.enabled:
-            return
         if self.live is not None:
             self.live.update(self.task, completed=step + 1, info=info)
-        else:
-            done = step + 1 - self.start
-            eta = (time.perf_counter() - self.t0) / max(done, 1) * (self.total - step - 1)
-            self.console.print(f"step {step + 1}/{self.total}  {info}  ETA {eta:.0f}s", highlight=False)
 
     def close(self) -> None:
         if self.live is not None:
             self.live.stop()
-
