@@ -1,5 +1,6 @@
 """The language half on a user's own data: a dataset file, a chat template, a configured reward,
-`tidal sft` -> `tidal train` (GRPO) -> `tidal eval`, and the checks that run before anything starts."""
+`tidal sft` -> `tidal train` (GRPO) -> `tidal eval`, and the checks that run before anything
+starts."""
 
 import asyncio
 import itertools
@@ -14,10 +15,24 @@ from tidal.config.llm import LLMConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "llm" / "gsm8k_grpo.yaml"
-TINY = ["model.hidden=32", "model.layers=1", "model.heads=2", "model.max_positions=192", "runner.progress=false",
-        "sft.batch_size=8", "sft.lr=3e-3", "data.eval_size=4", "sft.eval_size=4", "rollout.max_new_tokens=12",
-        "rollout.batch_size=2", "rollout.group_size=2", "rollout.max_concurrent_rollouts=4", "runner.eval_interval=2",
-        "runner.save_interval=2", "reward.kwargs={timeout_s: 20}"]
+TINY = [
+    "model.hidden=32",
+    "model.layers=1",
+    "model.heads=2",
+    "model.max_positions=192",
+    "runner.progress=false",
+    "sft.batch_size=8",
+    "sft.lr=3e-3",
+    "data.eval_size=4",
+    "sft.eval_size=4",
+    "rollout.max_new_tokens=12",
+    "rollout.batch_size=2",
+    "rollout.group_size=2",
+    "rollout.max_concurrent_rollouts=4",
+    "runner.eval_interval=2",
+    "runner.save_interval=2",
+    "reward.kwargs={timeout_s: 20}",
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +57,20 @@ def test_sft_builds_a_chat_model_and_learns_the_assistant_turns(demo):
     assert 0.0 <= summary["held_out_accuracy"] <= 1.0
 
 
-def test_grpo_on_the_dataset_resumes_its_data_position_and_tidal_eval_scores_it(demo, tmp_path, capsys):
+def test_grpo_on_the_dataset_resumes_its_data_position_and_tidal_eval_scores_it(
+    demo, tmp_path, capsys
+):
     from tidal.cli import main
     from tidal.runners.reasoning import ReasoningRunner
 
     overrides, _ = demo
-    with ReasoningRunner(load_config(LLMConfig, DEMO, [*overrides, "runner.max_steps=2"])) as runner:
+    with ReasoningRunner(
+        load_config(LLMConfig, DEMO, [*overrides, "runner.max_steps=2"])
+    ) as runner:
         first = runner.run()
-    rows = [json.loads(x) for x in (Path(first["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(x) for x in (Path(first["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    ]
     steps = [r for r in rows if r["step"] >= 0]
     assert [r["version"] for r in steps] == [1, 2]
     assert steps[-1]["rollout/reward_errors"] == 0 and steps[-1]["rollout/reward_timeouts"] == 0
@@ -57,8 +78,11 @@ def test_grpo_on_the_dataset_resumes_its_data_position_and_tidal_eval_scores_it(
     saved = json.loads((Path(first["checkpoint"]) / "meta.json").read_text())["data"]
     assert saved["position"] > 0 and saved["size"] == 200
 
-    resumed_cfg = load_config(LLMConfig, DEMO, [*overrides, "runner.max_steps=3",
-                                                f"runner.resume_from={first['checkpoint']}"])
+    resumed_cfg = load_config(
+        LLMConfig,
+        DEMO,
+        [*overrides, "runner.max_steps=3", f"runner.resume_from={first['checkpoint']}"],
+    )
     with ReasoningRunner(resumed_cfg) as runner:
         assert runner.train_data.state_dict() == saved  # the data position came back
         assert runner.run()["steps"] == 3
@@ -67,22 +91,47 @@ def test_grpo_on_the_dataset_resumes_its_data_position_and_tidal_eval_scores_it(
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["records"] == 4 and summary["checkpoint"] == first["checkpoint"]
-    assert {"eval/accuracy", "eval/pass@1", "eval/pass@2", "eval/sampled_reward_mean"} <= set(summary)
-    samples = [json.loads(x) for x in (Path(summary["run_dir"]) / "samples.jsonl").read_text().splitlines()]
+    assert {"eval/accuracy", "eval/pass@1", "eval/pass@2", "eval/sampled_reward_mean"} <= set(
+        summary
+    )
+    samples = [
+        json.loads(x) for x in (Path(summary["run_dir"]) / "samples.jsonl").read_text().splitlines()
+    ]
     assert len(samples) == 4 * 3 and {s["sample"] for s in samples} == {"greedy", 0, 1}
-    assert all("<|im_start|>assistant\n" in s["prompt"] and "step by step" in s["prompt"] for s in samples)
-    assert summary["eval/accuracy"] == sum(s["reward"] > 0 for s in samples if s["sample"] == "greedy") / 4
+    assert all(
+        "<|im_start|>assistant\n" in s["prompt"] and "step by step" in s["prompt"] for s in samples
+    )
+    assert (
+        summary["eval/accuracy"]
+        == sum(s["reward"] > 0 for s in samples if s["sample"] == "greedy") / 4
+    )
 
 
-@pytest.mark.parametrize("override,message", [
-    ("data.prompt_key=problem", r"data.prompt_key: '.*train.jsonl' has no field 'problem'; its fields: question, answer"),
-    ("data.eval_path=missing.parquet", r"data.eval_path: no such file 'missing.parquet'"),
-    ("reward.name=nope", r"reward.name: unknown reward 'nope'; registered: exact_match, math_verify, regex_match"),
-    ("reward.name=json:nope", r"reward.name: module 'json' has no function 'nope'"),
-    ("model.dtype=float8", r"model.dtype: expected one of"),
-    ("data.chat_template=false", r"data.system_prompt: a system prompt needs data.chat_template=true"),
-])
-def test_bad_data_reward_and_model_keys_fail_before_the_run_folder(demo, tmp_path, capsys, override, message):
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            "data.prompt_key=problem",
+            r"data.prompt_key: '.*train.jsonl' has no field 'problem'; "
+            r"its fields: question, answer",
+        ),
+        ("data.eval_path=missing.parquet", r"data.eval_path: no such file 'missing.parquet'"),
+        (
+            "reward.name=nope",
+            r"reward.name: unknown reward 'nope'; "
+            r"registered: exact_match, math_verify, regex_match",
+        ),
+        ("reward.name=json:nope", r"reward.name: module 'json' has no function 'nope'"),
+        ("model.dtype=float8", r"model.dtype: expected one of"),
+        (
+            "data.chat_template=false",
+            r"data.system_prompt: a system prompt needs data.chat_template=true",
+        ),
+    ],
+)
+def test_bad_data_reward_and_model_keys_fail_before_the_run_folder(
+    demo, tmp_path, capsys, override, message
+):
     import re
 
     from tidal.cli import main
@@ -98,8 +147,15 @@ def test_a_chat_template_the_tokenizer_lacks_is_a_config_error(tmp_path, capsys)
     from tidal.inference.tiny import save_tiny_model
 
     save_tiny_model(tmp_path / "char", hidden=16, layers=1, heads=2)
-    code = main(["train", str(DEMO), f"model.path={tmp_path}/char", f"runner.run_dir={tmp_path}/runs",
-                 "rollout.max_new_tokens=8"])
+    code = main(
+        [
+            "train",
+            str(DEMO),
+            f"model.path={tmp_path}/char",
+            f"runner.run_dir={tmp_path}/runs",
+            "rollout.max_new_tokens=8",
+        ]
+    )
     assert code == 2 and "data.chat_template: the tokenizer of" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 
@@ -119,7 +175,10 @@ def test_the_reward_receives_the_records_other_fields():
     class Client:
         async def agenerate_n(self, req, n):
             out = tok.encode("7 cm", add_special_tokens=False)
-            return [ModelResponse(req.input_ids, out, [-0.1] * len(out), [0] * len(out)) for _ in range(n)]
+            return [
+                ModelResponse(req.input_ids, out, [-0.1] * len(out), [0] * len(out))
+                for _ in range(n)
+            ]
 
     wf = RLVRWorkflow(Client(), tok, reward, GenerationConfig(), group_size=2)
     batch = asyncio.run(wf({"prompt": "How long?", "answer": "7", "unit": "cm", "id": "r1"}))
@@ -133,5 +192,7 @@ def test_pass_at_k_matches_counting_subsets():
         outcomes = [True] * correct + [False] * (n - correct)
         for k in range(1, n + 1):
             subsets = list(itertools.combinations(outcomes, k))
-            assert math.isclose(pass_at_k(n, correct, k), sum(any(s) for s in subsets) / len(subsets))
+            assert math.isclose(
+                pass_at_k(n, correct, k), sum(any(s) for s in subsets) / len(subsets)
+            )
     assert pass_ks(1) == [1] and pass_ks(6) == [1, 2, 4, 6] and pass_ks(8) == [1, 2, 4, 8]

@@ -139,11 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     p_sft.add_argument("config")
     p_sft.add_argument("overrides", nargs="*")
     p_sft.set_defaults(fn=sft)
-    p_eval = sub.add_parser("eval", help="score a model (or checkpoint) on data.eval_path with the config's reward")
+    p_eval = sub.add_parser("eval", help="score a model or checkpoint on data.eval_path (the config's reward)")
     p_eval.add_argument("config", help="an LLM config, e.g. examples/llm/gsm8k_grpo.yaml")
     p_eval.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    p_eval.add_argument("--checkpoint", default=None, help="a training checkpoint (or checkpoints/ folder) of model.path")
-    p_eval.add_argument("--n", type=int, default=1, help="sampled completions per record besides the greedy one (pass@k)")
+    p_eval.add_argument("--checkpoint", default=None,
+                        help="a training checkpoint (or checkpoints/ folder) of model.path")
+    p_eval.add_argument("--n", type=int, default=1,
+                        help="sampled completions per record besides the greedy one (pass@k)")
     p_eval.set_defaults(fn=evaluate)
     p_serve = sub.add_parser("serve", help="serve a Hugging Face causal LM over HTTP (SGLang's API subset)")
     p_serve.add_argument("--model", required=True, help="a local model directory (save_pretrained)")

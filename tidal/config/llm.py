@@ -32,29 +32,36 @@ class LMModelConfig:
     """The causal LM."""
 
     path: str = setting("runs/models/arith", "a local Hugging Face causal-LM folder (tidal sft writes it)")
-    dtype: str = setting("float32", "weights' dtype, passed to from_pretrained: float32 | bfloat16 | float16 | auto")
-    attn_implementation: str | None = setting(None, "transformers' attention: eager | sdpa | ...; None: its default")
-    gradient_checkpointing: bool = setting(False, "recompute activations in the backward pass (the trainer's model)")
+    dtype: str = setting("float32", "from_pretrained's dtype: float32 | bfloat16 | float16 | auto")
+    attn_implementation: str | None = setting(
+        None, "transformers' attention: eager | sdpa | ...; None: its default")
+    gradient_checkpointing: bool = setting(
+        False, "recompute activations in the backward pass (the trainer's model)")
     hidden: int = setting(128, "the tiny model tidal sft builds when path does not exist yet: width")
     layers: int = setting(4, "... its layers")
     heads: int = setting(4, "... its attention heads")
     max_positions: int = setting(64, "... its context length")
-    vocab_size: int = setting(512, "... with data.path: its byte-level BPE vocabulary, trained on the dataset's text")
+    vocab_size: int = setting(
+        512, "... with data.path: its byte-level BPE vocabulary, trained on the dataset's text")
 
 
 @dataclass
 class DataConfig:
     """The prompts: a dataset file (data.path), or a registered task that generates them."""
 
-    path: str | None = setting(None, "a JSONL, JSON or Parquet file of training records; None: data.task generates them")
+    path: str | None = setting(
+        None, "a JSONL, JSON or Parquet file of training records; None: data.task generates them")
     eval_path: str | None = setting(None, "held-out records (same keys) for evaluation and tidal eval")
-    prompt_key: str = setting("prompt", "the field holding the prompt (a string or a list of chat messages)")
-    answer_key: str = setting("answer", "the field holding the reference answer (given to the reward)")
-    messages_key: str | None = setting(None, "tidal sft: the field holding chat conversations; None: prompt/answer pairs")
-    id_key: str = setting("id", "the field naming a record in logs and eval rows (else its row number)")
-    chat_template: bool = setting(False, "render prompts with the tokenizer's chat template (SFT, RL and evaluation)")
-    system_prompt: str | None = setting(None, "a system turn put before each prompt (needs chat_template)")
-    cache_dir: str | None = setting(None, "the datasets cache; None: inside the run folder (a temporary one for sft)")
+    prompt_key: str = setting("prompt", "the prompt's field (a string or a list of chat messages)")
+    answer_key: str = setting("answer", "the reference answer's field (given to the reward)")
+    messages_key: str | None = setting(
+        None, "tidal sft: the field holding chat conversations; None: prompt/answer pairs")
+    id_key: str = setting("id", "the field naming a record in logs and eval rows (else its row)")
+    chat_template: bool = setting(
+        False, "render prompts with the tokenizer's chat template (SFT, RL and evaluation)")
+    system_prompt: str | None = setting(None, "a system turn before each prompt (needs chat_template)")
+    cache_dir: str | None = setting(
+        None, "the datasets cache; None: inside the run folder (a temporary one for sft)")
     task: str = setting("arithmetic", "without data.path: a registered task (tidal.rollout.tasks): arithmetic | reverse | guess_number")
     digits: int = setting(2, "arithmetic: digits per operand")
     max_len: int = setting(24, "reverse: the longest digit string")
@@ -68,9 +75,11 @@ class DataConfig:
 class RewardConfig:
     """The reward of single-turn episodes and of evaluation."""
 
-    name: str = setting("auto", "a registered reward (exact_match | math_verify | regex_match), module.path:function, "
-                                "or auto: a generated task's own, exact_match for a dataset file")
-    kwargs: dict[str, Any] = setting(factory=dict, help="options passed to the reward (they win over record fields)")
+    name: str = setting(
+        "auto", "a registered reward (exact_match | math_verify | regex_match), module.path:function, "
+                "or auto: a generated task's own, exact_match for a dataset file")
+    kwargs: dict[str, Any] = setting(
+        factory=dict, help="options passed to the reward (they win over record fields)")
 
 
 @dataclass
@@ -176,7 +185,8 @@ def validate_llm(cfg: LLMConfig) -> None:
             f"{a.ppo_minibatches} must divide rollout.batch_size {r.batch_size}")
     kind = _data_kind(cfg.data)
     require(r.workflow in ("auto", kind) or ":" in r.workflow, "rollout.workflow",
-            f"{_data_name(cfg.data)} runs the {kind!r} workflow (or 'auto', or module.path:factory), got {r.workflow!r}")
+            f"{_data_name(cfg.data)} runs the {kind!r} workflow (or 'auto', or module.path:factory), "
+            f"got {r.workflow!r}")
     if ":" in r.workflow:
         import_object(r.workflow, "rollout.workflow")
     _check_actor_ranks(cfg)
@@ -201,7 +211,7 @@ def validate_sft(cfg: LLMConfig) -> None:
         except ModelConfigError as exc:
             raise ConfigError(str(exc)) from None
         require(cfg.data.path is None or cfg.data.chat_template, "data.chat_template",
-                "the tiny model tidal sft builds for a dataset file is a chat model: set data.chat_template=true")
+                "tidal sft builds a chat model for a dataset file: set data.chat_template=true")
 
 
 def _data_kind(d: DataConfig) -> str:
@@ -210,7 +220,8 @@ def _data_kind(d: DataConfig) -> str:
         return "rlvr"
     from tidal.rollout.tasks import TASKS
 
-    require(d.task in TASKS.names(), "data.task", f"expected one of {', '.join(TASKS.names())}, got {d.task!r}")
+    require(d.task in TASKS.names(), "data.task",
+            f"expected one of {', '.join(TASKS.names())}, got {d.task!r}")
     return "multi_turn" if TASKS.get(d.task).multi_turn else "rlvr"
 
 
@@ -223,7 +234,8 @@ def validate_data(cfg: LLMConfig, sft: bool = False) -> None:
     folder exists (``sft``: data.messages_key conversations may replace prompt/answer records)."""
     d = cfg.data
     kind = _data_kind(d)
-    require(d.system_prompt is None or d.chat_template, "data.system_prompt", "a system prompt needs data.chat_template=true")
+    require(d.system_prompt is None or d.chat_template, "data.system_prompt",
+            "a system prompt needs data.chat_template=true")
     require(d.eval_size >= 1, "data.eval_size", f"must be >= 1, got {d.eval_size}")
     if d.path is not None:
         conversations = sft and d.messages_key is not None

@@ -67,21 +67,36 @@ class Evaluator:
         if self.n:
             responses += await self.client.agenerate_n(ModelRequest(ids, self.samples), self.n)
         prompt = self.tokenizer.decode(ids)
-        return await asyncio.gather(*(self._row(record, prompt, r, i) for i, r in enumerate(responses)))
+        return await asyncio.gather(
+            *(self._row(record, prompt, r, i) for i, r in enumerate(responses))
+        )
 
     async def _row(self, record: dict, prompt: str, resp: ModelResponse, i: int) -> dict:
         completion = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
         reward = await self.reward.ascore(completion, record, self.reward_timeout_s)
-        return {"id": record.get("id"), "sample": "greedy" if i == 0 else i - 1, "prompt": prompt,
-                "completion": completion, "reward": 0.0 if reward is None else reward, "failed": reward is None}
+        return {
+            "id": record.get("id"),
+            "sample": "greedy" if i == 0 else i - 1,
+            "prompt": prompt,
+            "completion": completion,
+            "reward": 0.0 if reward is None else reward,
+            "failed": reward is None,
+        }
 
     def _metrics(self, per_record: list[list[dict]]) -> dict[str, float]:
         greedy = [rows[0]["reward"] for rows in per_record]
-        out = {"eval/accuracy": _mean([r > 0 for r in greedy]), "eval/reward_mean": _mean(greedy),
-               "eval/reward_failures": float(sum(row["failed"] for rows in per_record for row in rows))}
+        out = {
+            "eval/accuracy": _mean([r > 0 for r in greedy]),
+            "eval/reward_mean": _mean(greedy),
+            "eval/reward_failures": float(
+                sum(row["failed"] for rows in per_record for row in rows)
+            ),
+        }
         if self.n:
             solved = [sum(row["reward"] > 0 for row in rows[1:]) for rows in per_record]
-            out["eval/sampled_reward_mean"] = _mean([row["reward"] for rows in per_record for row in rows[1:]])
+            out["eval/sampled_reward_mean"] = _mean(
+                [row["reward"] for rows in per_record for row in rows[1:]]
+            )
             for k in pass_ks(self.n):
                 out[f"eval/pass@{k}"] = _mean([pass_at_k(self.n, c, k) for c in solved])
         return out

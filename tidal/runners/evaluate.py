@@ -31,8 +31,10 @@ def validate_eval(cfg: LLMConfig, checkpoint: str | None, n: int) -> Path | None
     from tidal.rollout.tasks import TASKS
 
     if cfg.data.path is None and TASKS.get(cfg.data.task).multi_turn:
-        raise ConfigError(f"data.task: tidal eval scores single-turn records; {cfg.data.task!r} is multi-turn "
-                          "(the training run evaluates it)")
+        raise ConfigError(
+            f"data.task: tidal eval scores single-turn records; {cfg.data.task!r} is multi-turn "
+            "(the training run evaluates it)"
+        )
     if cfg.data.path is not None and cfg.data.eval_path is None:
         raise ConfigError("data.eval_path: tidal eval needs held-out records (a dataset file)")
     if n < 0:
@@ -47,11 +49,13 @@ def validate_eval(cfg: LLMConfig, checkpoint: str | None, n: int) -> Path | None
         raise ConfigError(str(exc).replace("runner.resume_from", "--checkpoint")) from None
 
 
-def serve_and_evaluate(cfg: LLMConfig, records: list[dict], n: int = 0,
-                       checkpoint: Path | None = None) -> EvalResult:
+def serve_and_evaluate(
+    cfg: LLMConfig, records: list[dict], n: int = 0, checkpoint: Path | None = None
+) -> EvalResult:
     """Start an in-process server on model.path (with the checkpoint's weights), evaluate, stop."""
-    engine = GenerationEngine(cfg.model.path, max_batch_size=cfg.rollout.max_batch_size,
-                              dtype=DTYPES[cfg.model.dtype])
+    engine = GenerationEngine(
+        cfg.model.path, max_batch_size=cfg.rollout.max_batch_size, dtype=DTYPES[cfg.model.dtype]
+    )
     if checkpoint is not None:
         from tidal.checkpoint import load_checkpoint
 
@@ -81,7 +85,9 @@ def serve_and_evaluate(cfg: LLMConfig, records: list[dict], n: int = 0,
 def run_eval(cfg: LLMConfig, checkpoint: str | None = None, n: int = 1) -> dict:
     """Evaluate and write the results; the summary (also printed by the CLI)."""
     folder = validate_eval(cfg, checkpoint, n)
-    out = run_folder(dataclasses.replace(cfg.runner, experiment=f"{cfg.runner.experiment}-eval"), None)
+    out = run_folder(
+        dataclasses.replace(cfg.runner, experiment=f"{cfg.runner.experiment}-eval"), None
+    )
     out.mkdir(parents=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
     start = time.perf_counter()
@@ -91,9 +97,16 @@ def run_eval(cfg: LLMConfig, checkpoint: str | None = None, n: int = 1) -> dict:
     with (out / "samples.jsonl").open("w") as f:
         for row in result.rows:
             f.write(json.dumps(row, default=str) + "\n")
-    summary = {**result.metrics, "records": len(records), "samples_per_record": n,
-               "model_path": cfg.model.path, "checkpoint": None if folder is None else str(folder),
-               "reward": cfg.reward.name, "run_dir": str(out), "wall_time": time.perf_counter() - start}
+    summary = {
+        **result.metrics,
+        "records": len(records),
+        "samples_per_record": n,
+        "model_path": cfg.model.path,
+        "checkpoint": None if folder is None else str(folder),
+        "reward": cfg.reward.name,
+        "run_dir": str(out),
+        "wall_time": time.perf_counter() - start,
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     log.info("eval: accuracy %.3f on %d records (%s)", summary["eval/accuracy"], len(records), out)
     return summary

@@ -62,7 +62,9 @@ def eval_records(cfg: LLMConfig, cache: Path, size: int | None = None) -> list[d
 def prompt_renderer(cfg: LLMConfig, tokenizer):
     """A record's prompt -> token ids, as configured (chat template, system prompt)."""
     d = cfg.data
-    return functools.partial(render_prompt, tokenizer, system=d.system_prompt, chat_template=d.chat_template)
+    return functools.partial(
+        render_prompt, tokenizer, system=d.system_prompt, chat_template=d.chat_template
+    )
 
 
 def sft_examples(cfg: LLMConfig, tokenizer, cache: Path) -> list[tuple[list[int], list[int]]]:
@@ -74,7 +76,9 @@ def sft_examples(cfg: LLMConfig, tokenizer, cache: Path) -> list[tuple[list[int]
         return [sft_tokens(tokenizer, row["messages"], d.system_prompt) for row in table]
     table = _prompt_table(cfg, d.path, cache, "data.path")
     if d.chat_template:
-        return [sft_tokens(tokenizer, prompt_answer_messages(row, d.system_prompt)) for row in table]
+        return [
+            sft_tokens(tokenizer, prompt_answer_messages(row, d.system_prompt)) for row in table
+        ]
     eos = [tokenizer.eos_token_id]
     examples = []
     for row in table:
@@ -86,13 +90,26 @@ def sft_examples(cfg: LLMConfig, tokenizer, cache: Path) -> list[tuple[list[int]
 
 def generation_config(cfg: LLMConfig, tokenizer) -> GenerationConfig:
     r = cfg.rollout
-    return GenerationConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                            top_k=r.top_k, stop_token_ids=[tokenizer.eos_token_id])
+    return GenerationConfig(
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        stop_token_ids=[tokenizer.eos_token_id],
+    )
 
 
 def evaluator(cfg: LLMConfig, client: InferenceClient, tokenizer, n: int = 0) -> Evaluator:
     """The configured evaluation: greedy (and ``n`` samples drawn like rollouts), the reward."""
     gconfig = generation_config(cfg, tokenizer)
-    return Evaluator(client, tokenizer, prompt_renderer(cfg, tokenizer), configured_reward(cfg),
-                     greedy_config(gconfig), gconfig, n, cfg.rollout.reward_timeout_s,
-                     max_concurrent=cfg.rollout.max_batch_size)
+    return Evaluator(
+        client,
+        tokenizer,
+        prompt_renderer(cfg, tokenizer),
+        configured_reward(cfg),
+        greedy_config(gconfig),
+        gconfig,
+        n,
+        cfg.rollout.reward_timeout_s,
+        max_concurrent=cfg.rollout.max_batch_size,
+    )

@@ -49,14 +49,28 @@ def load_or_build(cfg: LLMConfig, cache: Path):
     """``(model, tokenizer)`` from model.path, built there first when it does not exist."""
     m, path = cfg.model, Path(cfg.model.path)
     if not path.exists() and cfg.data.path is not None:
-        save_tiny_chat_model(path, dataset_text(cfg, cache), m.vocab_size, hidden=m.hidden, layers=m.layers,
-                             heads=m.heads, max_positions=m.max_positions, seed=cfg.runner.seed)
+        save_tiny_chat_model(
+            path,
+            dataset_text(cfg, cache),
+            m.vocab_size,
+            hidden=m.hidden,
+            layers=m.layers,
+            heads=m.heads,
+            max_positions=m.max_positions,
+            seed=cfg.runner.seed,
+        )
         log.info("sft: built a tiny chat model in %s", path)
     if path.exists():
         return load_causal_lm(path, m.dtype, m.attn_implementation, m.gradient_checkpointing)
     tokenizer = char_tokenizer(ARITH_ALPHABET)
-    model = tiny_llama(len(tokenizer), hidden=m.hidden, layers=m.layers, heads=m.heads, max_positions=m.max_positions,
-                       seed=cfg.runner.seed)
+    model = tiny_llama(
+        len(tokenizer),
+        hidden=m.hidden,
+        layers=m.layers,
+        heads=m.heads,
+        max_positions=m.max_positions,
+        seed=cfg.runner.seed,
+    )
     return model, tokenizer
 
 
@@ -64,7 +78,9 @@ def encode(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list
     """BOS, then each segment; a trained segment (a model turn) ends with EOS and is learned."""
     ids, trained = [tokenizer.bos_token_id], [False]
     for text, learn in segments:
-        part = tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] if learn else [])
+        part = tokenizer.encode(text, add_special_tokens=False) + (
+            [tokenizer.eos_token_id] if learn else []
+        )
         ids += part
         trained += [learn] * len(part)
     return ids, trained
@@ -83,11 +99,14 @@ def batches(cfg: LLMConfig, tokenizer, cache: Path):
 
 
 def collate(batch: list[Example], pad_id: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``input_ids`` and ``labels`` (-100 off the learned tokens), cut to the context."""
+    """Right-padded ``input_ids`` and ``labels`` (-100 off the learned tokens), cut to the
+    context."""
     batch = [(ids[:context], mask[:context]) for ids, mask in batch]
     width = max(len(ids) for ids, _ in batch)
     ids = torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in batch])
-    learn = torch.tensor([[bool(x) for x in mask] + [False] * (width - len(mask)) for _, mask in batch])
+    learn = torch.tensor(
+        [[bool(x) for x in mask] + [False] * (width - len(mask)) for _, mask in batch]
+    )
     return ids, torch.where(learn, ids, -100)
 
 
@@ -101,8 +120,12 @@ def run_sft(cfg: LLMConfig) -> dict:
         held_out = eval_records(cfg, cache, cfg.sft.eval_size)
     context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     # torch's AdamW defaults and no clipping: how the warm start has always trained
-    engine = TrainEngine(model, ActorConfig(lr=cfg.sft.lr, optimizer="adamw", weight_decay=0.01, max_grad_norm=None),
-                         total_steps=cfg.sft.steps, name="sft")
+    engine = TrainEngine(
+        model,
+        ActorConfig(lr=cfg.sft.lr, optimizer="adamw", weight_decay=0.01, max_grad_norm=None),
+        total_steps=cfg.sft.steps,
+        name="sft",
+    )
 
     def loss_fn(module, micro):
         ids, labels = micro
@@ -111,7 +134,11 @@ def run_sft(cfg: LLMConfig) -> dict:
 
     start, losses = time.perf_counter(), []
     for step in range(cfg.sft.steps):
-        losses.append(engine.train_batch([collate(next_batch(), tokenizer.pad_token_id, context)], loss_fn)["loss"][0])
+        losses.append(
+            engine.train_batch([collate(next_batch(), tokenizer.pad_token_id, context)], loss_fn)[
+                "loss"
+            ][0]
+        )
         engine.end_step()
         if (step + 1) % 100 == 0:
             log.info("sft step %d loss %.4f", step + 1, losses[-1])
@@ -124,5 +151,11 @@ def run_sft(cfg: LLMConfig) -> dict:
         from tidal.runners.evaluate import serve_and_evaluate
 
         accuracy = serve_and_evaluate(cfg, held_out).metrics["eval/accuracy"]
-    return {"model_path": cfg.model.path, "steps": cfg.sft.steps, "held_out_accuracy": accuracy,
-            "first_loss": losses[0], "final_loss": losses[-1], "wall_time": time.perf_counter() - start}
+    return {
+        "model_path": cfg.model.path,
+        "steps": cfg.sft.steps,
+        "held_out_accuracy": accuracy,
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "wall_time": time.perf_counter() - start,
+    }
