@@ -21,7 +21,7 @@ from tidal.config.common import ActorConfig
 from tidal.config.llm import LLMConfig, validate_sft
 from tidal.data.datasets import RecordIterator, load_conversations, load_prompts
 from tidal.engine import TrainEngine
-from tidal.inference.tiny import char_tokenizer, save_tiny_chat_model, tiny_llama
+from tidal.inference.tiny import save_tiny_chat_model, save_tiny_model
 from tidal.models.lm import load_causal_lm
 from tidal.rollout.tasks import ARITH_ALPHABET, TASKS
 from tidal.runners.lm_common import data_cache, eval_records, sft_examples
@@ -46,32 +46,19 @@ def dataset_text(cfg: LLMConfig, cache: Path) -> list[str]:
 
 
 def load_or_build(cfg: LLMConfig, cache: Path):
-    """``(model, tokenizer)`` from model.path, built there first when it does not exist."""
+    """``(model, tokenizer)`` from model.path, where a tiny model is built first when it does not
+    exist (a chat model for a dataset file, a character-level one for a generated task)."""
     m, path = cfg.model, Path(cfg.model.path)
-    if not path.exists() and cfg.data.path is not None:
-        save_tiny_chat_model(
-            path,
-            dataset_text(cfg, cache),
-            m.vocab_size,
-            hidden=m.hidden,
-            layers=m.layers,
-            heads=m.heads,
-            max_positions=m.max_positions,
-            seed=cfg.runner.seed,
-        )
-        log.info("sft: built a tiny chat model in %s", path)
-    if path.exists():
-        return load_causal_lm(path, m.dtype, m.attn_implementation, m.gradient_checkpointing)
-    tokenizer = char_tokenizer(ARITH_ALPHABET)
-    model = tiny_llama(
-        len(tokenizer),
-        hidden=m.hidden,
-        layers=m.layers,
-        heads=m.heads,
-        max_positions=m.max_positions,
-        seed=cfg.runner.seed,
-    )
-    return model, tokenizer
+    if not path.exists():
+        size = dict(hidden=m.hidden, layers=m.layers, heads=m.heads, max_positions=m.max_positions)
+        if cfg.data.path is not None:
+            save_tiny_chat_model(
+                path, dataset_text(cfg, cache), m.vocab_size, seed=cfg.runner.seed, **size
+            )
+        else:
+            save_tiny_model(path, ARITH_ALPHABET, seed=cfg.runner.seed, **size)
+        log.info("sft: built a tiny model in %s", path)
+    return load_causal_lm(path, m.dtype, m.attn_implementation, m.gradient_checkpointing)
 
 
 def encode(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
