@@ -196,3 +196,23 @@ def test_pass_at_k_matches_counting_subsets():
                 pass_at_k(n, correct, k), sum(any(s) for s in subsets) / len(subsets)
             )
     assert pass_ks(1) == [1] and pass_ks(6) == [1, 2, 4, 6] and pass_ks(8) == [1, 2, 4, 8]
+
+
+def test_sft_on_conversations_learns_only_the_assistant_turns(demo, tmp_path):
+    from tidal.config.llm import validate_sft
+    from tidal.models.lm import load_tokenizer
+    from tidal.runners.lm_common import sft_examples
+
+    overrides, summary = demo
+    chats = ROOT / "examples" / "llm" / "data" / "sft.jsonl"
+    keys = [f"data.path={chats}", "data.messages_key=messages", "data.system_prompt=null"]
+    cfg = load_config(LLMConfig, DEMO, [*overrides, *keys])
+    validate_sft(cfg)
+    tokenizer = load_tokenizer(summary["model_path"])
+    examples = sft_examples(cfg, tokenizer, tmp_path)
+    rows = [json.loads(x) for x in chats.read_text().splitlines()]
+    assert len(examples) == len(rows) == 24
+    for (ids, mask), row in zip(examples, rows):
+        learned = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+        replies = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        assert learned == "".join(f"{reply}<|im_end|>" for reply in replies)
