@@ -103,8 +103,13 @@ def test_llm_model_path_and_context_are_checked_before_anything_starts(tmp_path,
     arith = Path(__file__).parent.parent / "examples" / "llm" / "arith_grpo.yaml"
     assert main(["train", str(arith), f"model.path={tmp_path}/missing", f"runner.run_dir={tmp_path}/runs"]) == 2
     assert "model.path: " in capsys.readouterr().err and not (tmp_path / "runs").exists()
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text('{"max_position_embeddings": 64}')
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "config.json").write_text('{"max_position_embeddings": 64}')  # no model_type
+    assert main(["train", str(arith), f"model.path={tmp_path}/x"]) == 2
+    assert "model.path: cannot read" in capsys.readouterr().err
+    from tidal.inference.tiny import save_tiny_model
+
+    save_tiny_model(tmp_path / "m", hidden=16, layers=1, heads=2, max_positions=64)
     assert main(["train", str(arith), f"model.path={tmp_path}/m", "rollout.max_new_tokens=100"]) == 2
     assert "rollout.max_new_tokens: 100 does not fit the model's context of 64 tokens" in capsys.readouterr().err
     for bad in ("sft.steps=0", "sft.batch_size=0"):

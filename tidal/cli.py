@@ -98,6 +98,22 @@ def sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def evaluate(args: argparse.Namespace) -> int:
+    """Evaluate a model folder or checkpoint on the held-out records; print the summary."""
+    from tidal.config import ConfigError, load_config
+    from tidal.config.llm import LLMConfig
+    from tidal.runners.evaluate import run_eval
+
+    _setup_logging()
+    try:
+        cfg = load_config(LLMConfig, args.config, args.overrides)
+        summary = run_eval(cfg, args.checkpoint, args.n)
+    except (ConfigError, FileNotFoundError) as exc:
+        return _fail("config error", exc)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def _setup_logging() -> None:
     import logging
 
@@ -137,6 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     p_sft.add_argument("config")
     p_sft.add_argument("overrides", nargs="*")
     p_sft.set_defaults(fn=sft)
+    p_eval = sub.add_parser("eval", help="score a model or checkpoint on data.eval_path (the config's reward)")
+    p_eval.add_argument("config", help="an LLM config, e.g. examples/llm/gsm8k_grpo.yaml")
+    p_eval.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    p_eval.add_argument("--checkpoint", default=None,
+                        help="a training checkpoint (or checkpoints/ folder) of model.path")
+    p_eval.add_argument("--n", type=int, default=1,
+                        help="sampled completions per record besides the greedy one (pass@k)")
+    p_eval.set_defaults(fn=evaluate)
     p_serve = sub.add_parser("serve", help="serve a Hugging Face causal LM over HTTP (SGLang's API subset)")
     p_serve.add_argument("--model", required=True, help="a local model directory (save_pretrained)")
     p_serve.add_argument("--host", default="127.0.0.1")

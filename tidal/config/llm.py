@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from tidal.config.common import (
     ActorConfig,
@@ -31,24 +31,55 @@ class LLMRunnerConfig(RunnerConfig):
 class LMModelConfig:
     """The causal LM."""
 
-    path: str = setting("runs/models/arith", "a save_pretrained folder (tidal sft writes it)")
-    hidden: int = setting(128, "the tiny Llama tidal sft builds when path does not exist yet: width")
+    path: str = setting("runs/models/arith", "a local Hugging Face causal-LM folder (tidal sft writes it)")
+    dtype: str = setting("float32", "from_pretrained's dtype: float32 | bfloat16 | float16 | auto")
+    attn_implementation: str | None = setting(
+        None, "transformers' attention: eager | sdpa | ...; None: its default")
+    gradient_checkpointing: bool = setting(
+        False, "recompute activations in the backward pass (the trainer's model)")
+    hidden: int = setting(128, "the tiny model tidal sft builds when path does not exist yet: width")
     layers: int = setting(4, "... its layers")
     heads: int = setting(4, "... its attention heads")
     max_positions: int = setting(64, "... its context length")
+    vocab_size: int = setting(
+        512, "... with data.path: its byte-level BPE vocabulary, trained on the dataset's text")
 
 
 @dataclass
 class DataConfig:
-    """The prompts: a registered task that generates them."""
+    """The prompts: a dataset file (data.path), or a registered task that generates them."""
 
-    task: str = setting("arithmetic", "a registered task (tidal.rollout.tasks): arithmetic | reverse | guess_number")
+    path: str | None = setting(
+        None, "a JSONL, JSON or Parquet file of training records; None: data.task generates them")
+    eval_path: str | None = setting(None, "held-out records (same keys) for evaluation and tidal eval")
+    prompt_key: str = setting("prompt", "the prompt's field (a string or a list of chat messages)")
+    answer_key: str = setting("answer", "the reference answer's field (given to the reward)")
+    messages_key: str | None = setting(
+        None, "tidal sft: the field holding chat conversations; None: prompt/answer pairs")
+    id_key: str = setting("id", "the field naming a record in logs and eval rows (else its row)")
+    chat_template: bool = setting(
+        False, "render prompts with the tokenizer's chat template (SFT, RL and evaluation)")
+    system_prompt: str | None = setting(None, "a system turn before each prompt (needs chat_template)")
+    cache_dir: str | None = setting(
+        None, "the datasets cache; None: inside the run folder (a temporary one for sft)")
+    task: str = setting("arithmetic", "without data.path: a registered task (tidal.rollout.tasks): arithmetic | reverse | guess_number")
     digits: int = setting(2, "arithmetic: digits per operand")
     max_len: int = setting(24, "reverse: the longest digit string")
     ops: str = setting("+", "arithmetic: operators to draw from")
     train_size: int = setting(20000, "generated training problems")
-    eval_size: int = setting(256, "generated held-out problems")
+    eval_size: int = setting(256, "held-out problems: generated, or the first this many of data.eval_path")
     seed: int = setting(0, "the seed the problems are generated with (the same data across runs)")
+
+
+@dataclass
+class RewardConfig:
+    """The reward of single-turn episodes and of evaluation."""
+
+    name: str = setting(
+        "auto", "a registered reward (exact_match | math_verify | regex_match), module.path:function, "
+                "or auto: a generated task's own, exact_match for a dataset file")
+    kwargs: dict[str, Any] = setting(
+        factory=dict, help="options passed to the reward (they win over record fields)")
 
 
 @dataclass
@@ -114,6 +145,7 @@ class LLMConfig:
     runner: LLMRunnerConfig = section(LLMRunnerConfig)
     model: LMModelConfig = section(LMModelConfig)
     data: DataConfig = section(DataConfig)
+    reward: RewardConfig = section(RewardConfig)
     rollout: LLMRolloutConfig = section(LLMRolloutConfig)
     algorithm: LMAlgorithmConfig = section(LMAlgorithmConfig)
     actor: LMActorConfig = section(LMActorConfig)
@@ -151,15 +183,14 @@ def validate_llm(cfg: LLMConfig) -> None:
         require(value >= 1, key, f"must be >= 1, got {value}")
     require(r.batch_size % a.ppo_minibatches == 0, "actor.ppo_minibatches",
             f"{a.ppo_minibatches} must divide rollout.batch_size {r.batch_size}")
-    from tidal.rollout.tasks import TASKS
-
-    require(cfg.data.task in TASKS.names(), "data.task", f"expected one of {', '.join(TASKS.names())}, got {cfg.data.task!r}")
-    kind = "multi_turn" if TASKS.get(cfg.data.task).multi_turn else "rlvr"
+    kind = _data_kind(cfg.data)
     require(r.workflow in ("auto", kind) or ":" in r.workflow, "rollout.workflow",
-            f"task {cfg.data.task!r} runs the {kind!r} workflow (or 'auto', or module.path:factory), got {r.workflow!r}")
+            f"{_data_name(cfg.data)} runs the {kind!r} workflow (or 'auto', or module.path:factory), "
+            f"got {r.workflow!r}")
     if ":" in r.workflow:
         import_object(r.workflow, "rollout.workflow")
     _check_actor_ranks(cfg)
+    validate_data(cfg)
 
 
 def validate_sft(cfg: LLMConfig) -> None:
@@ -167,18 +198,114 @@ def validate_sft(cfg: LLMConfig) -> None:
     for key in ("steps", "batch_size", "eval_size"):
         require(getattr(s, key) >= 1, f"sft.{key}", f"must be >= 1, got {getattr(s, key)}")
     require(s.lr > 0, "sft.lr", f"must be > 0, got {s.lr}")
+    validate_data(cfg, sft=True)
+    from pathlib import Path
+
+    if Path(cfg.model.path).exists():  # else tidal sft builds a tiny model there
+        validate_model_path(cfg)
+    else:
+        from tidal.models.lm import ModelConfigError, check_load_options
+
+        try:
+            check_load_options(cfg.model.dtype, cfg.model.attn_implementation)
+        except ModelConfigError as exc:
+            raise ConfigError(str(exc)) from None
+        require(cfg.data.path is None or cfg.data.chat_template, "data.chat_template",
+                "tidal sft builds a chat model for a dataset file: set data.chat_template=true")
+
+
+def _data_kind(d: DataConfig) -> str:
+    """The workflow the data runs: a dataset file is single-turn; a task says which it is."""
+    if d.path is not None:
+        return "rlvr"
+    from tidal.rollout.tasks import TASKS
+
+    require(d.task in TASKS.names(), "data.task",
+            f"expected one of {', '.join(TASKS.names())}, got {d.task!r}")
+    return "multi_turn" if TASKS.get(d.task).multi_turn else "rlvr"
+
+
+def _data_name(d: DataConfig) -> str:
+    return f"data.path {d.path!r}" if d.path is not None else f"task {d.task!r}"
+
+
+def validate_data(cfg: LLMConfig, sft: bool = False) -> None:
+    """Dataset files, their keys, the chat-template options and the reward, checked before the run
+    folder exists (``sft``: data.messages_key conversations may replace prompt/answer records)."""
+    d = cfg.data
+    kind = _data_kind(d)
+    require(d.system_prompt is None or d.chat_template, "data.system_prompt",
+            "a system prompt needs data.chat_template=true")
+    require(d.eval_size >= 1, "data.eval_size", f"must be >= 1, got {d.eval_size}")
+    if d.path is not None:
+        conversations = sft and d.messages_key is not None
+        require(not conversations or d.chat_template, "data.messages_key",
+                "conversations are rendered with the chat template: set data.chat_template=true")
+        _check_file(d, d.path, "data.path", conversations)
+    if d.eval_path is not None:
+        _check_file(d, d.eval_path, "data.eval_path", conversations=False)
+    require(kind == "rlvr" or cfg.reward.name == "auto", "reward.name",
+            f"task {d.task!r} is multi-turn: its environment gives the reward (leave reward.name: auto)")
+    if kind == "rlvr":
+        configured_reward(cfg)
+
+
+def _check_file(d: DataConfig, path: str, key: str, conversations: bool) -> None:
+    """The file loads, holds records with the configured keys, and chat-message prompts come
+    with data.chat_template."""
+    import tempfile
+
+    from tidal.data.datasets import DataConfigError, load_conversations, load_prompts
+
+    with tempfile.TemporaryDirectory(prefix="tidal-data-check-") as cache:
+        try:
+            if conversations:
+                load_conversations(path, cache, d.messages_key, d.id_key, key=key)
+                return
+            table = load_prompts(path, cache, d.prompt_key, d.answer_key, d.id_key, key=key)
+        except DataConfigError as exc:
+            raise ConfigError(str(exc)) from None
+        text = getattr(table.features["prompt"], "dtype", None) in ("string", "large_string")
+        require(d.chat_template or text, "data.chat_template",
+                f"the prompts in {path!r} are chat messages: set data.chat_template=true")
+
+
+def configured_reward(cfg: LLMConfig):
+    """The :class:`~tidal.rollout.rewards.Reward` of single-turn episodes and evaluation:
+    ``reward.name`` resolved, or with ``auto`` a generated task's own (exact_match for a file)."""
+    from tidal.rollout.rewards import Reward, resolve_reward
+
+    name, kwargs = cfg.reward.name, dict(cfg.reward.kwargs)
+    if name == "auto" and cfg.data.path is None:
+        from tidal.rollout.tasks import TASKS
+
+        return Reward(cfg.data.task, TASKS.get(cfg.data.task).reward, kwargs)
+    try:
+        return resolve_reward("exact_match" if name == "auto" else name, kwargs)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def validate_model_path(cfg: LLMConfig) -> None:
-    """The model folder exists, is a causal LM, and its context holds the generated tokens."""
-    import json
-    from pathlib import Path
+    """The model folder holds a causal LM (no weights read), the load options are known, its
+    context holds the generated tokens, and its tokenizer has a chat template when asked."""
+    from tidal.models.lm import (
+        ModelConfigError,
+        check_causal_lm,
+        check_load_options,
+        load_tokenizer,
+        require_template,
+    )
 
-    config_file = Path(cfg.model.path) / "config.json"
-    require(config_file.is_file(), "model.path",
-            f"{cfg.model.path!r} is not a Hugging Face model folder (no config.json); `tidal sft` builds one")
-    model_cfg = json.loads(config_file.read_text())
-    context = model_cfg.get("max_position_embeddings")
+    m = cfg.model
+    try:
+        check_load_options(m.dtype, m.attn_implementation)
+        model_cfg = check_causal_lm(m.path)
+        if cfg.data.chat_template:
+            require_template(load_tokenizer(m.path))
+    except ModelConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    context = getattr(model_cfg, "max_position_embeddings", None)
     require(context is None or cfg.rollout.max_new_tokens < context, "rollout.max_new_tokens",
             f"{cfg.rollout.max_new_tokens} does not fit the model's context of {context} tokens")
 

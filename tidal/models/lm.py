@@ -87,7 +87,7 @@ def check_causal_lm(path: str | Path, key: str = "model.path"):
     return config
 
 
-def _check_options(dtype: str, attn_implementation: str | None) -> None:
+def check_load_options(dtype: str, attn_implementation: str | None) -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if dtype not in DTYPES:
@@ -123,7 +123,7 @@ def load_causal_lm(
     """``(model, tokenizer)`` from a local folder; options go to ``from_pretrained``."""
     from transformers import AutoModelForCausalLM
 
-    _check_options(dtype, attn_implementation)
+    check_load_options(dtype, attn_implementation)
     check_causal_lm(path, key)
     tokenizer = load_tokenizer(path, key)
     try:
@@ -157,7 +157,7 @@ def enable_checkpointing(model) -> None:
 # ---------------------------------------------------------------- chat templates
 
 
-def _require_template(tokenizer) -> None:
+def require_template(tokenizer) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise ModelConfigError(
             f"data.chat_template: the tokenizer of {tokenizer.name_or_path!r} has no "
@@ -197,7 +197,7 @@ def render_prompt(
     renders it (special tokens included) with the assistant's generation prompt; without, the
     plain text follows BOS (when the tokenizer has one)."""
     if chat_template:
-        _require_template(tokenizer)
+        require_template(tokenizer)
         text = _render(tokenizer, as_messages(prompt, system), generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)
     if not isinstance(prompt, str):
@@ -253,7 +253,7 @@ def sft_tokens(
     """``(input_ids, loss_mask)`` of a conversation rendered with the chat template; the mask is
     1 exactly on the assistant replies' tokens (and their EOS). Each piece is tokenized on its
     own, as at generation time, where the reply's tokens follow the prompt's."""
-    _require_template(tokenizer)
+    require_template(tokenizer)
     if not any(m["role"] == "assistant" for m in messages):
         raise ModelConfigError(
             "data.messages_key: a conversation without an assistant turn has nothing to learn"

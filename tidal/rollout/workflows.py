@@ -1,8 +1,9 @@
 """Episodes for language agents: ``async def run_episode(data) -> LMBatch | None``.
 
 An episode returns an ``LMBatch`` (tidal.data: padded ``[n, L]`` token ids, masks, behaviour
-log-probs and per-token weight versions, and ``rewards`` ``[n]``), or ``None`` to reject. Reward functions run off the event loop with a timeout; an exception or a
-timeout rejects that sample and is counted.
+log-probs and per-token weight versions, and ``rewards`` ``[n]``), or ``None`` to reject.
+Rewards run off the event loop with a timeout (:meth:`Reward.ascore`); an exception or a
+timeout rejects that group and is counted.
 """
 
 from __future__ import annotations
@@ -10,64 +11,58 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from tidal.data import LMBatch, TokenSequence
 from tidal.inference import GenerationConfig, InferenceClient, ModelRequest, ModelResponse
+from tidal.models.lm import render_prompt
+from tidal.rollout.rewards import Reward
 
 log = logging.getLogger(__name__)
 RewardFn = Callable[..., float]
-
-
-@dataclass
-class RewardCounters:
-    errors: int = 0
-    timeouts: int = 0
+PromptRenderer = Callable[[Any], list[int]]  # a record's prompt (text or chat messages) -> token ids
 
 
 def add_response(seq: TokenSequence, resp: ModelResponse) -> None:
     seq.add_generated(resp.output_tokens, resp.output_logprobs, resp.output_versions)
 
 
-async def score(reward_fn: RewardFn, timeout: float, counters: RewardCounters, **kwargs) -> float | None:
-    """Run a (blocking) reward function off the event loop; ``None`` on error or timeout."""
-    try:
-        return float(await asyncio.wait_for(asyncio.to_thread(reward_fn, **kwargs), timeout))
-    except TimeoutError:
-        counters.timeouts += 1
-    except Exception:  # a broken reward rejects the sample; it is counted, not fatal
-        counters.errors += 1
-        log.exception("reward function failed")
-    return None
+def plain_renderer(tokenizer) -> PromptRenderer:
+    """Prompt text after BOS, no chat template (the generated tasks' layout)."""
+    return lambda prompt: render_prompt(tokenizer, prompt, chat_template=False)
 
 
 class RLVRWorkflow:
     """Single-turn RL from verifiable rewards: ``group_size`` samples per prompt, each scored by
-    ``reward_fn(prompt=..., completion=..., **data)``. ``data`` holds ``prompt`` (text)."""
+    ``reward`` (a :class:`Reward`, or a plain ``fn(completion=..., **record)``) with the record's
+    fields. ``render`` turns the record's ``prompt`` into token ids (default: plain text)."""
 
-    def __init__(self, client: InferenceClient, tokenizer, reward_fn: RewardFn, gconfig: GenerationConfig,
-                 group_size: int = 1, reward_timeout_s: float = 10.0):
-        self.client, self.tokenizer, self.reward_fn = client, tokenizer, reward_fn
-        self.gconfig, self.group_size, self.reward_timeout_s = gconfig, group_size, reward_timeout_s
-        self.counters = RewardCounters()
+    def __init__(self, client: InferenceClient, tokenizer, reward: Reward | RewardFn, gconfig: GenerationConfig,
+                 group_size: int = 1, reward_timeout_s: float = 10.0, render: PromptRenderer | None = None):
+        self.client, self.tokenizer, self.gconfig = client, tokenizer, gconfig
+        self.reward = reward if isinstance(reward, Reward) else Reward(getattr(reward, "__name__", "reward"), reward)
+        self.group_size, self.reward_timeout_s = group_size, reward_timeout_s
+        self.render = render or plain_renderer(tokenizer)
+
+    @property
+    def counters(self):
+        """The reward's failure counters (errors, timeouts)."""
+        return self.reward.counters
 
     async def __call__(self, data: dict[str, Any]) -> LMBatch | None:
-        prompt_ids = self.tokenizer.encode(data["prompt"], add_special_tokens=False)
-        prompt_ids = [self.tokenizer.bos_token_id] + prompt_ids
+        prompt_ids = self.render(data["prompt"])
         # the whole group in one request: one HTTP round trip instead of group_size
         responses = await self.client.agenerate_n(ModelRequest(prompt_ids, self.gconfig), self.group_size)
-        seqs, rewards = [], []
+        completions = [self.tokenizer.decode(r.output_tokens, skip_special_tokens=True) for r in responses]
+        rewards = await asyncio.gather(*(self.reward.ascore(c, data, self.reward_timeout_s) for c in completions))
+        if any(r is None for r in rewards):
+            return None  # a group with a missing member cannot be normalised: reject it whole
+        seqs = []
         for resp in responses:
-            completion = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
-            reward = await score(self.reward_fn, self.reward_timeout_s, self.counters, completion=completion, **data)
-            if reward is None:
-                return None  # a group with a missing member cannot be normalised: reject it whole
             seq = TokenSequence()
             seq.add_context(prompt_ids)
             add_response(seq, resp)
             seqs.append(seq)
-            rewards.append(reward)
         return LMBatch.from_sequences(seqs, rewards, self.tokenizer.pad_token_id)
 
 

@@ -13,15 +13,30 @@ import uuid
 from pathlib import Path
 
 import numpy as np
-from transformers import AutoTokenizer
 
-from tidal.config.llm import LLMConfig, import_object, validate_llm, validate_model_path
+from tidal.config.llm import (
+    LLMConfig,
+    configured_reward,
+    import_object,
+    validate_llm,
+    validate_model_path,
+)
 from tidal.data import LMBatch
-from tidal.inference import GenerationConfig, InferenceClient, ModelRequest
+from tidal.inference import InferenceClient
+from tidal.models.lm import load_tokenizer
 from tidal.rollout.dispatcher import RolloutDispatcher
+from tidal.rollout.evaluation import greedy_config
 from tidal.rollout.staleness import StalenessManager
-from tidal.rollout.tasks import TASKS, exact_match_reward
+from tidal.rollout.tasks import TASKS
 from tidal.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow
+from tidal.runners.lm_common import (
+    data_cache,
+    eval_records,
+    evaluator,
+    generation_config,
+    prompt_renderer,
+    train_records,
+)
 from tidal.runners.loop import RunLoop
 from tidal.runtime import Channel, wait_all
 from tidal.workers.inference_worker import InferenceServerWorker
@@ -44,34 +59,42 @@ class ReasoningRunner(RunLoop):
 
     def build(self) -> None:
         cfg, r = self.cfg, self.cfg.rollout
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path)
         self.cluster = self.start_cluster()
         placement = self.cluster.placement(cfg.cluster.resolved_placement(["rollout", "actor"]))
         devices = placement.devices("rollout")[: r.num_servers] if r.num_servers <= len(placement.devices("rollout")) else r.num_servers
         self.servers = InferenceServerWorker.create_group(cfg.model.path, max_batch_size=r.max_batch_size,
-                                                         torch_threads=cfg.cluster.torch_threads).launch(
+                                                         torch_threads=cfg.cluster.torch_threads, dtype=cfg.model.dtype,
+                                                         attn_implementation=cfg.model.attn_implementation).launch(
             self.cluster, devices, name="rollout")
         self.actor = LMActor.create_group(cfg).launch(self.cluster, placement.devices("actor"), name="actor")
         self.weights_ch = Channel.create(f"{cfg.runner.experiment}-{uuid.uuid4().hex[:6]}-weights", self.cluster)
         addresses = self.servers.address().wait(cfg.runner.timeout_s)
         self.client = InferenceClient(addresses)
-        self.gconfig = GenerationConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                        top_k=r.top_k, stop_token_ids=[self.tokenizer.eos_token_id])
+        self.gconfig = generation_config(cfg, self.tokenizer)
         self.staleness = StalenessManager(r.max_staleness, r.batch_size, r.max_concurrent_rollouts)
         self.workflow = self._workflow()
         self.dispatcher = RolloutDispatcher(self.workflow, self.staleness)
-        self.train_data, self.eval_data = self._data()
+        with data_cache(cfg, self.run_dir) as cache:
+            self.train_data, self.eval_data = train_records(cfg, cache), eval_records(cfg, cache)
+        self.evaluator = None if self._multi_turn else evaluator(cfg, self.client, self.tokenizer)
 
     def restore(self, checkpoint: Path) -> dict:
         meta = self.actor.load(str(checkpoint)).wait(self.cfg.runner.timeout_s)[0]
         self.version = meta["version"]
         self.staleness.restore(self.version)
-        self._skip_data(meta.get("data_position", 0))
+        if "data" in meta:  # older checkpoints start the data over
+            self.train_data.load_state_dict(meta["data"])
         self._update_weights()
         return meta
 
     def checkpoint_meta(self) -> dict:
-        return {"data_position": self.dispatcher.submitted, "staleness": self.staleness.snapshot()}
+        # the position counts records taken from the stream: those in flight at a save are skipped
+        return {"data": self.train_data.state_dict(), "staleness": self.staleness.snapshot()}
+
+    @property
+    def _multi_turn(self) -> bool:
+        return self.cfg.data.path is None and TASKS.get(self.cfg.data.task).multi_turn
 
     def progress_info(self, m: dict) -> str:
         evals = {k: round(v, 3) for k, v in m.items() if k.startswith("eval/")}
@@ -82,19 +105,11 @@ class ReasoningRunner(RunLoop):
         r, d = self.cfg.rollout, self.cfg.data
         if ":" in r.workflow:  # a user's workflow: module.path:factory(runner) -> async callable
             return import_object(r.workflow, "rollout.workflow")(self)
-        task = TASKS.get(d.task)
-        if task.multi_turn:
-            return MultiTurnWorkflow(self.client, self.tokenizer, task.env, self.gconfig,
+        if self._multi_turn:
+            return MultiTurnWorkflow(self.client, self.tokenizer, TASKS.get(d.task).env, self.gconfig,
                                      max_turns=r.max_turns, turn_discount=r.turn_discount, group_size=r.group_size)
-        return RLVRWorkflow(self.client, self.tokenizer, task.reward, self.gconfig, r.group_size, r.reward_timeout_s)
-
-    def _data(self):
-        d = self.cfg.data
-        problems = TASKS.get(d.task).problems
-        return problems(d.train_size, d.seed, d), problems(d.eval_size, d.seed + 10_000, d)
-
-    def _skip_data(self, position: int) -> None:
-        self.train_data = self.train_data[position % len(self.train_data):] + self.train_data[: position % len(self.train_data)]
+        return RLVRWorkflow(self.client, self.tokenizer, configured_reward(self.cfg), self.gconfig, r.group_size,
+                            r.reward_timeout_s, render=prompt_renderer(self.cfg, self.tokenizer))
 
     def _run(self, coro, timeout: float | None = None):
         """Run a coroutine on the dispatcher's event loop (where the client lives)."""
@@ -118,26 +133,20 @@ class ReasoningRunner(RunLoop):
         self.dispatcher.resume()
 
     def evaluate(self, step: int) -> dict:
-        """Greedy exact-match accuracy (single-turn) or greedy success rate (multi-turn) on
-        held-out data."""
-        greedy = GenerationConfig(max_new_tokens=self.gconfig.max_new_tokens, temperature=0.0,
-                                  stop_token_ids=self.gconfig.stop_token_ids)
-        if TASKS.get(self.cfg.data.task).multi_turn:
+        """Greedy completions of the held-out records scored by the configured reward
+        (``eval/accuracy``: the fraction with reward > 0; tidal.rollout.evaluation), or the greedy
+        success rate of multi-turn episodes."""
+        if not self.eval_data:
+            return {}
+        if self._multi_turn:
+            greedy = greedy_config(self.gconfig)
+
             async def success():
                 eps = await asyncio.gather(*(self.workflow.play(d, greedy) for d in self.eval_data))
                 return float(np.mean([r > 0 for _, r in eps]))
 
             return {"eval/success_rate": self._run(success())}
-
-        async def accuracy():
-            async def one(p):
-                ids = [self.tokenizer.bos_token_id] + self.tokenizer.encode(p["prompt"], add_special_tokens=False)
-                resp = await self.client.agenerate(ModelRequest(ids, greedy))
-                return exact_match_reward(self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True), p["answer"])
-
-            return float(np.mean(await asyncio.gather(*(one(p) for p in self.eval_data))))
-
-        return {"eval/accuracy": self._run(accuracy())}
+        return self._run(self.evaluator.run(self.eval_data)).metrics
 
     def train_step(self, step: int) -> dict:
         r = self.cfg.runner

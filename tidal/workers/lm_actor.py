@@ -8,7 +8,6 @@ import functools
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
 
 from tidal.algorithms import (
     decoupled_ppo_loss,
@@ -20,6 +19,7 @@ from tidal.algorithms import (
 from tidal.config.llm import LLMConfig
 from tidal.data import LMBatch
 from tidal.engine import TrainEngine
+from tidal.models.lm import load_causal_lm
 from tidal.runtime import Channel, Worker, send_weights
 
 
@@ -61,7 +61,8 @@ class LMActor(Worker):
         self.cfg = cfg
         torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.runner.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+        m = cfg.model
+        self.model, _ = load_causal_lm(m.path, m.dtype, m.attn_implementation, m.gradient_checkpointing)
         self.ref = copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.algorithm.kl_coef > 0 else None
         if self.world_size > 1:
             self.init_distributed()
