@@ -1,6 +1,7 @@
 """The embodied pipeline end to end: learning, pipelining, chunks, reward worker, resume, Ray."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,57 @@ def test_ray_run_restarts_after_a_killed_actor_and_resumes(tmp_path):
     assert summary["restarts"] == 1 and summary["steps"] == 6
     assert len(runners) == 2 and runners[1].start_step >= 2
     assert [r["step"] for r in read_metrics(summary["run_dir"])] == list(range(6))
+
+
+# -- exact resume ------------------------------------------------------------------------
+
+
+def _without_timings(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("time/") and k != "env_steps_per_s"}
+
+
+def assert_resume_is_exact(tmp_path, config, overrides, resume_at: int, max_steps: int):
+    """Run ``max_steps`` straight (saving at ``resume_at``); resume a copy of that checkpoint in
+    a new folder and run to ``max_steps`` again: every row after it and the final weights match
+    bitwise (only timings differ)."""
+    from safetensors.torch import load_file
+
+    overrides = [*overrides, f"runner.max_steps={max_steps}", f"runner.save_interval={resume_at}"]
+    straight = Path(run(config, tmp_path, *overrides, "runner.experiment=straight")["run_dir"])
+    checkpoint = tmp_path / "resumed" / "checkpoints" / f"step_{resume_at:06d}"
+    shutil.copytree(straight / "checkpoints" / checkpoint.name, checkpoint)
+    resumed = Path(run(config, tmp_path, *overrides, f"runner.resume_from={checkpoint}")["run_dir"])
+    assert resumed == tmp_path / "resumed"
+    expected = [_without_timings(r) for r in read_metrics(straight) if r["step"] >= resume_at]
+    assert [_without_timings(r) for r in read_metrics(resumed)] == expected
+    final = f"checkpoints/step_{max_steps:06d}/model.safetensors"
+    weights, resumed_weights = load_file(straight / final), load_file(resumed / final)
+    assert all(torch.equal(weights[k], resumed_weights[k]) for k in weights) and weights.keys() == resumed_weights.keys()
+
+
+def test_resume_continues_exactly_as_the_uninterrupted_cartpole_run(tmp_path):
+    """Envs mid-episode (chunks, two pipeline stages), running returns, the epoch (evaluation
+    seeds) and the rollout's sampling RNG all come back; the prefetched epoch start is redone."""
+    assert_resume_is_exact(tmp_path, EXAMPLES / "cartpole_ppo.yaml", [*TINY, "runner.overlap_env_bootstrap=true"],
+                           resume_at=2, max_steps=4)
+
+
+MUJOCO_TINY = [
+    "env.id=HalfCheetah-v5", "env.total_num_envs=2", "env.eval_num_envs=2", "env.max_episode_steps=12",
+    "rollout.num_steps=8", "actor.global_batch_size=8", "actor.micro_batch_size=8", "algorithm.update_epochs=1",
+    "runner.eval_interval=1", "runner.target_value=null", "runner.max_env_steps=null",
+]
+
+
+def test_resume_continues_exactly_as_the_uninterrupted_mujoco_run(tmp_path):
+    """MuJoCo: the simulator's state, warm start and time limit counters come back."""
+    assert_resume_is_exact(tmp_path, EXAMPLES / "halfcheetah_ppo.yaml", MUJOCO_TINY, resume_at=1, max_steps=3)
+
+
+@pytest.mark.ray
+def test_resume_on_ray_continues_exactly_as_the_uninterrupted_run(tmp_path):
+    """On ray the rollout samples in its own process: its RNG travels in the checkpoint."""
+    assert_resume_is_exact(tmp_path, EXAMPLES / "cartpole_ppo.yaml",
+                           [*TINY, "cluster.backend=ray", "cluster.devices_per_node=2", "env.pipeline_stage_num=1",
+                            "cluster.placement={env: '0', 'rollout,actor': '1'}", "runner.timeout_s=60"],
+                           resume_at=1, max_steps=3)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from tidal.data import EnvOutput
+from tidal.envs.state import from_plain, to_plain
 from tidal.registry import Registry
 
 
@@ -142,6 +143,24 @@ class ChunkedEnv:
                 self._lengths[ended] = 0
             else:
                 self._counting &= ~ended
+
+    def state_dict(self) -> tuple[dict, list[str]]:
+        """Running episodes (returns, lengths, what is still to be reported) and the adapter's
+        exact state; with what could not be captured. An adapter without ``state_dict``
+        restarts from its own seeds on resume."""
+        adapter_state = getattr(self.env, "state_dict", None)
+        env_state, missed = adapter_state() if adapter_state else (None, [f"{type(self.env).__name__} has no state_dict"])
+        counters = {"returns": self._returns, "lengths": self._lengths, "counting": self._counting,
+                    "last_obs": self.last_obs, "stats": [self.stats.returns, self.stats.lengths]}
+        return {"counters": to_plain(counters), "env": env_state}, missed
+
+    def load_state_dict(self, state: dict) -> None:
+        counters = from_plain(state["counters"])
+        self._returns, self._lengths, self._counting = counters["returns"], counters["lengths"], counters["counting"]
+        self.last_obs = counters["last_obs"]
+        self.stats.returns, self.stats.lengths = list(counters["stats"][0]), list(counters["stats"][1])
+        if state["env"] is not None:
+            self.env.load_state_dict(state["env"])
 
     def all_reported(self) -> bool:
         """Without auto-reset: every copy has finished (and reported) its episode."""

@@ -188,10 +188,11 @@ class ActorWorker(Worker):
 
     # -- checkpoints ---------------------------------------------------------------------
 
-    def save(self, path: str, meta: dict) -> str | None:
+    def save(self, path: str, meta: dict, extra: dict | None = None) -> str | None:
+        """Rank 0 writes the checkpoint; ``extra``: other groups' state, saved alongside."""
         if self.rank != 0:
             return None
-        return str(self.engine.save(path, {**meta, "version": self.engine.step}))
+        return str(self.engine.save(path, {**meta, "version": self.engine.step}, extra))
 
     def load(self, path: str) -> dict:
         return self.engine.load(path)

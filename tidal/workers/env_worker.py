@@ -202,6 +202,30 @@ class EnvWorker(Worker):
                                          self.topo.stage_batch("train"), tag=tag_out, timeout=timeout)
         return rewards["rewards"]
 
+    # -- checkpoints --------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Where the training envs are: each stage's observations, dones and env state, and
+        the epoch (it also offsets the reset and evaluation seeds). The eval envs restart at
+        every evaluation, so they have nothing to keep. A prefetched epoch start (``prefetched``)
+        is for the runner to redo on resume: its resets are seeded, so it sends the same
+        observations."""
+        envs, missed = zip(*(e.state_dict() for e in self.envs))
+        return {"epoch": self.epoch, "obs": list(self._obs), "last_dones": list(self._last_dones),
+                "envs": list(envs), "missed": sorted({m for ms in missed for m in ms}),
+                "prefetched": self._prefetched}
+
+    def load_state_dict(self, state: dict) -> list[str]:
+        """Restore what ``state_dict`` saved; returns what it could not capture."""
+        if len(state["envs"]) != self.stages or state["obs"][0].shape[0] != self.stage_envs:
+            raise ValueError(f"env rank {self.rank}: the checkpoint has {len(state['envs'])} stages of "
+                             f"{state['obs'][0].shape[0]} envs, this run {self.stages} of {self.stage_envs}")
+        for env, env_state in zip(self.envs, state["envs"]):
+            env.load_state_dict(env_state)
+        self.epoch, self._prefetched = state["epoch"], False
+        self._obs, self._last_dones = list(state["obs"]), list(state["last_dones"])
+        return state["missed"]
+
     def close(self) -> None:
         for e in [*self.envs, self.eval_env]:
             e.close()
