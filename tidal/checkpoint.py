@@ -42,8 +42,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(ast.literal_eval(state["python"]))
 
 
-def save_checkpoint(path: str | Path, model_state: dict[str, torch.Tensor], state: dict[str, Any], meta: dict[str, Any],
-                    extra: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(path: str | Path, model_state: dict[str, torch.Tensor], state: dict[str, Any],
+                    meta: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
     """Write a checkpoint folder atomically; returns its path. ``extra``: more files
     ``{name: weights-only-loadable value}`` (e.g. the env and rollout workers' state)."""
     path = Path(path)

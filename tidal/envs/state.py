@@ -19,10 +19,10 @@ import torch
 NUMPY_TAG = "__numpy__"
 # set when the env is made and never changed by stepping (or restored by their own rule)
 CONSTANT_ATTRS = frozenset({
-    "env", "envs", "env_fns", "spec", "_cached_spec", "_saved_kwargs", "_ezpickle_args", "_ezpickle_kwargs",
-    "metadata", "_metadata", "render_mode", "action_space", "observation_space", "_action_space",
-    "_observation_space", "single_action_space", "single_observation_space", "autoreset_mode", "_np_random",
-    "model", "data", "mujoco_renderer", "screen", "clock",
+    "env", "envs", "env_fns", "spec", "_cached_spec", "_saved_kwargs", "_ezpickle_args",
+    "_ezpickle_kwargs", "metadata", "_metadata", "render_mode", "action_space", "observation_space",
+    "_action_space", "_observation_space", "single_action_space", "single_observation_space",
+    "autoreset_mode", "_np_random", "model", "data", "mujoco_renderer", "screen", "clock",
 })
 
 
@@ -123,7 +123,8 @@ def _mjdata_arrays(data: Any) -> dict[str, np.ndarray]:
 def capture_mujoco(data: Any) -> dict[str, Any]:
     """Every array of ``MjData`` (not only qpos/qvel: the solver's warm start changes the next
     step, and envs such as Ant or Reacher read body positions computed by the last step)."""
-    return {"time": float(data.time), "arrays": {n: to_plain(a) for n, a in _mjdata_arrays(data).items()}}
+    arrays = {n: to_plain(a) for n, a in _mjdata_arrays(data).items()}
+    return {"time": float(data.time), "arrays": arrays}
 
 
 def restore_mujoco(data: Any, state: dict[str, Any]) -> None:
@@ -142,8 +143,9 @@ def capture_vector_env(vector_env: Any) -> tuple[dict[str, Any], list[str]]:
     missed: list[str] = []
     envs = getattr(vector_env, "envs", None)
     if envs is None:
-        return {"vector": {}, "envs": []}, [f"{type(vector_env).__name__}: its envs are not in this process"]
-    return {"vector": capture_layer(vector_env, missed), "envs": [capture_env(e, missed) for e in envs]}, missed
+        return {"vector": {}, "envs": []}, [f"{type(vector_env).__name__}: its envs live elsewhere"]
+    vector = capture_layer(vector_env, missed)
+    return {"vector": vector, "envs": [capture_env(e, missed) for e in envs]}, missed
 
 
 def restore_vector_env(vector_env: Any, state: dict[str, Any]) -> None:

@@ -57,8 +57,9 @@ class RolloutWorker(Worker):
         """The sampling RNG of this process (on ``local`` every rank shares the process's) and
         the policy version; ``with_weights``: also the weights (rank 0), when they are older than
         the actor's (``runner.weight_sync_interval`` > 1)."""
-        keep = with_weights and self.rank == 0  # every rank holds the same weights
-        weights = {k: v.detach().clone() for k, v in self.policy.state_dict().items()} if keep else None
+        weights = None
+        if with_weights and self.rank == 0:  # every rank holds the same weights
+            weights = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
         return {"rng": rng_state(), "version": self.version, "weights": weights}
 
     def load_state_dict(self, state: dict) -> None:
