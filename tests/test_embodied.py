@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tidal.config import EmbodiedConfig, load_config
+from tidal.envs import GymnasiumVectorEnv, register_env
 from tidal.runners import EmbodiedRunner
 from tidal.runtime import WorkerError
 from tidal.workers.env_worker import _StageRecorder
@@ -180,7 +181,8 @@ def assert_resume_is_exact(tmp_path, config, overrides, resume_at: int, max_step
     bitwise (only timings differ)."""
     from safetensors.torch import load_file
 
-    overrides = [*overrides, f"runner.max_steps={max_steps}", f"runner.save_interval={resume_at}"]
+    overrides = [*overrides, f"runner.max_steps={max_steps}", f"runner.save_interval={resume_at}",
+                 "runner.keep_checkpoints=0"]
     straight = Path(run(config, tmp_path, *overrides, "runner.experiment=straight")["run_dir"])
     checkpoint = tmp_path / "resumed" / "checkpoints" / f"step_{resume_at:06d}"
     shutil.copytree(straight / "checkpoints" / checkpoint.name, checkpoint)
@@ -317,3 +319,18 @@ def test_an_env_that_keeps_returning_nan_ends_the_run_named(tmp_path):
     with pytest.raises(WorkerError, match=named):
         run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *NONFINITE, "env.max_nonfinite_steps=3",
             "env.kwargs={bad_seed: 2, what: obs, first: 2}")
+
+
+@register_env("test_without_state")
+class _AdapterWithoutState(GymnasiumVectorEnv):
+    state_dict = None  # an adapter that cannot save its envs (as an async vector env's are)
+
+
+def test_a_resume_that_cannot_be_exact_says_so(tmp_path, caplog):
+    overrides = [*TINY, "env.adapter=test_without_state", "runner.eval_interval=0", "runner.max_steps=1"]
+    first = Path(run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *overrides)["run_dir"])
+    run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *overrides, "runner.max_steps=2",
+        f"runner.resume_from={first / 'checkpoints'}")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert ("resume is not exact: env rank 0 (CartPole-v1) has state that is not checkpointed: "
+            "_AdapterWithoutState has no state_dict") in warnings, warnings
