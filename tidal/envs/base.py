@@ -19,7 +19,11 @@ class VectorEnvAdapter(Protocol):
     """``num_envs`` copies of an env stepped together. No auto-reset: the caller resets
     finished copies with ``reset(mask=...)``; a copy stepped after its episode ended restarts
     first, and the caller ignores what it reports until it resets it. Arrays are NumPy,
-    batch-first."""
+    batch-first.
+
+    Optional, for exact resume: ``state_dict() -> (state, missed)`` (weights-only-loadable
+    values; ``missed`` names what it could not capture) and ``load_state_dict(state)``. An
+    adapter without them restarts from its seeds on resume, and the resume says so."""
 
     num_envs: int
     observation_space: gym.Space  # of one copy

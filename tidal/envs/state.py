@@ -7,6 +7,13 @@ attributes of each layer, the env's random generator, and for MuJoCo envs the si
 ``MjData`` arrays (state, warm start and the derived quantities some envs read at the start of
 a step). Attributes that are neither plain nor known to be constant are listed in ``missed``:
 such an env cannot be restored exactly, and the resume says so.
+
+Not restored exactly (each named in a warning at resume):
+- ``env.vectorization_mode=async``: the copies live in subprocesses this process cannot read;
+- an adapter without ``state_dict`` (see ``VectorEnvAdapter``);
+- an env holding state in objects other than plain values, numpy generators or ``MjData``
+  (the attribute is named), e.g. a simulator handle of another engine; and an env that changes
+  its ``MjModel`` while running (domain randomisation): the model is rebuilt, not saved.
 """
 
 from __future__ import annotations
