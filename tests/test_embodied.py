@@ -203,6 +203,13 @@ def test_resume_continues_exactly_as_the_uninterrupted_cartpole_run(tmp_path):
                            [*TINY, "runner.overlap_env_bootstrap=true"], resume_at=2, max_steps=4)
 
 
+def test_resume_with_async_vector_envs_is_exact(tmp_path):
+    """The copies of an async vector env live in subprocesses: their state travels too."""
+    assert_resume_is_exact(tmp_path, EXAMPLES / "cartpole_ppo.yaml",
+                           [*TINY, "env.vectorization_mode=async", "env.pipeline_stage_num=1",
+                            "env.total_num_envs=2"], resume_at=1, max_steps=2)
+
+
 MUJOCO_TINY = [
     "env.id=HalfCheetah-v5", "env.total_num_envs=2", "env.eval_num_envs=2",
     "env.max_episode_steps=12", "rollout.num_steps=8", "actor.global_batch_size=8",
@@ -323,7 +330,7 @@ def test_an_env_that_keeps_returning_nan_ends_the_run_named(tmp_path):
 
 @register_env("test_without_state")
 class _AdapterWithoutState(GymnasiumVectorEnv):
-    state_dict = None  # an adapter that cannot save its envs (as an async vector env's are)
+    state_dict = None  # an adapter that cannot save its envs
 
 
 def test_a_resume_that_cannot_be_exact_says_so(tmp_path, caplog):

@@ -7,7 +7,13 @@ import gymnasium as gym
 import numpy as np
 
 from tidal.envs.base import register_env
-from tidal.envs.state import capture_vector_env, from_plain, restore_vector_env, to_plain
+from tidal.envs.state import (
+    StateAccess,
+    capture_vector_env,
+    from_plain,
+    restore_vector_env,
+    to_plain,
+)
 
 
 @register_env("gymnasium")
@@ -32,6 +38,7 @@ class GymnasiumVectorEnv:
             num_envs=num_envs,
             vectorization_mode=vectorization_mode,
             vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.DISABLED},
+            wrappers=[StateAccess],
             **kwargs,
         )
         self.num_envs = num_envs

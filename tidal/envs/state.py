@@ -8,8 +8,10 @@ attributes of each layer, the env's random generator, and for MuJoCo envs the si
 a step). Attributes that are neither plain nor known to be constant are listed in ``missed``:
 such an env cannot be restored exactly, and the resume says so.
 
+Each copy of a vector env is wrapped in ``StateAccess``, so its state is read and written
+where the copy lives (an async vector env's copies live in subprocesses).
+
 Not restored exactly (each named in a warning at resume):
-- ``env.vectorization_mode=async``: the copies live in subprocesses this process cannot read;
 - an adapter without ``state_dict`` (see ``VectorEnvAdapter``);
 - an env holding state in objects other than plain values, numpy generators or ``MjData``
   (the attribute is named), e.g. a simulator handle of another engine; and an env that changes
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 import torch
 
@@ -30,6 +33,7 @@ CONSTANT_ATTRS = frozenset({
     "_ezpickle_kwargs", "metadata", "_metadata", "render_mode", "action_space", "observation_space",
     "_action_space", "_observation_space", "single_action_space", "single_observation_space",
     "autoreset_mode", "_np_random", "model", "data", "mujoco_renderer", "screen", "clock",
+    "pending_state",
 })
 
 
@@ -144,23 +148,38 @@ def restore_mujoco(data: Any, state: dict[str, Any]) -> None:
     data.time = state["time"]
 
 
+class StateAccess(gym.Wrapper):
+    """Wraps each copy of a vector env so ``call`` and ``set_attr`` (which reach copies in
+    subprocesses too) can read and write its state."""
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        self.pending_state = None  # set by ``set_attr``, applied by ``apply_pending_state``
+
+    def capture_state(self) -> tuple[dict[str, Any], list[str]]:
+        missed: list[str] = []
+        return capture_env(self.env, missed), missed
+
+    def apply_pending_state(self) -> None:
+        restore_env(self.env, self.pending_state)
+        self.pending_state = None
+
+
 def capture_vector_env(vector_env: Any) -> tuple[dict[str, Any], list[str]]:
-    """A gymnasium vector env: the vector env's own buffers and every copy. Returns the state
-    and what could not be captured (an async vector env's copies live in other processes)."""
+    """A gymnasium vector env whose copies are wrapped in ``StateAccess``: the vector env's own
+    buffers (a sync one's) and every copy. Returns the state and what could not be captured."""
     missed: list[str] = []
-    envs = getattr(vector_env, "envs", None)
-    if envs is None:
-        return {"vector": {}, "envs": []}, [f"{type(vector_env).__name__}: its envs live elsewhere"]
-    vector = capture_layer(vector_env, missed)
-    return {"vector": vector, "envs": [capture_env(e, missed) for e in envs]}, missed
+    vector = capture_layer(vector_env, missed) if hasattr(vector_env, "envs") else {}
+    envs = []
+    for env_state, env_missed in vector_env.call("capture_state"):
+        envs.append(env_state)
+        missed += [m for m in env_missed if m not in missed]
+    return {"vector": vector, "envs": envs}, missed
 
 
 def restore_vector_env(vector_env: Any, state: dict[str, Any]) -> None:
-    envs = getattr(vector_env, "envs", None)
-    if envs is None:
-        return
-    if len(envs) != len(state["envs"]):
-        raise ValueError(f"{len(envs)} env copies, the checkpoint has {len(state['envs'])}")
+    if vector_env.num_envs != len(state["envs"]):
+        raise ValueError(f"{vector_env.num_envs} env copies, the checkpoint has {len(state['envs'])}")
     restore_layer(vector_env, state["vector"])
-    for env, env_state in zip(envs, state["envs"]):
-        restore_env(env, env_state)
+    vector_env.set_attr("pending_state", state["envs"])
+    vector_env.call("apply_pending_state")
