@@ -334,7 +334,8 @@ class _AdapterWithoutState(GymnasiumVectorEnv):
 
 
 def test_a_resume_that_cannot_be_exact_says_so(tmp_path, caplog):
-    overrides = [*TINY, "env.adapter=test_without_state", "runner.eval_interval=0", "runner.max_steps=1"]
+    overrides = [*TINY, "env.adapter=test_without_state", "runner.eval_interval=0",
+                 "runner.max_steps=1"]
     first = Path(run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *overrides)["run_dir"])
     run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *overrides, "runner.max_steps=2",
         f"runner.resume_from={first / 'checkpoints'}")

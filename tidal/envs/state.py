@@ -179,7 +179,8 @@ def capture_vector_env(vector_env: Any) -> tuple[dict[str, Any], list[str]]:
 
 def restore_vector_env(vector_env: Any, state: dict[str, Any]) -> None:
     if vector_env.num_envs != len(state["envs"]):
-        raise ValueError(f"{vector_env.num_envs} env copies, the checkpoint has {len(state['envs'])}")
+        raise ValueError(f"{vector_env.num_envs} env copies, the checkpoint has "
+                         f"{len(state['envs'])}")
     restore_layer(vector_env, state["vector"])
     vector_env.set_attr("pending_state", state["envs"])
     vector_env.call("apply_pending_state")
