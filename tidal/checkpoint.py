@@ -42,8 +42,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(ast.literal_eval(state["python"]))
 
 
-def save_checkpoint(path: str | Path, model_state: dict[str, torch.Tensor], state: dict[str, Any], meta: dict[str, Any]) -> Path:
-    """Write a checkpoint folder atomically; returns its path."""
+def save_checkpoint(path: str | Path, model_state: dict[str, torch.Tensor], state: dict[str, Any],
+                    meta: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
+    """Write a checkpoint folder atomically; returns its path. ``extra``: more files
+    ``{name: weights-only-loadable value}`` (e.g. the env and rollout workers' state)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -52,6 +54,8 @@ def save_checkpoint(path: str | Path, model_state: dict[str, torch.Tensor], stat
     save_file(_unshared(model_state), str(tmp / MODEL_FILE))
     torch.save(state, tmp / STATE_FILE)
     (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+    for name, value in (extra or {}).items():
+        torch.save(value, tmp / name)
     _fsync_files(tmp)
     if path.exists():  # replace an older checkpoint of the same name: move it aside first
         old = path.with_name(f".{path.name}.old-{os.getpid()}")
@@ -148,6 +152,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if missing:
         raise FileNotFoundError(f"runner.resume_from: {str(path)!r} is not a checkpoint (missing {', '.join(missing)})")
     return path
+
+
+def load_extra(path: str | Path, name: str) -> Any | None:
+    """An ``extra`` file of a checkpoint (weights-only load); None when it has none."""
+    file = resolve_checkpoint(path) / name
+    return torch.load(file, weights_only=True) if file.is_file() else None
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:

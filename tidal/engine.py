@@ -128,14 +128,14 @@ class TrainEngine:
 
     # -- checkpoints -----------------------------------------------------------------------
 
-    def save(self, path: str | Path, meta: dict) -> Path:
+    def save(self, path: str | Path, meta: dict, extra: dict[str, Any] | None = None) -> Path:
         state = {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": rng_state(),
             "engine": {"step": self.step, "optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps},
         }
-        return save_checkpoint(path, self.model.state_dict(), state, meta)
+        return save_checkpoint(path, self.model.state_dict(), state, meta, extra)
 
     def load(self, path: str | Path) -> dict:
         """Model, optimizer, schedule, RNG and counters from a checkpoint, strictly: a key

@@ -44,6 +44,9 @@ class EnvConfig:
     vectorization_mode: str = setting("sync", "sync | async (gymnasium vector envs; sync is faster on few cores)")
     eval_num_envs: int = setting(8, "evaluation envs over all env ranks")
     group_size: int = setting(1, "envs that reset with the same seed (embodied GRPO groups)")
+    max_nonfinite_steps: int = setting(
+        16, "abort when an env returns a non-finite observation or reward this many chunk steps in "
+            "a row (fewer: warn, mask its samples, restart it)")
 
 
 @dataclass
@@ -148,7 +151,8 @@ def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
                        ("rollout.num_steps", cfg.rollout.num_steps), ("actor.global_batch_size", act.global_batch_size),
                        ("actor.micro_batch_size", act.micro_batch_size), ("algorithm.update_epochs", alg.update_epochs),
                        ("runner.max_steps", cfg.runner.max_steps), ("env.group_size", env.group_size),
-                       ("runner.weight_sync_interval", cfg.runner.weight_sync_interval)):
+                       ("runner.weight_sync_interval", cfg.runner.weight_sync_interval),
+                       ("env.max_nonfinite_steps", env.max_nonfinite_steps)):
         require(value >= 1, key, f"must be >= 1, got {value}")
     require(alg.reward_type == "chunk" or not spec.needs_critic, "algorithm.reward_type",
             f"'action' needs a value per action; use 'chunk' with adv_type {alg.adv_type}")

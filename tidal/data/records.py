@@ -52,7 +52,8 @@ class Trajectory:
     (the last column bootstraps); ``rewards`` ``[B, T, C]``; ``terminations``,
     ``truncations`` and ``dones`` ``[B, T + 1, C]`` where column ``t + 1`` ends step ``t`` and
     column 0 is the previous epoch's last; ``raw_obs`` ``[B, T, ...]`` for the observation
-    normaliser; ``versions`` ``[B, T]``.
+    normaliser; ``versions`` ``[B, T]``; ``valid`` ``[B, T]``: False where an env's samples are
+    masked (it returned a non-finite value at or after that step in this epoch).
     """
 
     forward_inputs: dict[str, torch.Tensor]
@@ -65,6 +66,7 @@ class Trajectory:
     dones: torch.Tensor
     raw_obs: torch.Tensor | None = None
     versions: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------- language records

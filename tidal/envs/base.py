@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from tidal.data import EnvOutput
+from tidal.envs.state import from_plain, to_plain
 from tidal.registry import Registry
 
 
@@ -18,7 +19,11 @@ class VectorEnvAdapter(Protocol):
     """``num_envs`` copies of an env stepped together. No auto-reset: the caller resets
     finished copies with ``reset(mask=...)``; a copy stepped after its episode ended restarts
     first, and the caller ignores what it reports until it resets it. Arrays are NumPy,
-    batch-first."""
+    batch-first.
+
+    Optional, for exact resume: ``state_dict() -> (state, missed)`` (weights-only-loadable
+    values; ``missed`` names what it could not capture) and ``load_state_dict(state)``. An
+    adapter without them restarts from its seeds on resume, and the resume says so."""
 
     num_envs: int
     observation_space: gym.Space  # of one copy
@@ -134,7 +139,8 @@ class ChunkedEnv:
         self._lengths += np.where(self._counting, steps, 0)
         finished = ended & self._counting
         if finished.any():
-            for i in np.flatnonzero(finished):
+            # a non-finite return is not reported (the env worker names the value)
+            for i in np.flatnonzero(finished & np.isfinite(self._returns)):
                 self.stats.returns.append(float(self._returns[i]))
                 self.stats.lengths.append(int(self._lengths[i]))
             if self.auto_reset:
@@ -142,6 +148,37 @@ class ChunkedEnv:
                 self._lengths[ended] = 0
             else:
                 self._counting &= ~ended
+
+    def restart(self, mask: torch.Tensor, obs: torch.Tensor) -> torch.Tensor:
+        """Reset the copies in ``mask`` mid-episode (e.g. after non-finite values): their running
+        episodes are dropped, not reported. Returns ``obs`` with their first observations."""
+        rows = mask.numpy()
+        obs = obs.clone()
+        obs[mask] = _as_tensor(self.env.reset(mask=rows)[rows])
+        self._returns[rows], self._lengths[rows], self._counting[rows] = 0, 0, True
+        self.last_obs = obs
+        return obs
+
+    def state_dict(self) -> tuple[dict, list[str]]:
+        """Running episodes (returns, lengths, what is still to be reported) and the adapter's
+        exact state; with what could not be captured. An adapter without ``state_dict``
+        restarts from its own seeds on resume."""
+        adapter_state = getattr(self.env, "state_dict", None)
+        if adapter_state is None:
+            env_state, missed = None, [f"{type(self.env).__name__} has no state_dict"]
+        else:
+            env_state, missed = adapter_state()
+        counters = {"returns": self._returns, "lengths": self._lengths, "counting": self._counting,
+                    "last_obs": self.last_obs, "stats": [self.stats.returns, self.stats.lengths]}
+        return {"counters": to_plain(counters), "env": env_state}, missed
+
+    def load_state_dict(self, state: dict) -> None:
+        counters = from_plain(state["counters"])
+        self._returns, self._lengths = counters["returns"], counters["lengths"]
+        self._counting, self.last_obs = counters["counting"], counters["last_obs"]
+        self.stats.returns, self.stats.lengths = (list(x) for x in counters["stats"])
+        if state["env"] is not None:
+            self.env.load_state_dict(state["env"])
 
     def all_reported(self) -> bool:
         """Without auto-reset: every copy has finished (and reported) its episode."""

@@ -7,6 +7,13 @@ import gymnasium as gym
 import numpy as np
 
 from tidal.envs.base import register_env
+from tidal.envs.state import (
+    StateAccess,
+    capture_vector_env,
+    from_plain,
+    restore_vector_env,
+    to_plain,
+)
 
 
 @register_env("gymnasium")
@@ -31,6 +38,7 @@ class GymnasiumVectorEnv:
             num_envs=num_envs,
             vectorization_mode=vectorization_mode,
             vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.DISABLED},
+            wrappers=[StateAccess],
             **kwargs,
         )
         self.num_envs = num_envs
@@ -54,6 +62,15 @@ class GymnasiumVectorEnv:
         obs, reward, term, trunc, _ = self.env.step(actions)
         self._ended = term | trunc
         return obs, reward, term, trunc
+
+    def state_dict(self) -> tuple[dict, list[str]]:
+        """The exact state of every copy (see ``tidal.envs.state``) and what it misses."""
+        state, missed = capture_vector_env(self.env)
+        return {"ended": to_plain(self._ended), "vector_env": state}, missed
+
+    def load_state_dict(self, state: dict) -> None:
+        restore_vector_env(self.env, state["vector_env"])
+        self._ended = from_plain(state["ended"])
 
     def close(self) -> None:
         self.env.close()

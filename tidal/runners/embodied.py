@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tidal.checkpoint import load_extra
 from tidal.config import ConfigError, EmbodiedConfig, validate_embodied
 from tidal.envs import make_env
 from tidal.runners.loop import RunLoop, fmt
@@ -16,6 +17,7 @@ from tidal.runtime import Channel, wait_all
 from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker, Topology
 
 log = logging.getLogger("tidal.train")
+WORKERS_FILE = "workers.pt"  # the env and rollout ranks' state, next to the actor's files
 EVAL_SEGMENT = 32  # chunk steps per evaluation call: a few wasted steps against a group call each
 
 
@@ -53,7 +55,37 @@ class EmbodiedRunner(RunLoop):
     def restore(self, checkpoint: Path) -> dict:
         meta = self.actor.load(str(checkpoint)).wait(self.cfg.runner.timeout_s)[0]
         self.env_steps = meta["env_steps"]
+        self.restore_workers(checkpoint)
         return meta
+
+    def restore_workers(self, checkpoint: Path) -> None:
+        """The env and rollout state a checkpoint holds (synchronous runs then continue exactly
+        as the interrupted run would have); a warning says when the resume cannot be exact."""
+        workers = load_extra(checkpoint, WORKERS_FILE)
+        if workers is None:
+            log.warning("resume is not exact: %s holds no env or rollout state (saved by an older "
+                        "tidal); the envs restart from their seeds", checkpoint)
+            return
+        saved = {name: len(workers[name]) for name in ("env", "rollout")}
+        if saved != {"env": self.env.world_size, "rollout": self.rollout.world_size}:
+            log.warning("resume is not exact: the checkpoint's env and rollout ranks %s differ "
+                        "from this run's (%d, %d); the envs restart from their seeds", saved,
+                        self.env.world_size, self.rollout.world_size)
+            return
+        weights = workers["rollout"][0]["weights"]  # rank 0 keeps the stale weights for all ranks
+        handles = [self.env.execute_on(r).load_state_dict(s) for r, s in enumerate(workers["env"])]
+        handles += [self.rollout.execute_on(r).load_state_dict({**s, "weights": weights})
+                    for r, s in enumerate(workers["rollout"])]
+        timeout = self.cfg.runner.timeout_s
+        results = wait_all(handles, timeout)
+        if weights is not None:
+            self.rollout_version = workers["rollout"][0]["version"]
+        if workers["env"][0]["prefetched"]:
+            self.env.prefetch_train_bootstrap(self.channels["rollout"]).wait(timeout)
+        for rank, missed in enumerate(r[0] for r in results[:self.env.world_size]):
+            if missed:
+                log.warning("resume is not exact: env rank %d (%s) has state that is not "
+                            "checkpointed: %s", rank, self.cfg.env.id, ", ".join(missed))
 
     def checkpoint_meta(self) -> dict:
         return {"env_steps": self.env_steps}
@@ -99,6 +131,7 @@ class EmbodiedRunner(RunLoop):
             "rollout/episode_length_mean": float(np.mean(lengths)) if lengths else None,
             "rollout/episodes": len(returns),
             "rollout/bootstrap_prefetched": float(np.mean([res["prefetched"] for res in env_results])),
+            "rollout/nonfinite_env_steps": sum(res["nonfinite"] for res in env_results),
         }
 
     def evaluate(self, step: int) -> dict:
@@ -121,7 +154,13 @@ class EmbodiedRunner(RunLoop):
                 "eval/return_std": float(np.std(returns)) if returns else None, "eval/episodes": len(returns)}
 
     def save(self, path: Path, meta: dict) -> str:
-        return self.actor.save(str(path), meta).wait(self.cfg.runner.timeout_s)[0]
+        """The actor's checkpoint, with the env and rollout ranks' state in ``workers.pt``."""
+        timeout = self.cfg.runner.timeout_s
+        stale_weights = self.rollout_version != meta["step"]
+        handles = [self.env.state_dict(), self.rollout.state_dict(stale_weights)]
+        envs, rollouts = wait_all(handles, timeout)
+        workers = {"env": envs, "rollout": rollouts}
+        return self.actor.save(str(path), meta, {WORKERS_FILE: workers}).wait(timeout)[0]
 
     def train_step(self, step: int) -> dict:
         timeout = self.cfg.runner.timeout_s

@@ -86,6 +86,10 @@ class ActorWorker(Worker):
             mask_sum = torch.full(r.shape, float(r.shape[0]))
         else:
             mask, mask_sum = loss_mask_from_dones(d)
+        if traj.valid is not None:  # envs that returned non-finite values: their samples are out
+            valid = _time_major(traj.valid)
+            per_action = alg.reward_type == "action"
+            mask = mask & (valid.repeat_interleave(chunk, 0) if per_action else valid)
         values = _time_major(traj.prev_values).float() if traj.prev_values is not None else None
         adv, ret = get_advantage(alg.adv_type)(rewards=r, values=values, dones=d, mask=mask, gamma=alg.gamma,
                                                lam=alg.gae_lambda, group_size=cfg.env.group_size)
@@ -188,10 +192,11 @@ class ActorWorker(Worker):
 
     # -- checkpoints ---------------------------------------------------------------------
 
-    def save(self, path: str, meta: dict) -> str | None:
+    def save(self, path: str, meta: dict, extra: dict | None = None) -> str | None:
+        """Rank 0 writes the checkpoint; ``extra``: other groups' state, saved alongside."""
         if self.rank != 0:
             return None
-        return str(self.engine.save(path, {**meta, "version": self.engine.step}))
+        return str(self.engine.save(path, {**meta, "version": self.engine.step}, extra))
 
     def load(self, path: str) -> dict:
         return self.engine.load(path)
