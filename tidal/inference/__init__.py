@@ -6,6 +6,7 @@ from tidal.inference.client import (
     InferenceError,
     ModelRequest,
     ModelResponse,
+    SGLangProtocol,
 )
 from tidal.inference.engine import EngineError, GenerationEngine, GenerationResult, WeightsRejected
 from tidal.inference.params import GREEDY_TEMPERATURE, GenerationConfig
@@ -22,6 +23,7 @@ __all__ = [
     "InferenceServer",
     "ModelRequest",
     "ModelResponse",
+    "SGLangProtocol",
     "WeightsRejected",
     "build_app",
 ]
