@@ -1,5 +1,7 @@
 """Offscreen pixels: layout, upright images, blank-frame check, MetaWorld from pixels."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -70,3 +72,15 @@ def test_metaworld_state_and_pixels_layout():
     only = make_env("metaworld", 1, env_id="reach-v3", obs_mode="pixels", image_size=16)
     assert only.layout.state_dim == 0 and only.reset(seeds=[0]).shape == (1, 16 + 16 * 16 * 3)
     only.close()
+
+
+def test_a_camera_built_in_one_thread_renders_in_others(scene):
+    cam = FastCamera(*scene, "upright", 16)
+    frames = []
+    for _ in range(2):  # env workers build envs in one thread and may step them in another
+        worker = threading.Thread(target=lambda: frames.append(cam.render()))
+        worker.start()
+        worker.join()
+    frames.append(cam.render())
+    assert len(frames) == 3 and all(np.array_equal(f, frames[0]) for f in frames)
+    cam.close()

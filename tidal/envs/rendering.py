@@ -64,12 +64,16 @@ class FastCamera:
         self._flags = self.renderer.scene.flags
         self._off = (mujoco.mjtRndFlag.mjRND_SHADOW, mujoco.mjtRndFlag.mjRND_REFLECTION)
         self.camera = camera
+        _release_current_context()
 
     def render(self) -> np.ndarray:
         self.renderer.update_scene(self.data, camera=self.camera_id)
         for flag in self._off:
             self._flags[flag] = 0
-        image = self.renderer.render()
+        try:
+            image = self.renderer.render()
+        finally:
+            _release_current_context()
         if self.data.cam_xmat[self.camera_id][7] < 0:  # world z of the camera's up axis
             image = image[::-1, ::-1]
         if image.max() == image.min():
@@ -81,3 +85,15 @@ class FastCamera:
 
     def close(self) -> None:
         self.renderer.close()
+
+
+def _release_current_context() -> None:
+    """An EGL context is current in one thread at a time, and env workers may build an env in
+    one thread and step it in another (local backend, pipelined stages): let go of the context
+    after each use so whichever thread renders next can take it."""
+    if os.environ.get("MUJOCO_GL") != "egl":
+        return
+    from mujoco import egl
+
+    if egl.EGL_DISPLAY is not None:
+        egl.EGL.eglMakeCurrent(egl.EGL_DISPLAY, egl.EGL.EGL_NO_SURFACE, egl.EGL.EGL_NO_SURFACE, egl.EGL.EGL_NO_CONTEXT)
