@@ -84,3 +84,22 @@ def test_a_camera_built_in_one_thread_renders_in_others(scene):
     frames.append(cam.render())
     assert len(frames) == 3 and all(np.array_equal(f, frames[0]) for f in frames)
     cam.close()
+
+
+def test_evaluation_video_of_a_state_only_env(tmp_path):
+    from PIL import Image
+
+    from tidal.envs.video import tile, write_video
+
+    env = make_env("metaworld", 2, env_id="reach-v3")  # state observations; video frames anyway
+    env.reset(seeds=[0, 1])
+    frames = []
+    for _ in range(3):
+        env.step(np.ones((2, 4)))
+        frames.append(tile(env.render(size=24)))
+    assert frames[0].shape == (24, 48, 3) and not np.array_equal(frames[0], frames[-1])
+    gif = Image.open(write_video(frames, tmp_path / "eval.gif"))
+    assert gif.n_frames == 3 and gif.size == (48, 24)
+    env.close()
+    with pytest.raises(ValueError, match="expected a .gif or .mp4 path"):
+        write_video(frames, tmp_path / "eval.avi")

@@ -33,12 +33,20 @@ def packed(space: LayoutBox, n: int, seed: int = 0) -> torch.Tensor:
 def test_vla_token_logprobs_are_consistent_and_start_uniform(chunks):
     policy = build_policy("vla", STATE, ACTIONS, chunks, **SMALL)
     inputs = policy.prepare(packed(STATE, 5))
-    step = policy.act(inputs)
+    with torch.no_grad():  # as the rollout acts: eval mode (the transformer's fast path), no grad
+        step = policy.eval().act(inputs)
+    policy.train()
     assert step.actions.shape == step.logprobs.shape == (5, chunks, 4) and step.values.shape == (5,)
     assert step.actions.dtype == torch.int64 and 0 <= step.actions.min() and step.actions.max() < 256
     torch.testing.assert_close(step.logprobs, torch.full_like(step.logprobs, -math.log(256)))  # zero-init head
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        step = policy.eval().act(inputs)
+    policy.train()
     again = policy.evaluate(inputs, step.actions)
     torch.testing.assert_close(again["logprobs"], step.logprobs)
+    assert again["logprobs"].std() > 0.01  # no longer uniform: the comparison means something
     assert again["entropy"].shape == (5, chunks, 4)
     torch.testing.assert_close(again["values"], policy.value(inputs))
     assert policy.env_actions(step.actions).shape == (5, chunks, 4)

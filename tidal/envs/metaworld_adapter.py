@@ -107,7 +107,10 @@ class MetaWorldVectorEnv:
                                 image_size=image_size if "pixels" in obs_mode else 0)
         self.observation_space = LayoutBox(self.layout)
         self.action_space = self.envs[0].action_space
+        self.camera_name = camera
         self.cameras = [FastCamera(e.model, e.data, camera, image_size) for e in self.envs] if self.layout.image_size else []
+        self._video_cameras: dict[int, FastCamera] = {}
+        self._video_size = 0
         self._tokens = np.stack([tokenize(s, instruction_tokens, vocab_size) for s in self.instructions]).astype(np.float32)
         self.states = np.zeros((num_envs, self.envs[0].observation_space.shape[0]))
         self.successes = np.zeros(num_envs, dtype=bool)
@@ -148,9 +151,24 @@ class MetaWorldVectorEnv:
             parts.append(np.stack([c.render().reshape(-1) for c in self.cameras]).astype(np.float32))
         return np.concatenate(parts, axis=1)
 
+    def render(self, size: int = 128, rows: list[int] | None = None) -> np.ndarray:
+        """Frames ``[n, size, size, 3]`` of the copies ``rows`` (all by default) for videos,
+        whatever the observation mode; their cameras are made on first use."""
+        rows = list(range(self.num_envs)) if rows is None else rows
+        if self._video_size != size:
+            for camera in self._video_cameras.values():
+                camera.close()
+            self._video_cameras, self._video_size = {}, size
+        for i in rows:
+            if i not in self._video_cameras:
+                env = self.envs[i]
+                self._video_cameras[i] = FastCamera(env.model, env.data, self.camera_name, size)
+        return np.stack([self._video_cameras[i].render() for i in rows])
+
     def close(self) -> None:
-        for camera in self.cameras:
+        for camera in [*self.cameras, *self._video_cameras.values()]:
             camera.close()
+        self._video_cameras = {}
         for env in self.envs:
             env.close()
         self.cameras = []
