@@ -52,7 +52,7 @@ def main() -> None:
     env.envs[0].model.vis.quality.offsamples = 0
 
     def render_default():
-        default.update_scene(env.envs[0].data, camera="corner2")
+        default.update_scene(env.envs[0].data, camera="corner")
         return default.render()
 
     slow = frames_per_second(render_default, max(10, args.frames // 10))
