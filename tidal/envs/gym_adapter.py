@@ -1,7 +1,10 @@
 """The gymnasium adapter: any env id ``gymnasium.make_vec`` can build (classic control, MuJoCo,
-MetaWorld when installed, user-registered ids)."""
+user-registered ids; ``module.path:EnvId`` imports the module that registers ``EnvId`` first,
+gymnasium's convention)."""
 
 from __future__ import annotations
+
+import importlib
 
 import gymnasium as gym
 import numpy as np
@@ -26,6 +29,7 @@ class GymnasiumVectorEnv:
         max_episode_steps: int | None = None,
         env_kwargs: dict | None = None,
     ):
+        env_id = import_env_module(env_id)
         try:
             spec = gym.spec(env_id)
         except gym.error.Error as exc:
@@ -74,3 +78,15 @@ class GymnasiumVectorEnv:
 
     def close(self) -> None:
         self.env.close()
+
+
+def import_env_module(env_id: str) -> str:
+    """``module.path:EnvId`` -> import ``module.path`` (it registers the env), return ``EnvId``."""
+    if ":" not in env_id:
+        return env_id
+    module, _, name = env_id.partition(":")
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise ValueError(f"env.id: cannot import module {module!r} of {env_id!r} ({exc})") from exc
+    return name

@@ -153,6 +153,9 @@ class EnvWorker(Worker):
         return {
             "returns": [r for ep in episodes for r in ep["returns"]],
             "lengths": [n for ep in episodes for n in ep["lengths"]],
+            # per finished episode, from adapters that report success (tidal.envs.success_metrics)
+            "successes": [x for ep in episodes for x in ep["successes"]],
+            "tasks": [x for ep in episodes for x in ep["tasks"]],
             "env_steps": steps * self.stage_envs * self.stages * self.cfg.env.num_action_chunks,
             "prefetched": prefetched,
             "nonfinite": sum(g.drain() for g in self._guards),
