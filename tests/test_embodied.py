@@ -149,7 +149,7 @@ def test_ray_run_restarts_after_a_killed_actor_and_resumes(tmp_path):
 
     cfg = load_config(EmbodiedConfig, EXAMPLES / "cartpole_ppo.yaml", [
         f"runner.run_dir={tmp_path}", "runner.progress=false", *TINY, "runner.max_steps=6", "runner.eval_interval=0",
-        "runner.max_restarts=1", "runner.timeout_s=20", "cluster.backend=ray", "cluster.devices_per_node=2",
+        "runner.max_restarts=1", "runner.timeout_s=180", "cluster.backend=ray", "cluster.devices_per_node=2",
         "cluster.placement={env: '0', 'rollout,actor': '1'}", "env.pipeline_stage_num=1"])
     runners = []
 
