@@ -278,7 +278,7 @@ def test_client_facing_a_dead_server_fails_within_its_bound():
     assert time.monotonic() - start < 5
 
 
-def test_requests_with_one_rid_stick_to_one_server():
+def test_requests_of_one_session_stick_to_one_server():
     c = InferenceClient([f"http://127.0.0.1:{p}" for p in (1001, 1002, 1003)])
     assert len({c.pick_server("episode-42") for _ in range(10)}) == 1
     assert len({c.pick_server(f"r{i}") for i in range(30)}) > 1

@@ -25,12 +25,34 @@ def model_dirs(tmp_path_factory):
     return v0, v1
 
 
+class _Address:
+    def __init__(self, address):
+        self.address = address
+
+
 @pytest.fixture(scope="module")
-def server(model_dirs, tmp_path_factory):
-    srv = VLLMServer(model_dirs[0], max_model_len=256, log_dir=str(tmp_path_factory.mktemp("vllm-log"))).start(600)
-    yield srv
-    srv.stop()
-    assert not srv.alive()
+def server(model_dirs):
+    """A vLLM server launched by a rollout rank (``VLLMServerWorker``) in a local cluster."""
+    from tidal.runtime import Cluster
+    from tidal.workers.inference_worker import VLLMServerWorker
+
+    cluster = Cluster("local", devices_per_node=1)
+    group = VLLMServerWorker.create_group(str(model_dirs[0]), max_model_len=256).launch(
+        cluster, placement=1, name="vllm", launch_timeout=900)
+    try:
+        [address] = group.address().wait(timeout=60)
+        assert group.alive().wait(timeout=60) == [True]
+        yield _Address(address)
+        group.shutdown_server().wait(timeout=60)
+        assert group.alive().wait(timeout=60) == [False]
+    finally:
+        group.shutdown()
+        cluster.shutdown()
+
+
+def test_a_server_that_cannot_start_is_named_with_its_log(tmp_path):
+    with pytest.raises(RuntimeError, match=r"vLLM exited with code \d+ while starting; see .*vllm-\d+\.log"):
+        VLLMServer(tmp_path / "no-such-model", log_dir=str(tmp_path)).start(timeout=300)
 
 
 def teacher_forced(model, prompt, output, temperature=1.0):

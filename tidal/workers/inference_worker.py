@@ -56,3 +56,26 @@ class InferenceServerWorker(Worker):
 
     def shutdown_server(self) -> None:
         self.server.stop()
+
+
+class VLLMServerWorker(Worker):
+    """One vLLM server per rollout rank (``rollout.engine: vllm``): launched from vLLM's own
+    virtualenv and supervised by this rank; it publishes its address. Weights reach it as a
+    safetensors folder the trainer writes (``InferenceClient(..., protocol=VLLMProtocol())``
+    then ``update_weights(version, model_path=folder)``)."""
+
+    def __init__(self, model_dir: str, max_model_len: int | None = None, start_timeout_s: float = 600.0,
+                 extra_args: list[str] | None = None):
+        from tidal.inference.vllm import VLLMServer
+
+        self.server = VLLMServer(model_dir, max_model_len=max_model_len, extra_args=extra_args)
+        self.server.start(start_timeout_s)
+
+    def address(self) -> str:
+        return self.server.address
+
+    def alive(self) -> bool:
+        return self.server.alive()
+
+    def shutdown_server(self) -> None:
+        self.server.stop()
