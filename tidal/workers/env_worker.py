@@ -87,6 +87,7 @@ class EnvWorker(Worker):
         self._guards = [NonFiniteGuard(self.rank, first, self.stage_envs, env.max_nonfinite_steps)
                         for first in first_env]
         eval_envs = env.eval_num_envs // self.world_size
+        # evaluation only names and zeroes non-finite values (no restarts, never aborts)
         self._eval_guard = NonFiniteGuard(self.rank, self.rank * eval_envs, eval_envs, limit=2**62)
         self._eval_obs = None  # where the running evaluation has got to
         self.eval_env = ChunkedEnv(self._make(eval_envs), False, [cfg.runner.seed + 10**6 + self.rank * eval_envs + i for i in range(eval_envs)])
@@ -201,7 +202,7 @@ class EnvWorker(Worker):
             act = await self._recv_actions(env_ch, "eval", 0, timeout)
             out = self.eval_env.step(act.env_actions.numpy())
             where = f"the evaluation after training step {self.epoch}"
-            self._eval_guard.check(out, ("obs",), "eval env", where)
+            self._eval_guard.check(out, ("obs", "rewards"), "eval env", where)
             self._eval_obs = out.obs
         await outbox.flush()
         return {"finished": self.eval_env.all_reported(), **self.eval_env.stats.drain()}
