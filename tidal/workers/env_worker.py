@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from tidal.algorithms import advantage_spec
@@ -159,12 +160,12 @@ class EnvWorker(Worker):
             "nonfinite": sum(g.drain() for g in self._guards),
         }
 
-    def _restart_bad(self, stage: int, out: EnvOutput, bad: torch.Tensor, rec: _StageRecorder,
+    def _restart_bad(self, stage: int, out: EnvOutput, bad: np.ndarray, rec: _StageRecorder,
                      step: int, where: str) -> None:
         """Copies that returned a non-finite value restart; their samples up to here are masked."""
         if bad.any():
             out.obs = self.envs[stage].restart(bad, out.obs)
-            rec.mark_bad(bad, step)
+            rec.mark_bad(torch.from_numpy(bad), step)
         self._guards[stage].count(bad, where)
 
     async def _start_epoch(self, outbox: Outbox, rollout_ch: Channel) -> None:
