@@ -229,7 +229,8 @@ def test_resume_on_ray_continues_exactly_as_the_uninterrupted_run(tmp_path):
     """On ray the rollout samples in its own process: its RNG travels in the checkpoint."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False)  # one session for both runs (they reuse it)
+    # one session of its own for both runs (they reuse it), never another process's cluster
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     try:
         ray_overrides = ["cluster.backend=ray", "cluster.devices_per_node=2", "runner.timeout_s=60",
                          "cluster.placement={env: '0', 'rollout,actor': '1'}"]

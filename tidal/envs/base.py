@@ -181,12 +181,12 @@ class ChunkedEnv:
             else:
                 self._counting &= ~ended
 
-    def restart(self, mask: torch.Tensor, obs: torch.Tensor) -> torch.Tensor:
-        """Reset the copies in ``mask`` mid-episode (e.g. after non-finite values): their running
-        episodes are dropped, not reported. Returns ``obs`` with their first observations."""
-        rows = mask.numpy()
+    def restart(self, rows: np.ndarray, obs: torch.Tensor) -> torch.Tensor:
+        """Reset the copies in ``rows`` ([B] bool) mid-episode (e.g. after non-finite values):
+        their running episodes are dropped, not reported. Returns ``obs`` with their first
+        observations."""
         obs = obs.clone()
-        obs[mask] = _as_tensor(self.env.reset(mask=rows)[rows])
+        obs[torch.from_numpy(rows)] = _as_tensor(self.env.reset(mask=rows)[rows])
         self._returns[rows], self._lengths[rows], self._counting[rows] = 0, 0, True
         self.last_obs = obs
         return obs

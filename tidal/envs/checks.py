@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from tidal.data import EnvOutput
@@ -29,54 +30,54 @@ class NonFiniteGuard:
     """The env copies of one pipeline stage of one env rank: names every non-finite value with
     the env rank, the env's global index and the step, replaces it by zero (the caller restarts
     the copy and masks its samples up to that step), and aborts once a copy has returned
-    non-finite values ``limit`` chunk steps in a row."""
+    non-finite values ``limit`` chunk steps in a row. Cheap when all is finite: one reduction
+    per field (it runs on every chunk step)."""
 
     def __init__(self, rank: int, first_env: int, num_envs: int, limit: int):
         self.rank, self.first_env, self.limit = rank, first_env, limit
-        self.streak = torch.zeros(num_envs, dtype=torch.int64)
+        self.streak = np.zeros(num_envs, dtype=np.int64)
         self.found = 0  # (env, chunk step) pairs with a non-finite value, since the last drain
 
-    def check(
-        self, out: EnvOutput, fields: tuple[str, ...], source: str, where: str
-    ) -> torch.Tensor:
-        """Zero the non-finite entries of ``out``'s ``fields`` (in place of the tensors, not in
-        them: they may be shared); returns ``[B]`` bool: the copies that had one. ``where``
-        names the step (e.g. "training step 3, chunk step 5")."""
-        bad = torch.zeros_like(self.streak, dtype=torch.bool)
+    def check(self, out: EnvOutput, fields: tuple[str, ...], source: str, where: str) -> np.ndarray:
+        """Zero the non-finite entries of ``out``'s ``fields`` (new tensors: the old ones may be
+        shared); returns ``[B]`` bool: the copies that had one. ``where`` names the step (e.g.
+        "training step 3, chunk step 5")."""
+        bad = np.zeros(len(self.streak), dtype=bool)
         for field in fields:
             x = getattr(out, field)
-            rows = nonfinite_rows(x)
-            if rows is None or not rows.any():
+            if x is None or not x.is_floating_point() or _all_finite(x):
                 continue
+            rows = nonfinite_rows(x).numpy()
             setattr(out, field, torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype)))
-            for i in rows.nonzero().flatten().tolist():
-                log.warning(
-                    "env rank %d, env %d: non-finite %s from the %s at %s (%s)",
-                    self.rank,
-                    self.first_env + i,
-                    LABELS[field],
-                    source,
-                    where,
-                    _show(x[i]),
-                )
+            for i in np.flatnonzero(rows):
+                log.warning("env rank %d, env %d: non-finite %s from the %s at %s (%s)", self.rank,
+                            self.first_env + i, LABELS[field], source, where, _show(x[i]))
             bad |= rows
         return bad
 
-    def count(self, bad: torch.Tensor, where: str) -> None:
+    def count(self, bad: np.ndarray, where: str) -> None:
         """One chunk step done: a copy with ``limit`` bad steps in a row ends the run."""
-        self.streak = torch.where(bad, self.streak + 1, torch.zeros_like(self.streak))
+        if not bad.any() and not self.streak.any():
+            return
+        self.streak = np.where(bad, self.streak + 1, 0)
         self.found += int(bad.sum())
         worst = int(self.streak.argmax())
-        if int(self.streak[worst]) >= self.limit:
+        if self.streak[worst] >= self.limit:
             raise NonFiniteEnvError(
                 f"env rank {self.rank}, env {self.first_env + worst}: non-finite observations or "
-                f"rewards {int(self.streak[worst])} chunk steps in a row (up to {where}; "
-                f"env.max_nonfinite_steps={self.limit})"
-            )
+                f"rewards {self.streak[worst]} chunk steps in a row (up to {where}; "
+                f"env.max_nonfinite_steps={self.limit})")
 
     def drain(self) -> int:
         found, self.found = self.found, 0
         return found
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """NumPy's check: a few times cheaper than torch's on the small tensors of one chunk step."""
+    if x.device.type != "cpu" or x.dtype == torch.bfloat16:  # NumPy has no view of these
+        return bool(torch.isfinite(x).all())
+    return bool(np.isfinite(x.detach().numpy()).all())
 
 
 def _show(row: torch.Tensor) -> str:

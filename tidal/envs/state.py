@@ -32,9 +32,10 @@ CONSTANT_ATTRS = frozenset({
     "env", "envs", "env_fns", "spec", "_cached_spec", "_saved_kwargs", "_ezpickle_args",
     "_ezpickle_kwargs", "metadata", "_metadata", "render_mode", "action_space", "observation_space",
     "_action_space", "_observation_space", "single_action_space", "single_observation_space",
-    "autoreset_mode", "_np_random", "model", "data", "mujoco_renderer", "screen", "clock",
-    "pending_state",
+    "autoreset_mode", "_np_random", "screen", "clock", "pending_state",
 })
+# MuJoCo's: the model is assumed constant, the data is captured on its own, the renderer draws
+SIMULATOR_TYPES = frozenset({"MjModel", "MjData", "MujocoRenderer"})
 
 
 def to_plain(value: Any) -> Any:
@@ -70,7 +71,7 @@ def capture_layer(layer: Any, missed: list[str]) -> dict[str, Any]:
     """The plain attributes of one wrapper or env; what cannot be captured goes to ``missed``."""
     out = {}
     for name, value in vars(layer).items():
-        if name in CONSTANT_ATTRS:
+        if name in CONSTANT_ATTRS or type(value).__name__ in SIMULATOR_TYPES:
             continue
         try:
             out[name] = to_plain(value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from tidal.algorithms import advantage_spec
@@ -87,6 +88,7 @@ class EnvWorker(Worker):
         self._guards = [NonFiniteGuard(self.rank, first, self.stage_envs, env.max_nonfinite_steps)
                         for first in first_env]
         eval_envs = env.eval_num_envs // self.world_size
+        # evaluation only names and zeroes non-finite values (no restarts, never aborts)
         self._eval_guard = NonFiniteGuard(self.rank, self.rank * eval_envs, eval_envs, limit=2**62)
         self._eval_obs = None  # where the running evaluation has got to
         self.eval_env = ChunkedEnv(self._make(eval_envs), False, [cfg.runner.seed + 10**6 + self.rank * eval_envs + i for i in range(eval_envs)])
@@ -161,12 +163,12 @@ class EnvWorker(Worker):
             "nonfinite": sum(g.drain() for g in self._guards),
         }
 
-    def _restart_bad(self, stage: int, out: EnvOutput, bad: torch.Tensor, rec: _StageRecorder,
+    def _restart_bad(self, stage: int, out: EnvOutput, bad: np.ndarray, rec: _StageRecorder,
                      step: int, where: str) -> None:
         """Copies that returned a non-finite value restart; their samples up to here are masked."""
         if bad.any():
             out.obs = self.envs[stage].restart(bad, out.obs)
-            rec.mark_bad(bad, step)
+            rec.mark_bad(torch.from_numpy(bad), step)
         self._guards[stage].count(bad, where)
 
     async def _start_epoch(self, outbox: Outbox, rollout_ch: Channel) -> None:
@@ -204,7 +206,7 @@ class EnvWorker(Worker):
             act = await self._recv_actions(env_ch, "eval", 0, timeout)
             out = self.eval_env.step(act.env_actions.numpy())
             where = f"the evaluation after training step {self.epoch}"
-            self._eval_guard.check(out, ("obs",), "eval env", where)
+            self._eval_guard.check(out, ("obs", "rewards"), "eval env", where)
             self._eval_obs = out.obs
         await outbox.flush()
         return {"finished": self.eval_env.all_reported(), **self.eval_env.stats.drain()}
