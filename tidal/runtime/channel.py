@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import os
 import threading
 from collections import defaultdict, deque
 from collections.abc import Callable, Hashable
@@ -311,12 +312,26 @@ class Channel:
 
     def __init__(self, name: str, transport):
         self.name, self._transport = name, transport
+        self.direct = False  # routed keys go point to point (after ``bind``)
 
     @classmethod
-    def create(cls, name: str, cluster, maxsize: int = 0) -> Channel:
+    def create(cls, name: str, cluster, maxsize: int = 0, consumer=None) -> Channel:
+        """``consumer``: the group that reads this channel's routed keys (see ``bind``)."""
         if maxsize < 0:
             raise ValueError(f"channel {name!r}: maxsize must be >= 0, got {maxsize}")
-        return cls(name, cluster.backend_impl.create_channel(name, maxsize))
+        channel = cls(name, cluster.backend_impl.create_channel(name, maxsize))
+        return channel.bind(consumer) if consumer is not None else channel
+
+    def bind(self, consumer) -> Channel:
+        """Declare ``consumer`` (a ``WorkerGroup``) the reader of this channel's routed keys
+        (``CommMapper.build_channel_key(src, dst, tag)``: rank ``dst`` of ``consumer``). Where
+        the backend can, those items then travel point to point to that rank (on ray: a direct
+        call to its process instead of two through the channel actor). Semantics do not change:
+        keyed FIFO, back-pressure, timeouts that take nothing; anyone may still get any key.
+        ``TIDAL_DIRECT_ROUTES=0`` turns this off (to measure against the channel actor)."""
+        if os.environ.get("TIDAL_DIRECT_ROUTES", "1") != "0":
+            self.direct = self._transport.bind(consumer.rank_handles)
+        return self
 
     @property
     def backend(self) -> str:

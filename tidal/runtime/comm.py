@@ -12,6 +12,7 @@ from typing import Any
 
 from tidal.runtime.batch import batch_size, merge_batches, split_batch
 from tidal.runtime.channel import Channel
+from tidal.runtime.routekey import RouteKey
 
 
 def _blocks_overlapping(begin: int, end: int, block: int) -> list[tuple[int, int]]:
@@ -55,8 +56,8 @@ class CommMapper:
         return _blocks_overlapping(dst_rank * per_dst, (dst_rank + 1) * per_dst, per_src)
 
     @staticmethod
-    def build_channel_key(src_rank: int, dst_rank: int, extra: Hashable = "") -> str:
-        return f"{src_rank}->{dst_rank}" + (f":{extra}" if extra != "" else "")
+    def build_channel_key(src_rank: int, dst_rank: int, extra: Hashable = "") -> RouteKey:
+        return RouteKey(src_rank, dst_rank, extra)
 
 
 def send_batch(
