@@ -101,9 +101,9 @@ def test_embodied_loop_across_nodes_on_the_fast_path(two_nodes, tmp_path):
 
     cfg = load_config(EmbodiedConfig, EXAMPLES / "cartpole_ppo.yaml", [
         f"runner.run_dir={tmp_path}", "runner.progress=false", "cluster.backend=ray",
-        f"cluster.address={ray.get_runtime_context().gcs_address}", "cluster.devices_per_node=2",
+        f"cluster.address={ray.get_runtime_context().gcs_address}", "cluster.devices_per_node=null",
         "cluster.placement={env: '0', rollout: '2', actor: '1'}", "runner.max_steps=2",
-        "runner.eval_interval=2", "runner.target_value=null", "env.total_num_envs=8", "rollout.num_steps=16",
+        "runner.eval_interval=2", "env.total_num_envs=8", "rollout.num_steps=16",
         "actor.global_batch_size=128", "actor.micro_batch_size=64"])
     runner = EmbodiedRunner(cfg)
     try:
