@@ -4,6 +4,10 @@ Keys in general live in a small channel actor that holds only object references:
 producer puts a large item in the object store once and the consumer reads it from there, so
 payloads never pass through the channel actor.
 
+Every put is one call carrying an envelope (channel, key, producer, sequence number, item);
+without ``maxsize`` nothing waits for its answer (a blocking put's acknowledgement is read by
+the process's next get or qsize, so its own writes are seen and errors surface).
+
 Routed keys (``RouteKey``, ``"src->dst:tag"``) of a channel bound to its consumer group
 (``Channel.bind``) live instead in the *mailbox* of the destination rank's own process. A
 put is then one direct call from the producer to that rank (Ray moves large items through
@@ -64,24 +68,23 @@ class RayTransport(ChannelTransport):
     def put(self, key: Hashable, item: Any, weight: float, async_op: bool, timeout: float | None):
         dst = self._home_rank(key)
         if dst is None:
-            return self._call("put", key, async_op, timeout, box(item), weight)
+            return self._deliver(self.actor, key, box(item), weight, async_op, timeout)
         if self._is_here(dst):
             fut = MAILBOX.store(self.name, self.maxsize).put(key, item, weight)
             return settle(fut, self.name, "put", key, async_op, timeout)
-        return self._deliver(dst, key, item, weight, async_op, timeout)
+        return self._deliver(self.home[dst], key, item, weight, async_op, timeout)
 
     def put_shared(self, item: Any, keys: list, weight: float, timeout: float | None) -> None:
         if all(self._home_rank(k) is not None for k in keys):
             import ray
 
             shared = ByRef(ray.put(item))  # one object-store write; each rank reads it on arrival
-            works = [self._deliver(self._home_rank(k), k, shared, weight, True, timeout) for k in keys]
-            for work in works:
-                work.wait()
-            return
-        boxed = box(item, force_ref=True)
-        for key in keys:
-            self._call("put", key, False, timeout, boxed, weight)
+            works = [self._deliver(self.home[self._home_rank(k)], k, shared, weight, True, timeout) for k in keys]
+        else:
+            boxed = box(item, force_ref=True)
+            works = [self._deliver(self.actor, k, boxed, weight, True, timeout) for k in keys]
+        for work in works:
+            work.wait()
 
     def get(self, key: Hashable, async_op: bool, timeout: float | None):
         return self._take("get", key, None, async_op, timeout)
@@ -92,6 +95,7 @@ class RayTransport(ChannelTransport):
     def qsize(self, key: Hashable) -> int:
         import ray
 
+        self._confirm_sent()
         dst = self._home_rank(key)
         if dst is None:
             return ray.get(self.actor.qsize.remote(key), timeout=DEFAULT_TIMEOUT_S)
@@ -100,6 +104,7 @@ class RayTransport(ChannelTransport):
         return ray.get(self.home[dst].mailbox_qsize.remote(self.name, key), timeout=DEFAULT_TIMEOUT_S)
 
     def close(self) -> None:
+        self.__dict__["_unacknowledged"] = []
         if self.actor is not None:
             import ray
 
@@ -121,38 +126,60 @@ class RayTransport(ChannelTransport):
         if dst is None:
             return self._call(op, key, async_op, timeout, *(() if target is None else (target,)))
         if self._is_here(dst):
+            if not async_op:
+                self._confirm_sent()
             store = MAILBOX.store(self.name, self.maxsize)
             fut = store.get(key) if target is None else store.get_batch(key, target)
             return settle(fut, self.name, op, key, async_op, timeout)
         limit = DEFAULT_TIMEOUT_S if timeout is None else timeout
         ref = self.home[dst].mailbox_take.remote(self.name, self.maxsize, key, target, limit)
+        if not async_op:
+            self._confirm_sent()
         return self._reply(ref, op, key, limit, async_op, lambda status: self._unpack(status, op, key, limit))
 
-    def _deliver(self, dst: int, key, item, weight: float, async_op: bool, timeout: float | None):
-        """One call straight to the rank, its arguments in one envelope (Ray serialises each
-        argument on its own). Without ``maxsize`` a put cannot wait, so nothing needs to come
-        back: the call is sent without a reply (a dead receiver is reported by its group)."""
+    def _deliver(self, target, key, item, weight: float, async_op: bool, timeout: float | None):
+        """One call to the actor holding the key (a rank's mailbox, or the channel actor), its
+        arguments in one envelope (Ray serialises each argument on its own). Without
+        ``maxsize`` a put cannot wait, so nothing needs to come back: the call is sent without
+        a reply (a dead receiver is reported by its group, a dead channel actor by the get)."""
         limit = DEFAULT_TIMEOUT_S if timeout is None else timeout
-        acked = self.maxsize > 0
+        acked = self.maxsize > 0 or not async_op
+        target_id = target._actor_id.hex()
         with _SEQ_LOCK:  # numbers and submission together: no number is skipped
-            seq = _SEQ[(self.name, key)]
-            _SEQ[(self.name, key)] = seq + 1
+            seq = _SEQ[(self.name, key, target_id)]
+            _SEQ[(self.name, key, target_id)] = seq + 1
             envelope = (self.name, self.maxsize, key, PRODUCER_ID, seq, item, weight, limit, acked)
-            ref = self._deliver_method(dst, acked).remote(envelope)
+            ref = self._deliver_method(target, target_id, acked).remote(envelope)
         if not acked:
             return _DONE
-        return self._reply(ref, "put", key, limit, async_op, lambda status: self._unpack((status, None), "put", key, limit))
+        decode = lambda status: self._unpack((status, None), "put", key, limit)  # noqa: E731
+        if self.maxsize == 0:
+            # a put that cannot wait for room returns once sent; this process's next get or
+            # qsize on the channel reads its acknowledgement (errors surface, writes are seen)
+            self._sent().append(RefWork(ref, decode, timeout_error(self.name, "put (no answer)", key, limit),
+                                        limit + REPLY_MARGIN_S))
+            return _DONE
+        return self._reply(ref, "put", key, limit, async_op, decode)
 
-    def _deliver_method(self, dst: int, acked: bool):
+    def _sent(self) -> list:
+        return self.__dict__.setdefault("_unacknowledged", [])
+
+    def _confirm_sent(self) -> None:
+        sent, self.__dict__["_unacknowledged"] = self._sent(), []
+        for work in sent:
+            work.wait()
+
+    def _deliver_method(self, target, target_id: str, acked: bool):
         methods = self.__dict__.setdefault("_methods", {})
-        if (dst, acked) not in methods:
-            deliver = self.home[dst].deliver
-            methods[(dst, acked)] = deliver if acked else deliver.options(num_returns=0)
-        return methods[(dst, acked)]
+        if (target_id, acked) not in methods:
+            deliver = target.deliver
+            methods[(target_id, acked)] = deliver if acked else deliver.options(num_returns=0)
+        return methods[(target_id, acked)]
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state.pop("_methods", None)  # per process
+        state.pop("_unacknowledged", None)
         return state
 
     def _reply(self, ref, op: str, key, limit: float, async_op: bool, decode):
@@ -171,6 +198,7 @@ class RayTransport(ChannelTransport):
         if async_op:
             fut = _chain(reply.future(), lambda status: self._unbox_async(status, op, key, limit))
             return AsyncWork(fut, timeout_error(self.name, no_answer, key, limit), limit + REPLY_MARGIN_S)
+        self._confirm_sent()  # while the get is under way
         try:
             status = ray.get(reply, timeout=limit + REPLY_MARGIN_S)
         except ray.exceptions.GetTimeoutError:
@@ -446,28 +474,24 @@ def _gather(items: list) -> cf.Future:
 
 
 class ChannelActor:
-    """Holds the queues of one channel on the ray backend; items are boxed object refs."""
+    """Holds the queues of one channel on the ray backend (its keys that are not delivered to
+    a rank); items arrive boxed, so this actor never needs their classes."""
 
     def __init__(self, name: str, maxsize: int):
-        self.store = ChannelStore(name, maxsize)
+        self.name, self.maxsize = name, maxsize
+        self.mailbox = Mailbox()
 
-    async def _await(self, fut: cf.Future, timeout: float):
-        try:
-            return True, await _await_or_cancel(fut, timeout, lambda: TimeoutError())
-        except TimeoutError:
-            return False, None
-
-    async def put(self, key, boxed: tuple, weight: float, timeout: float):
-        return await self._await(self.store.put(key, boxed, weight), timeout)
+    async def deliver(self, envelope: tuple) -> bool | None:
+        return await self.mailbox.deliver(envelope)
 
     async def get(self, key, timeout: float):
-        return await self._await(self.store.get(key), timeout)
+        return await self.mailbox.take(self.name, self.maxsize, key, None, timeout)
 
     async def get_batch(self, key, target_weight: float, timeout: float):
-        return await self._await(self.store.get_batch(key, target_weight), timeout)
+        return await self.mailbox.take(self.name, self.maxsize, key, target_weight, timeout)
 
     def qsize(self, key) -> int:
-        return self.store.qsize(key)
+        return self.mailbox.qsize(self.name, key)
 
 
 def create_channel_actor(name: str, namespace: str, maxsize: int):
