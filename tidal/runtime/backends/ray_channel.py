@@ -127,6 +127,7 @@ class RayTransport(ChannelTransport):
             return self._call(op, key, async_op, timeout, *(() if target is None else (target,)))
         if self._is_here(dst):
             if not async_op:
+                _refuse_blocking_on_loop(self.name, op, key)
                 self._confirm_sent()
             store = MAILBOX.store(self.name, self.maxsize)
             fut = store.get(key) if target is None else store.get_batch(key, target)
@@ -223,6 +224,17 @@ class RayTransport(ChannelTransport):
         if not ok:
             raise ChannelTimeoutError(self.name, op, key, limit)
         return value
+
+
+def _refuse_blocking_on_loop(channel: str, op: str, key) -> None:
+    """A blocking get of a key held by this rank, on the rank's event loop, would wait for a
+    delivery that needs that very loop: fail at once instead of at the timeout."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError(f"channel {channel!r}: blocking {op}(key={key!r}) inside an async method; "
+                       f"use `await channel.{op}(..., async_op=True)`")
 
 
 class ByRef:
