@@ -106,8 +106,10 @@ def test_embodied_loop_across_nodes_on_the_fast_path(two_nodes, tmp_path):
         "runner.eval_interval=2", "env.total_num_envs=8", "rollout.num_steps=16",
         "actor.global_batch_size=128", "actor.micro_batch_size=64"])
     runner = EmbodiedRunner(cfg)
+    readers = {"env": runner.env, "rollout": runner.rollout, "actor": runner.actor, "weights": runner.rollout}
     try:
-        assert all(ch.direct for name, ch in runner.channels.items() if name != "reward")
+        for name, group in readers.items():
+            assert runner.channels[name].bind(group).direct
         summary = runner.run()
     finally:
         runner.close()

@@ -52,12 +52,8 @@ class EmbodiedRunner:
         self.reward = (RewardWorker.create_group(cfg, self.topo).launch(self.cluster, placement, name="reward")
                        if cfg.reward.enabled else None)
         run_id = f"{cfg.runner.experiment}-{uuid.uuid4().hex[:6]}"
-        # each channel is bound to the group that reads it: on ray its routed keys then go
-        # point to point, rank to rank, instead of through a channel actor
-        readers = {"env": self.env, "rollout": self.rollout, "actor": self.actor, "weights": self.rollout,
-                   "reward": self.reward}
-        self.channels = {name: Channel.create(f"{run_id}-{name}", self.cluster, consumer=group)
-                         for name, group in readers.items()}
+        self.channels = {name: Channel.create(f"{run_id}-{name}", self.cluster)
+                         for name in ("env", "rollout", "actor", "weights", "reward")}
         self.eval_horizon = self.env.execute_on(0).eval_horizon().wait(cfg.runner.timeout_s)[0]
         self.start_step, self.env_steps, self.rollout_version = 0, 0, None
         if cfg.runner.resume_from:

@@ -126,7 +126,9 @@ async def async_recv_batch(
 ) -> Any:
     """``recv_batch`` for ``async def`` methods: waits without blocking the rank's event loop."""
     routes = _incoming_routes(global_batch_size, src_world_size, dst_world_size, dst_rank, tag)
-    shards = [await channel.get(key=key, async_op=True, timeout=timeout) for _, _, key in routes]
+    shards = []
+    for _, _, key in routes:
+        shards.append(await channel.get(key=key, async_op=True, timeout=timeout))
     return _merge_checked(routes, shards, dst_rank, tag)
 
 
