@@ -8,7 +8,9 @@ a timed-out operation takes nothing and loses nothing.
 Backends: on ``local`` the queues live in this process and items pass by reference
 (zero-copy). On ``ray`` the queues live in a small Ray actor that holds only object
 references: the producer puts the item in the object store once and the consumer reads it
-from there, so payloads never pass through the channel actor.
+from there, so payloads never pass through the channel actor. A channel bound to the group
+that reads it (``bind``) keeps its routed keys in the reading rank's own process instead
+(``tidal.runtime.backends.ray_channel``).
 """
 
 from __future__ import annotations

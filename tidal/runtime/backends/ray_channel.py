@@ -48,6 +48,7 @@ REPLY_MARGIN_S = 30.0  # extra time the caller gives the channel actor to answer
 # Payloads below this travel inline in the channel actor's call; larger ones go through the
 # object store once (put by the producer, read by the consumer, never by the channel actor).
 INLINE_LIMIT_BYTES = 100 * 1024
+MAX_UNCONFIRMED = 256  # blocking puts whose answers a process may leave unread
 
 
 class RayTransport(ChannelTransport):
@@ -157,8 +158,11 @@ class RayTransport(ChannelTransport):
         if self.maxsize == 0:
             # a put that cannot wait for room returns once sent; this process's next get or
             # qsize on the channel reads its acknowledgement (errors surface, writes are seen)
-            self._sent().append(RefWork(ref, decode, timeout_error(self.name, "put (no answer)", key, limit),
-                                        limit + REPLY_MARGIN_S))
+            sent = self._sent()
+            sent.append(RefWork(ref, decode, timeout_error(self.name, "put (no answer)", key, limit),
+                                limit + REPLY_MARGIN_S))
+            if len(sent) >= MAX_UNCONFIRMED:  # a process that only puts: read them now and then
+                self._confirm_sent()
             return _DONE
         return self._reply(ref, "put", key, limit, async_op, decode)
 
