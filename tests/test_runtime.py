@@ -192,6 +192,7 @@ def test_channel_async_ops_wait_and_await(cluster):
     import asyncio
 
     ch = new_channel(cluster)
+    ch.qsize("k")  # the channel is up before the clock starts (a put may return once sent)
     work = ch.get(key="k", async_op=True)
     assert not work.done()
     ch.put("v1", key="k", async_op=True).wait(timeout=10)
