@@ -9,5 +9,5 @@ class PingWorker(Worker):
 
 
 class Sink(Worker):
-    def take(self, channel):
-        return channel.get(timeout=60).shape[0]
+    def take(self, channel, key="default"):
+        return channel.get(key=key, timeout=60).shape[0]

@@ -8,13 +8,15 @@
   solve       wall time to solve CartPole-v1 (deterministic eval >= 475) with tidal's demo
               config against the single-file PPO with the published defaults.
 
-    python benchmarks/embodied_bench.py [collection pipeline solve] [--seeds 3] [--envs 32 128] [--no-ray]
+    python benchmarks/embodied_bench.py [collection pipeline solve] [--seeds 3] [--envs 32 128]
+        [--backends local ray] [--stages 1 2] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -100,29 +102,38 @@ def hand_loop(num_envs: int, num_steps: int, rounds: int, env_kwargs: dict | Non
     return rounds * num_envs * num_steps / (time.perf_counter() - start)
 
 
-def bench_collection(rounds: int, envs: int, repeats: int = 3, ray: bool = True) -> dict:
+def bench_collection(rounds: int, envs: int, repeats: int = 3, backends=("local", "ray"), stages=(1, 2)) -> dict:
     """Local runs alternate with the hand loop ``repeats`` times and report medians (this
-    machine's speed drifts by tens of percent between minutes); ray runs once each."""
+    machine's speed drifts by tens of percent between minutes); ray runs once each, with the
+    hand loop measured again beside them. On ray, ``ray_actor_stages*`` routes every item
+    through the channel actor (``TIDAL_DIRECT_ROUTES=0``) for comparison with the direct path."""
     steps = 4096 // envs
     base = [f"env.total_num_envs={envs}", f"rollout.num_steps={steps}", "actor.global_batch_size=512",
             "actor.micro_batch_size=512", "env.eval_num_envs=8"]
-    samples: dict[str, list[float]] = {"hand_loop": [], "local_stages1": [], "local_stages2": []}
-    for _ in range(repeats):
+    samples: dict[str, list[float]] = {"hand_loop": []}
+    for _ in range(repeats if "local" in backends else 0):
         samples["hand_loop"].append(hand_loop(envs, steps, rounds))
-        for stages in (1, 2):
-            rate = tidal_collection(base + ["cluster.backend=local", f"env.pipeline_stage_num={stages}"], rounds)
-            samples[f"local_stages{stages}"].append(rate)
+        for n in stages:
+            rate = tidal_collection(base + ["cluster.backend=local", f"env.pipeline_stage_num={n}"], rounds)
+            samples.setdefault(f"local_stages{n}", []).append(rate)
+    ray_base = base + ["cluster.backend=ray", "cluster.devices_per_node=3",
+                       "cluster.placement={env: '0', rollout: '1', actor: '2'}"]
+    for n in stages if "ray" in backends else ():
+        samples["hand_loop"].append(hand_loop(envs, steps, rounds))
+        samples[f"ray_stages{n}"] = [tidal_collection(ray_base + [f"env.pipeline_stage_num={n}"], rounds)]
+        os.environ["TIDAL_DIRECT_ROUTES"] = "0"
+        try:
+            samples[f"ray_actor_stages{n}"] = [tidal_collection(ray_base + [f"env.pipeline_stage_num={n}"], rounds)]
+        finally:
+            del os.environ["TIDAL_DIRECT_ROUTES"]
     out = {k: statistics.median(v) for k, v in samples.items()}
     out["samples"] = samples
-    for stages in (1, 2) if ray else ():
-        extra = ["cluster.backend=ray", f"env.pipeline_stage_num={stages}", "cluster.devices_per_node=3",
-                 "cluster.placement={env: '0', rollout: '1', actor: '2'}"]
-        out[f"ray_stages{stages}"] = tidal_collection(base + extra, rounds)
-    for key in ("local_stages1", "local_stages2", "ray_stages1", "ray_stages2"):
-        if key in out:
-            out[f"ratio_{key}"] = out[key] / out["hand_loop"]
+    for key in [k for k in samples if k != "hand_loop"]:
+        out[f"ratio_{key}"] = out[key] / out["hand_loop"]
     # the fixed cost tidal adds to each chunk step: 1/tidal - 1/hand, per env batch
-    out["overhead_us_per_chunk_step"] = (1 / out["local_stages1"] - 1 / out["hand_loop"]) * envs * 1e6
+    for key in ("local_stages1", "ray_stages1", "ray_actor_stages1"):
+        if key in out:
+            out[f"overhead_us_per_chunk_step_{key}"] = (1 / out[key] - 1 / out["hand_loop"]) * envs * 1e6
     return out
 
 
@@ -177,13 +188,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--envs", type=int, nargs="+", default=[32, 128], help="collection: env counts")
-    parser.add_argument("--no-ray", action="store_true", help="collection: local backend only")
+    parser.add_argument("--backends", nargs="+", default=["local", "ray"], help="collection: backends to run")
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2], help="collection: pipeline stages")
+    parser.add_argument("--repeats", type=int, default=3, help="collection: local repeats (medians)")
     parser.add_argument("--out", default="benchmarks/results/embodied_bench.json")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the same intra-op setting tidal's workers use (cluster.torch_threads)
     result = {}
     if "collection" in args.which:
-        result["collection"] = {envs: bench_collection(args.rounds, envs, ray=not args.no_ray) for envs in args.envs}
+        result["collection"] = {envs: bench_collection(args.rounds, envs, args.repeats, args.backends, args.stages)
+                                for envs in args.envs}
         print("collection (env steps/s):", json.dumps(result["collection"], indent=2), flush=True)
     if "pipeline" in args.which:
         result["pipeline"] = bench_pipeline(args.rounds)

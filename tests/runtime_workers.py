@@ -55,6 +55,13 @@ class EchoWorker(Worker):
             channel.put((self.rank, i), key=key)
         return n
 
+    def produce_then_die(self, channel, key, n):
+        """Puts ``n`` items, then the process dies in the middle of the transfer."""
+        for i in range(n):
+            channel.put((self.rank, i), key=key)
+        time.sleep(0.2)
+        os._exit(1)
+
     def long_compute_then_report(self, seconds):
         time.sleep(seconds)
         self.counter += 1

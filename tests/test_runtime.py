@@ -192,6 +192,7 @@ def test_channel_async_ops_wait_and_await(cluster):
     import asyncio
 
     ch = new_channel(cluster)
+    ch.qsize("k")  # the channel is up before the clock starts (a put may return once sent)
     work = ch.get(key="k", async_op=True)
     assert not work.done()
     ch.put("v1", key="k", async_op=True).wait(timeout=10)
@@ -325,10 +326,12 @@ def four_and_four(cluster):
     dst.shutdown()
 
 
+@pytest.mark.parametrize("bound", [False, True], ids=["via-channel", "point-to-point"])
 @pytest.mark.parametrize("S,D", [(1, 1), (1, 4), (4, 1), (2, 3), (3, 2), (4, 4)])
-def test_send_recv_between_groups(cluster, four_and_four, S, D):
+def test_send_recv_between_groups(cluster, four_and_four, S, D, bound):
     src, dst = (g.execute_on(range(n)) for g, n in zip(four_and_four, (S, D)))
-    ch = new_channel(cluster)
+    ch = new_channel(cluster, consumer=four_and_four[1] if bound else None)
+    assert ch.direct == (bound and cluster.backend == "ray")
     per_rank = 12 // S
     receiving = dst.recv_shard(ch, S, D, 12) if D % 2 else dst.async_recv_shard(ch, S, D, 12)
     src.send_shard(ch, S, D, per_rank).wait(timeout=60)
@@ -349,14 +352,41 @@ def test_shard_size_is_checked_on_receipt(cluster, echo):
 # ----------------------------------------------------------------------------- weights
 
 
-def test_weight_transfer_to_every_rank(cluster, echo):
-    ch = new_channel(cluster)
+@pytest.mark.parametrize("bound", [False, True], ids=["via-channel", "point-to-point"])
+def test_weight_transfer_to_every_rank(cluster, echo, bound):
+    ch = new_channel(cluster, consumer=echo if bound else None)
     model = torch.nn.Linear(3, 2)
     receiving = echo.load_weights(ch)
     send_weights(ch, model.state_dict(), version=7, dst_world_size=3)
     expected = model.weight.sum().item()
     for version, total in receiving.wait(timeout=60):
         assert version == 7 and abs(total - expected) < 1e-6
+
+
+def test_bound_channel_keeps_channel_semantics(cluster, four_and_four):
+    """Routed keys of a bound channel live with their consumer rank; FIFO per producer, many
+    producers, gets from the driver, qsize, back-pressure and timeouts all behave as before."""
+    src, dst = four_and_four
+    ch = new_channel(cluster, maxsize=3, consumer=dst)
+    key = CommMapper.build_channel_key(0, 2, "k")
+    producing = src.execute_on(0, 1, 2).produce(ch, key, 5)  # 15 puts into room for 3
+    deadline = time.monotonic() + 30
+    while ch.qsize(key) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert ch.qsize(key) == 3 and not producing.done()  # back-pressure holds the rest
+    consuming_order = dst.execute_on(2).consume(ch, key, 12).wait(timeout=60)[0]
+    producing.wait(timeout=60)
+    rest = [ch.get(key=key, timeout=10) for _ in range(3)]  # the driver reads the consumer's queue
+    got = consuming_order + rest
+    assert sorted(got) == sorted((r, i) for r in range(3) for i in range(5))
+    for r in range(3):
+        assert [i for rr, i in got if rr == r] == list(range(5)), f"producer {r} out of order: {got}"
+    with pytest.raises(ChannelTimeoutError, match=r"get\(key='0->2:k'\) timed out after 0.2 s"):
+        ch.get(key=key, timeout=0.2)
+    ch.put("late", key=key)
+    assert ch.qsize(key) == 1
+    assert dst.execute_on(2).consume(ch, key, 1).wait(timeout=30) == [["late"]]
 
 
 # ----------------------------------------------------------------------------- backends

@@ -8,13 +8,16 @@ a timed-out operation takes nothing and loses nothing.
 Backends: on ``local`` the queues live in this process and items pass by reference
 (zero-copy). On ``ray`` the queues live in a small Ray actor that holds only object
 references: the producer puts the item in the object store once and the consumer reads it
-from there, so payloads never pass through the channel actor.
+from there, so payloads never pass through the channel actor. A channel bound to the group
+that reads it (``bind``) keeps its routed keys in the reading rank's own process instead
+(``tidal.runtime.backends.ray_channel``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import os
 import threading
 from collections import defaultdict, deque
 from collections.abc import Callable, Hashable
@@ -287,8 +290,9 @@ class AsyncWork:
         timeout = timeout if timeout is not None else (self._timeout or DEFAULT_TIMEOUT_S)
         return await _await_or_cancel(self._future, timeout, self._on_timeout)
 
-    def __await__(self):
-        return self.async_wait().__await__()
+    def __await__(self):  # one coroutine fewer than ``async_wait``: this is the hot path
+        timeout = self._timeout or DEFAULT_TIMEOUT_S
+        return _await_or_cancel(self._future, timeout, self._on_timeout).__await__()
 
 
 def timeout_error(channel: str, op: str, key, timeout: float) -> Callable[[], Exception]:
@@ -311,12 +315,26 @@ class Channel:
 
     def __init__(self, name: str, transport):
         self.name, self._transport = name, transport
+        self.direct = False  # routed keys go point to point (after ``bind``)
 
     @classmethod
-    def create(cls, name: str, cluster, maxsize: int = 0) -> Channel:
+    def create(cls, name: str, cluster, maxsize: int = 0, consumer=None) -> Channel:
+        """``consumer``: the group that reads this channel's routed keys (see ``bind``)."""
         if maxsize < 0:
             raise ValueError(f"channel {name!r}: maxsize must be >= 0, got {maxsize}")
-        return cls(name, cluster.backend_impl.create_channel(name, maxsize))
+        channel = cls(name, cluster.backend_impl.create_channel(name, maxsize))
+        return channel.bind(consumer) if consumer is not None else channel
+
+    def bind(self, consumer) -> Channel:
+        """Declare ``consumer`` (a ``WorkerGroup``) the reader of this channel's routed keys
+        (``CommMapper.build_channel_key(src, dst, tag)``: rank ``dst`` of ``consumer``). Where
+        the backend can, those items then travel point to point to that rank (on ray: a direct
+        call to its process instead of two through the channel actor). Semantics do not change:
+        keyed FIFO, back-pressure, timeouts that take nothing; anyone may still get any key.
+        ``TIDAL_DIRECT_ROUTES=0`` turns this off (to measure against the channel actor)."""
+        if os.environ.get("TIDAL_DIRECT_ROUTES", "1") != "0":
+            self.direct = self._transport.bind(consumer.rank_handles)
+        return self
 
     @property
     def backend(self) -> str:

@@ -12,6 +12,7 @@ from typing import Any
 
 from tidal.runtime.batch import batch_size, merge_batches, split_batch
 from tidal.runtime.channel import Channel
+from tidal.runtime.routekey import RouteKey
 
 
 def _blocks_overlapping(begin: int, end: int, block: int) -> list[tuple[int, int]]:
@@ -55,8 +56,8 @@ class CommMapper:
         return _blocks_overlapping(dst_rank * per_dst, (dst_rank + 1) * per_dst, per_src)
 
     @staticmethod
-    def build_channel_key(src_rank: int, dst_rank: int, extra: Hashable = "") -> str:
-        return f"{src_rank}->{dst_rank}" + (f":{extra}" if extra != "" else "")
+    def build_channel_key(src_rank: int, dst_rank: int, extra: Hashable = "") -> RouteKey:
+        return RouteKey(src_rank, dst_rank, extra)
 
 
 def send_batch(
@@ -125,7 +126,9 @@ async def async_recv_batch(
 ) -> Any:
     """``recv_batch`` for ``async def`` methods: waits without blocking the rank's event loop."""
     routes = _incoming_routes(global_batch_size, src_world_size, dst_world_size, dst_rank, tag)
-    shards = [await channel.get(key=key, async_op=True, timeout=timeout) for _, _, key in routes]
+    shards = []
+    for _, _, key in routes:
+        shards.append(await channel.get(key=key, async_op=True, timeout=timeout))
     return _merge_checked(routes, shards, dst_rank, tag)
 
 

@@ -168,6 +168,11 @@ class WorkerGroup:
     def world_size(self) -> int:
         return len(self._ranks)
 
+    @property
+    def rank_handles(self) -> list:
+        """The backend's handle of each rank (what a channel binds to)."""
+        return list(self._ranks)
+
     def execute_on(self, *ranks: int) -> WorkerGroup:
         """A view of this group whose calls go to ``ranks`` only."""
         flat = [r for item in ranks for r in (item if isinstance(item, (list, tuple, range)) else [item])]

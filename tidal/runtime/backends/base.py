@@ -65,6 +65,12 @@ class ChannelTransport(ABC):
     def close(self) -> None:
         """Release what the transport holds."""
 
+    def bind(self, rank_handles: list) -> bool:
+        """Declare the consumer group of the channel's routed keys (``RouteKey.dst`` is its
+        rank). Returns whether the transport delivers to them directly; by default it does
+        not, and binding changes nothing."""
+        return False
+
 
 class Backend(ABC):
     name: ClassVar[str]

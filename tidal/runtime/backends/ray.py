@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 
 from tidal.runtime.backends.base import Backend, register_backend
-from tidal.runtime.backends.ray_channel import RayTransport, create_channel_actor
+from tidal.runtime.backends.ray_channel import MAILBOX, RayTransport, create_channel_actor
 from tidal.runtime.errors import ClusterUnreachable, WorkerError
 from tidal.runtime.handle import CallResult
 from tidal.runtime.placement import NodeInfo
@@ -44,6 +44,16 @@ class RayRankActor:
 
     async def call(self, method: str, args: tuple, kwargs: dict) -> CallResult:
         return await self.runner.call(method, args, kwargs)
+
+    # the mailbox: routed channel keys homed on this rank (see ray_channel)
+    async def deliver(self, envelope: tuple) -> bool | None:
+        return await MAILBOX.deliver(envelope)
+
+    async def mailbox_take(self, channel, maxsize, key, target, timeout):
+        return await MAILBOX.take(channel, maxsize, key, target, timeout)
+
+    def mailbox_qsize(self, channel, key) -> int:
+        return MAILBOX.qsize(channel, key)
 
 
 class RayRank:
@@ -109,7 +119,7 @@ class RayBackend(Backend):
             self._started_ray = False
 
     def create_channel(self, name: str, maxsize: int) -> RayTransport:
-        return RayTransport(name, create_channel_actor(name, self.options.namespace, maxsize))
+        return RayTransport(name, create_channel_actor(name, self.options.namespace, maxsize), maxsize)
 
     def launch_ranks(self, group, ranks, infos, timeout):
         import ray

@@ -1,61 +1,196 @@
-"""Channels on the ``ray`` backend: the queues live in a small Ray actor that holds only
-object references. The producer puts a large item in the object store once and the consumer
-reads it from there, so payloads never pass through the channel actor."""
+"""Channels on the ``ray`` backend.
+
+Keys in general live in a small channel actor that holds only object references: the
+producer puts a large item in the object store once and the consumer reads it from there, so
+payloads never pass through the channel actor.
+
+Every put is one call carrying an envelope (channel, key, producer, sequence number, item);
+without ``maxsize`` nothing waits for its answer (a blocking put's acknowledgement is read by
+the process's next get or qsize, so its own writes are seen and errors surface).
+
+Routed keys (``RouteKey``, ``"src->dst:tag"``) of a channel bound to its consumer group
+(``Channel.bind``) live instead in the *mailbox* of the destination rank's own process. A
+put is then one direct call from the producer to that rank (Ray moves large items through
+the object store by itself) and the consumer's get is served in its own process without a
+call at all: one hop per item instead of two through a central actor. Per key the order
+stays FIFO: each producer numbers its puts and the mailbox admits them in that order (Ray
+does not promise the order of calls to an async actor).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import dataclasses
 import pickle
 import threading
+import uuid
+from collections import defaultdict
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import cloudpickle
 
 from tidal.runtime.backends.base import ChannelTransport
-from tidal.runtime.channel import AsyncWork, ChannelStore, _await_or_cancel, timeout_error
+from tidal.runtime.channel import (
+    AsyncWork,
+    ChannelStore,
+    _await_or_cancel,
+    settle,
+    timeout_error,
+)
 from tidal.runtime.defaults import DEFAULT_TIMEOUT_S
 from tidal.runtime.errors import ChannelTimeoutError
+from tidal.runtime.routekey import RouteKey
 
 REPLY_MARGIN_S = 30.0  # extra time the caller gives the channel actor to answer
 
 # Payloads below this travel inline in the channel actor's call; larger ones go through the
 # object store once (put by the producer, read by the consumer, never by the channel actor).
 INLINE_LIMIT_BYTES = 100 * 1024
+MAX_UNCONFIRMED = 256  # blocking puts whose answers a process may leave unread
 
 
 class RayTransport(ChannelTransport):
     backend = "ray"
 
-    def __init__(self, name: str, actor):
-        self.name, self.actor = name, actor
+    def __init__(self, name: str, actor, maxsize: int):
+        self.name, self.actor, self.maxsize = name, actor, maxsize
+        self.home: list | None = None  # the bound consumer group's rank actors
+        self.home_ids: list[str] = []
+
+    def bind(self, rank_handles: list) -> bool:
+        self.home = [h.actor for h in rank_handles]
+        self.home_ids = [a._actor_id.hex() for a in self.home]
+        return True
+
+    # -- operations: a routed key of a bound channel goes to its rank's mailbox -----------
 
     def put(self, key: Hashable, item: Any, weight: float, async_op: bool, timeout: float | None):
-        return self._call("put", key, async_op, timeout, box(item), weight)
+        dst = self._home_rank(key)
+        if dst is None:
+            return self._deliver(self.actor, key, box(item), weight, async_op, timeout)
+        if self._is_here(dst):
+            fut = MAILBOX.store(self.name, self.maxsize).put(key, item, weight)
+            return settle(fut, self.name, "put", key, async_op, timeout)
+        return self._deliver(self.home[dst], key, item, weight, async_op, timeout)
 
     def put_shared(self, item: Any, keys: list, weight: float, timeout: float | None) -> None:
-        boxed = box(item, force_ref=True)
-        for key in keys:
-            self._call("put", key, False, timeout, boxed, weight)
+        if all(self._home_rank(k) is not None for k in keys):
+            import ray
+
+            shared = ByRef(ray.put(item))  # one object-store write; each rank reads it on arrival
+            works = [self._deliver(self.home[self._home_rank(k)], k, shared, weight, True, timeout) for k in keys]
+        else:
+            boxed = box(item, force_ref=True)
+            works = [self._deliver(self.actor, k, boxed, weight, True, timeout) for k in keys]
+        for work in works:
+            work.wait()
 
     def get(self, key: Hashable, async_op: bool, timeout: float | None):
-        return self._call("get", key, async_op, timeout)
+        return self._take("get", key, None, async_op, timeout)
 
     def get_batch(self, key: Hashable, target_weight: float, async_op: bool, timeout: float | None):
-        return self._call("get_batch", key, async_op, timeout, target_weight)
+        return self._take("get_batch", key, target_weight, async_op, timeout)
 
     def qsize(self, key: Hashable) -> int:
         import ray
 
-        return ray.get(self.actor.qsize.remote(key), timeout=DEFAULT_TIMEOUT_S)
+        self._confirm_sent()
+        dst = self._home_rank(key)
+        if dst is None:
+            return ray.get(self.actor.qsize.remote(key), timeout=DEFAULT_TIMEOUT_S)
+        if self._is_here(dst):
+            return MAILBOX.store(self.name, self.maxsize).qsize(key)
+        return ray.get(self.home[dst].mailbox_qsize.remote(self.name, key), timeout=DEFAULT_TIMEOUT_S)
 
     def close(self) -> None:
+        self.__dict__["_unacknowledged"] = []
         if self.actor is not None:
             import ray
 
             ray.kill(self.actor, no_restart=True)
             self.actor = None
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _home_rank(self, key) -> int | None:
+        if self.home is not None and isinstance(key, RouteKey) and 0 <= key.dst < len(self.home):
+            return key.dst
+        return None
+
+    def _is_here(self, dst: int) -> bool:
+        return current_actor_id() == self.home_ids[dst]
+
+    def _take(self, op: str, key, target: float | None, async_op: bool, timeout: float | None):
+        dst = self._home_rank(key)
+        if dst is None:
+            return self._call(op, key, async_op, timeout, *(() if target is None else (target,)))
+        if self._is_here(dst):
+            if not async_op:
+                _refuse_blocking_on_loop(self.name, op, key)
+                self._confirm_sent()
+            store = MAILBOX.store(self.name, self.maxsize)
+            fut = store.get(key) if target is None else store.get_batch(key, target)
+            return settle(fut, self.name, op, key, async_op, timeout)
+        limit = DEFAULT_TIMEOUT_S if timeout is None else timeout
+        ref = self.home[dst].mailbox_take.remote(self.name, self.maxsize, key, target, limit)
+        if not async_op:
+            self._confirm_sent()
+        return self._reply(ref, op, key, limit, async_op, lambda status: self._unpack(status, op, key, limit))
+
+    def _deliver(self, target, key, item, weight: float, async_op: bool, timeout: float | None):
+        """One call to the actor holding the key (a rank's mailbox, or the channel actor), its
+        arguments in one envelope (Ray serialises each argument on its own). Without
+        ``maxsize`` a put cannot wait, so nothing needs to come back: the call is sent without
+        a reply (a dead receiver is reported by its group, a dead channel actor by the get)."""
+        limit = DEFAULT_TIMEOUT_S if timeout is None else timeout
+        acked = self.maxsize > 0 or not async_op
+        target_id = target._actor_id.hex()
+        with _SEQ_LOCK:  # numbers and submission together: no number is skipped
+            seq = _SEQ[(self.name, key, target_id)]
+            _SEQ[(self.name, key, target_id)] = seq + 1
+            envelope = (self.name, self.maxsize, key, PRODUCER_ID, seq, item, weight, limit, acked)
+            ref = self._deliver_method(target, target_id, acked).remote(envelope)
+        if not acked:
+            return _DONE
+        decode = lambda status: self._unpack((status, None), "put", key, limit)  # noqa: E731
+        if self.maxsize == 0:
+            # a put that cannot wait for room returns once sent; this process's next get or
+            # qsize on the channel reads its acknowledgement (errors surface, writes are seen)
+            sent = self._sent()
+            sent.append(RefWork(ref, decode, timeout_error(self.name, "put (no answer)", key, limit),
+                                limit + REPLY_MARGIN_S))
+            if len(sent) >= MAX_UNCONFIRMED:  # a process that only puts: read them now and then
+                self._confirm_sent()
+            return _DONE
+        return self._reply(ref, "put", key, limit, async_op, decode)
+
+    def _sent(self) -> list:
+        return self.__dict__.setdefault("_unacknowledged", [])
+
+    def _confirm_sent(self) -> None:
+        sent, self.__dict__["_unacknowledged"] = self._sent(), []
+        for work in sent:
+            work.wait()
+
+    def _deliver_method(self, target, target_id: str, acked: bool):
+        methods = self.__dict__.setdefault("_methods", {})
+        if (target_id, acked) not in methods:
+            deliver = target.deliver
+            methods[(target_id, acked)] = deliver if acked else deliver.options(num_returns=0)
+        return methods[(target_id, acked)]
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_methods", None)  # per process
+        state.pop("_unacknowledged", None)
+        return state
+
+    def _reply(self, ref, op: str, key, limit: float, async_op: bool, decode):
+        work = RefWork(ref, decode, timeout_error(self.name, op + " (no answer from the rank)", key, limit),
+                       limit + REPLY_MARGIN_S)
+        return work if async_op else work.wait()
 
     def _call(self, op: str, key, async_op: bool, timeout: float | None, *args):
         """Call the channel actor, which enforces ``timeout`` itself (atomically: a timed-out
@@ -68,6 +203,7 @@ class RayTransport(ChannelTransport):
         if async_op:
             fut = _chain(reply.future(), lambda status: self._unbox_async(status, op, key, limit))
             return AsyncWork(fut, timeout_error(self.name, no_answer, key, limit), limit + REPLY_MARGIN_S)
+        self._confirm_sent()  # while the get is under way
         try:
             status = ray.get(reply, timeout=limit + REPLY_MARGIN_S)
         except ray.exceptions.GetTimeoutError:
@@ -92,6 +228,170 @@ class RayTransport(ChannelTransport):
         if not ok:
             raise ChannelTimeoutError(self.name, op, key, limit)
         return value
+
+
+def _refuse_blocking_on_loop(channel: str, op: str, key) -> None:
+    """A blocking get of a key held by this rank, on the rank's event loop, would wait for a
+    delivery that needs that very loop: fail at once instead of at the timeout."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError(f"channel {channel!r}: blocking {op}(key={key!r}) inside an async method; "
+                       f"use `await channel.{op}(..., async_op=True)`")
+
+
+class ByRef:
+    """An item sent as a reference to the object store (read by the receiving rank)."""
+
+    def __init__(self, ref):
+        self.ref = ref
+
+
+class _Done:
+    """The ``AsyncWork`` of a put that needs no answer."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+    async def async_wait(self, timeout: float | None = None) -> None:
+        return None
+
+    def __await__(self):
+        return self.async_wait().__await__()
+
+
+_DONE = _Done()
+
+
+class RefWork:
+    """An ``AsyncWork`` whose reply is a Ray object ref, awaited as such (no thread-safe future
+    in between). ``done()`` does not ask Ray: it says False until the reply was read."""
+
+    def __init__(self, ref, decode: Callable[[Any], Any], on_timeout: Callable[[], Exception],
+                 limit: float):
+        self._ref, self._decode, self._on_timeout, self._limit = ref, decode, on_timeout, limit
+        self._done, self._value = False, None
+
+    def done(self) -> bool:
+        return self._done
+
+    def wait(self, timeout: float | None = None) -> Any:
+        import ray
+
+        if not self._done:
+            try:
+                reply = ray.get(self._ref, timeout=self._limit if timeout is None else timeout)
+            except ray.exceptions.GetTimeoutError:
+                raise self._on_timeout() from None
+            self._value, self._done = self._decode(reply), True
+        return self._value
+
+    async def async_wait(self, timeout: float | None = None) -> Any:
+        if not self._done:
+            try:
+                reply = await asyncio.wait_for(self._ref, self._limit if timeout is None else timeout)
+            except TimeoutError:
+                raise self._on_timeout() from None
+            self._value, self._done = self._decode(reply), True
+        return self._value
+
+    def __await__(self):
+        return self.async_wait().__await__()
+
+
+# -- the mailbox of this process's rank -------------------------------------------------------
+
+PRODUCER_ID = uuid.uuid4().hex  # numbers this process's puts per (channel, key)
+_SEQ: dict = defaultdict(int)
+_SEQ_LOCK = threading.Lock()
+_ACTOR_ID: list = []
+
+
+def current_actor_id() -> str | None:
+    """The Ray actor this process runs (None on the driver); asked once."""
+    if not _ACTOR_ID:
+        import ray
+
+        _ACTOR_ID.append(ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None)
+    return _ACTOR_ID[0]
+
+
+class _Gate:
+    """Admits one producer's puts to one key in the order they were numbered."""
+
+    def __init__(self):
+        self.next = 0
+        self.waiting: dict[int, asyncio.Future] = {}
+
+    async def enter(self, seq: int, timeout: float) -> bool:
+        if seq == self.next:
+            return True
+        turn = asyncio.get_running_loop().create_future()
+        self.waiting[seq] = turn
+        try:
+            await asyncio.wait_for(turn, timeout)
+            return True
+        except TimeoutError:
+            self.waiting.pop(seq, None)
+            return False
+
+    def leave(self) -> None:
+        self.next += 1
+        turn = self.waiting.pop(self.next, None)
+        if turn is not None and not turn.done():
+            turn.set_result(None)
+
+
+class Mailbox:
+    """The queues of the routed keys homed on this rank, one store per channel."""
+
+    def __init__(self):
+        self._stores: dict[str, ChannelStore] = {}
+        self._gates: dict[tuple, _Gate] = {}
+
+    def store(self, channel: str, maxsize: int) -> ChannelStore:
+        store = self._stores.get(channel)
+        if store is None:
+            store = self._stores[channel] = ChannelStore(channel, maxsize)
+        return store
+
+    async def deliver(self, envelope: tuple) -> bool | None:
+        channel, maxsize, key, producer, seq, item, weight, timeout, acked = envelope
+        if isinstance(item, ByRef):
+            item = await item.ref
+        gate = self._gates.get((channel, key, producer))
+        if gate is None:
+            gate = self._gates[(channel, key, producer)] = _Gate()
+        if not await gate.enter(seq, timeout):
+            return False
+        fut = self.store(channel, maxsize).put(key, item, weight)
+        gate.leave()  # queued (or waiting for room) in order: the next number may follow
+        if not acked:
+            return None
+        try:
+            await _await_or_cancel(fut, timeout, TimeoutError)
+            return True
+        except TimeoutError:
+            return False
+
+    async def take(self, channel: str, maxsize: int, key, target: float | None, timeout: float):
+        store = self.store(channel, maxsize)
+        fut = store.get(key) if target is None else store.get_batch(key, target)
+        try:
+            return True, await _await_or_cancel(fut, timeout, TimeoutError)
+        except TimeoutError:
+            return False, None
+
+    def qsize(self, channel: str, key) -> int:
+        store = self._stores.get(channel)
+        return store.qsize(key) if store is not None else 0
+
+
+MAILBOX = Mailbox()
 
 
 def _payload_bytes(item: Any) -> int:
@@ -190,28 +490,24 @@ def _gather(items: list) -> cf.Future:
 
 
 class ChannelActor:
-    """Holds the queues of one channel on the ray backend; items are boxed object refs."""
+    """Holds the queues of one channel on the ray backend (its keys that are not delivered to
+    a rank); items arrive boxed, so this actor never needs their classes."""
 
     def __init__(self, name: str, maxsize: int):
-        self.store = ChannelStore(name, maxsize)
+        self.name, self.maxsize = name, maxsize
+        self.mailbox = Mailbox()
 
-    async def _await(self, fut: cf.Future, timeout: float):
-        try:
-            return True, await _await_or_cancel(fut, timeout, lambda: TimeoutError())
-        except TimeoutError:
-            return False, None
-
-    async def put(self, key, boxed: tuple, weight: float, timeout: float):
-        return await self._await(self.store.put(key, boxed, weight), timeout)
+    async def deliver(self, envelope: tuple) -> bool | None:
+        return await self.mailbox.deliver(envelope)
 
     async def get(self, key, timeout: float):
-        return await self._await(self.store.get(key), timeout)
+        return await self.mailbox.take(self.name, self.maxsize, key, None, timeout)
 
     async def get_batch(self, key, target_weight: float, timeout: float):
-        return await self._await(self.store.get_batch(key, target_weight), timeout)
+        return await self.mailbox.take(self.name, self.maxsize, key, target_weight, timeout)
 
     def qsize(self, key) -> int:
-        return self.store.qsize(key)
+        return self.mailbox.qsize(self.name, key)
 
 
 def create_channel_actor(name: str, namespace: str, maxsize: int):
