@@ -69,7 +69,7 @@ def serve_and_evaluate(
     async def run() -> EvalResult:
         client = InferenceClient([server.address])
         try:
-            judge = evaluator(cfg, client, tokenizer, n)
+            judge = evaluator(cfg, client, tokenizer, records, n)
             if judge.samples is not None:  # reproducible samples: the run seed
                 judge.samples = dataclasses.replace(judge.samples, seed=cfg.runner.seed)
             return await judge.run(records)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,10 @@ from tidal.data.datasets import RecordIterator, load_conversations, load_prompts
 from tidal.inference import GenerationConfig, InferenceClient
 from tidal.models.lm import prompt_answer_messages, render_prompt, sft_tokens
 from tidal.rollout.evaluation import Evaluator, greedy_config
+from tidal.rollout.rewards import Reward
 from tidal.rollout.tasks import TASKS
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -88,6 +92,19 @@ def sft_examples(cfg: LLMConfig, tokenizer, cache: Path) -> list[tuple[list[int]
     return examples
 
 
+def warmed_reward(cfg: LLMConfig, record: dict | None) -> Reward:
+    """The configured reward, called once on ``record``'s own answer before any timeout runs: a
+    lazy start (math_verify spawns its checker process) happens here, and a broken reward is
+    logged now rather than as a run of timeouts."""
+    reward = configured_reward(cfg)
+    if record is not None:
+        try:
+            reward(str(record.get("answer", "")), **record)
+        except Exception as exc:  # noqa: BLE001 - the run counts the reward's failures itself
+            log.warning("reward %s failed on record %r: %s", reward.name, record.get("id"), exc)
+    return reward
+
+
 def generation_config(cfg: LLMConfig, tokenizer) -> GenerationConfig:
     r = cfg.rollout
     return GenerationConfig(
@@ -99,14 +116,17 @@ def generation_config(cfg: LLMConfig, tokenizer) -> GenerationConfig:
     )
 
 
-def evaluator(cfg: LLMConfig, client: InferenceClient, tokenizer, n: int = 0) -> Evaluator:
-    """The configured evaluation: greedy (and ``n`` samples drawn like rollouts), the reward."""
+def evaluator(
+    cfg: LLMConfig, client: InferenceClient, tokenizer, records: list[dict], n: int = 0
+) -> Evaluator:
+    """The configured evaluation of ``records``: greedy (and ``n`` samples drawn like rollouts),
+    the reward."""
     gconfig = generation_config(cfg, tokenizer)
     return Evaluator(
         client,
         tokenizer,
         prompt_renderer(cfg, tokenizer),
-        configured_reward(cfg),
+        warmed_reward(cfg, records[0] if records else None),
         greedy_config(gconfig),
         gconfig,
         n,

@@ -16,7 +16,6 @@ import numpy as np
 
 from tidal.config.llm import (
     LLMConfig,
-    configured_reward,
     import_object,
     validate_llm,
     validate_model_path,
@@ -36,6 +35,7 @@ from tidal.runners.lm_common import (
     generation_config,
     prompt_renderer,
     train_records,
+    warmed_reward,
 )
 from tidal.runners.loop import RunLoop
 from tidal.runtime import Channel, wait_all
@@ -73,11 +73,11 @@ class ReasoningRunner(RunLoop):
         self.client = InferenceClient(addresses)
         self.gconfig = generation_config(cfg, self.tokenizer)
         self.staleness = StalenessManager(r.max_staleness, r.batch_size, r.max_concurrent_rollouts)
-        self.workflow = self._workflow()
-        self.dispatcher = RolloutDispatcher(self.workflow, self.staleness)
         with data_cache(cfg, self.run_dir) as cache:
             self.train_data, self.eval_data = train_records(cfg, cache), eval_records(cfg, cache)
-        self.evaluator = None if self._multi_turn else evaluator(cfg, self.client, self.tokenizer)
+        self.workflow = self._workflow()
+        self.dispatcher = RolloutDispatcher(self.workflow, self.staleness)
+        self.evaluator = None if self._multi_turn else evaluator(cfg, self.client, self.tokenizer, self.eval_data)
 
     def restore(self, checkpoint: Path) -> dict:
         meta = self.actor.load(str(checkpoint)).wait(self.cfg.runner.timeout_s)[0]
@@ -108,7 +108,8 @@ class ReasoningRunner(RunLoop):
         if self._multi_turn:
             return MultiTurnWorkflow(self.client, self.tokenizer, TASKS.get(d.task).env, self.gconfig,
                                      max_turns=r.max_turns, turn_discount=r.turn_discount, group_size=r.group_size)
-        return RLVRWorkflow(self.client, self.tokenizer, configured_reward(self.cfg), self.gconfig, r.group_size,
+        reward = warmed_reward(self.cfg, self.train_data.table[0])
+        return RLVRWorkflow(self.client, self.tokenizer, reward, self.gconfig, r.group_size,
                             r.reward_timeout_s, render=prompt_renderer(self.cfg, self.tokenizer))
 
     def _run(self, coro, timeout: float | None = None):
