@@ -3,7 +3,6 @@ its help (``tidal config FILE`` prints it)."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -214,7 +213,7 @@ def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
         require(worlds["actor"] == 1, "cluster.placement",
                  "a data-parallel actor (more than one rank) needs cluster.backend=ray")
     validate_observations(env)
-    validate_model(cfg.model, env.num_action_chunks)
+    validate_model(cfg.model)
     return worlds
 
 
@@ -246,9 +245,8 @@ def validate_observations(env: EnvConfig) -> None:
                 f"the {env.adapter} adapter renders no pixels; use state (or e.g. adapter metaworld)")
 
 
-def validate_model(model: ModelConfig, num_action_chunks: int) -> None:
-    """``model.kwargs`` the policy takes; shared fields it does not take left at their
-    defaults; ``model.path`` a saved folder of the same policy with the same chunk size."""
+def validate_model(model: ModelConfig) -> None:
+    """``model.kwargs`` the policy takes; shared fields it does not take left at their defaults."""
     from tidal.models.policy import policy_arguments
 
     takes, defaults = policy_arguments(model.name), ModelConfig()
@@ -259,6 +257,11 @@ def validate_model(model: ModelConfig, num_action_chunks: int) -> None:
     for key in SHARED_MODEL_FIELDS:
         require(key in takes or getattr(model, key) == getattr(defaults, key), f"model.{key}",
                 f"policy {model.name!r} does not use it; leave it at its default")
+
+
+def validate_saved_policy(model: ModelConfig, num_action_chunks: int) -> None:
+    """``model.path`` (when set) a saved folder of the same policy with the same chunk size;
+    checked when a run starts from it (``tidal sft`` writes it, so a config may name it first)."""
     if model.path is not None:
         saved = saved_policy_config(model.path)
         require(saved["name"] == model.name, "model.name",
@@ -284,7 +287,7 @@ def saved_policy_config(path: str) -> dict:
 
 def validate_sft(cfg: EmbodiedConfig) -> None:
     """``tidal sft`` on an embodied config: an env with scripted experts and a place to save."""
-    validate_embodied(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=None)))
+    validate_embodied(cfg)
     s = cfg.sft
     require(cfg.env.adapter == "metaworld", "env.adapter",
             f"tidal sft collects demonstrations from MetaWorld's scripted experts, not {cfg.env.adapter!r}")

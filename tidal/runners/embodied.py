@@ -11,7 +11,7 @@ import numpy as np
 
 from tidal.checkpoint import load_extra
 from tidal.config import ConfigError, EmbodiedConfig, validate_embodied
-from tidal.config.embodied import env_make_kwargs, saved_policy_config
+from tidal.config.embodied import env_make_kwargs, saved_policy_config, validate_saved_policy
 from tidal.envs import make_env, success_metrics
 from tidal.models.saving import space_from_json
 from tidal.runners.loop import RunLoop, fmt
@@ -35,6 +35,12 @@ class EmbodiedRunner(RunLoop):
         self.channels: dict[str, Channel] = {}
         self.env_steps, self.rollout_version = 0, None
         super().__init__(cfg)
+
+    @property
+    def initial_evaluation(self) -> bool:
+        """A run that starts from a saved policy evaluates it first (the same episodes as
+        ``tidal sft``'s evaluation): the start RL improves on."""
+        return self.cfg.model.path is not None
 
     # -- what the run loop asks of a runner ------------------------------------------------
 
@@ -225,6 +231,7 @@ def _probe_env(cfg: EmbodiedConfig):
     finally:
         probe.close()
     if cfg.model.path is not None:
+        validate_saved_policy(cfg.model, env.num_action_chunks)
         _check_saved_spaces(cfg.model.path, *spaces)
     return spaces, probe.max_episode_steps
 
