@@ -13,6 +13,8 @@ import warnings
 
 import torch
 
+from tidal.config import ActorConfig
+from tidal.engine import TrainEngine
 from tidal.envs import make_env
 from tidal.envs.demos import collect_metaworld_demos
 from tidal.models import build_policy, save_policy
@@ -55,7 +57,8 @@ def main() -> None:
     seeds = [10_000 + i for i in range(args.eval_envs)]
     before = evaluate_success(policy, env, seeds)
     start = time.perf_counter()
-    history = train_bc(policy, demos, args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+    engine = TrainEngine(policy, ActorConfig(lr=args.lr, optimizer="adamw", max_grad_norm=1.0), args.steps, name="bc")
+    history = train_bc(policy, demos, engine, args.steps, batch_size=args.batch_size, seed=args.seed,
                        num_action_chunks=args.chunks, log_every=max(1, args.steps // 10))
     train_s = time.perf_counter() - start
     after = evaluate_success(policy, env, seeds)

@@ -84,17 +84,23 @@ def config(args: argparse.Namespace) -> int:
 
 
 def sft(args: argparse.Namespace) -> int:
-    from tidal.config import ConfigError, load_config
-    from tidal.config.llm import LLMConfig, validate_sft
-    from tidal.runners.sft import run_sft
+    """Supervised warm start of the half ``runner.task`` names: the LM at model.path, or an
+    embodied policy by behaviour cloning saved to model.path."""
+    from tidal.config import ConfigError
 
     _setup_logging()
     try:
-        cfg = load_config(LLMConfig, args.config, args.overrides)
+        task, cfg = _config(args)
+        if task == "embodied":
+            from tidal.config.embodied import validate_sft
+            from tidal.runners.embodied_sft import run_embodied_sft as run
+        else:
+            from tidal.config.llm import validate_sft
+            from tidal.runners.sft import run_sft as run
         validate_sft(cfg)
     except (ConfigError, FileNotFoundError) as exc:
         return _fail("config error", exc)
-    print(json.dumps(run_sft(cfg), indent=2))
+    print(json.dumps(run(cfg), indent=2))
     return 0
 
 
@@ -149,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p_config.add_argument("config", help="a YAML config")
     p_config.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     p_config.set_defaults(fn=config)
-    p_sft = sub.add_parser("sft", help="supervised warm start of the LM named by model.path")
+    p_sft = sub.add_parser("sft", help="supervised warm start saved to model.path (LM, or embodied behaviour cloning)")
     p_sft.add_argument("config")
     p_sft.add_argument("overrides", nargs="*")
     p_sft.set_defaults(fn=sft)

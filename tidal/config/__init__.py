@@ -16,6 +16,7 @@ from tidal.config.embodied import (
     ModelConfig,
     RewardConfig,
     RolloutConfig,
+    SFTConfig,
     validate_embodied,
 )
 from tidal.config.loader import ConfigError, load_config, read_yaml, to_yaml
@@ -34,6 +35,7 @@ __all__ = [
     "ModelConfig",
     "RewardConfig",
     "RolloutConfig",
+    "SFTConfig",
     "RunnerConfig",
     "describe",
     "field_help",

@@ -15,7 +15,7 @@ from tidal.config.common import (
     validate_common,
     world_sizes,
 )
-from tidal.config.loader import require
+from tidal.config.loader import ConfigError, require
 from tidal.config.schema import section, setting
 
 
@@ -36,6 +36,9 @@ class EnvConfig:
     id: str = setting("CartPole-v1", "the env id the adapter makes (gymnasium: a registered id or module.path:EnvId)")
     kwargs: dict[str, Any] = setting(factory=dict, help="passed to the env itself (gymnasium.make)")
     adapter_kwargs: dict[str, Any] = setting(factory=dict, help="passed to the adapter")
+    obs_mode: str = setting(
+        "state", "state | pixels | state+pixels (pixels: adapters that render, e.g. metaworld)")
+    image_size: int = setting(64, "side of the square rendered images (obs_mode with pixels)")
     total_num_envs: int = setting(8, "training envs over all env ranks")
     pipeline_stage_num: int = setting(1, "pipeline stages: stage i+1 simulates while stage i is inferred")
     num_action_chunks: int = setting(1, "actions per chunk step (the policy predicts a chunk at once)")
@@ -68,6 +71,22 @@ class ModelConfig:
     obs_norm: bool = setting(False, "normalise observations with running statistics")
     init_log_std: float = setting(0.0, "initial log std of Gaussian policies")
     squash: bool = setting(False, "tanh-squash Gaussian actions into the action bounds")
+    kwargs: dict[str, Any] = setting(
+        factory=dict, help="policy-specific constructor args (vla: hidden_size, num_layers, ...)")
+    path: str | None = setting(
+        None, "a saved policy folder: train starts from it; tidal sft writes it")
+
+
+@dataclass
+class SFTConfig:
+    """Behaviour cloning on scripted demonstrations (``tidal sft``; metaworld envs)."""
+
+    demos: int = setting(10, "demonstrations per task")
+    steps: int = setting(500, "optimizer steps of behaviour cloning")
+    batch_size: int = setting(64, "demonstration steps per optimizer step")
+    lr: float = setting(1e-3, "learning rate of behaviour cloning")
+    action_noise: float = setting(0.1, "std of Gaussian noise on the expert's executed actions")
+    log_interval: int = setting(50, "log the loss every this many steps")
 
 
 @dataclass
@@ -120,6 +139,7 @@ class EmbodiedConfig:
     algorithm: EmbodiedAlgorithmConfig = section(EmbodiedAlgorithmConfig)
     actor: EmbodiedActorConfig = section(EmbodiedActorConfig)
     reward: RewardConfig = section(RewardConfig)
+    sft: SFTConfig = section(SFTConfig)
 
     MOVED_KEYS: ClassVar[dict[str, str]] = {
         "actor.seed": "runner.seed",
@@ -192,4 +212,87 @@ def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
     if cfg.cluster.backend == "local":
         require(worlds["actor"] == 1, "cluster.placement",
                  "a data-parallel actor (more than one rank) needs cluster.backend=ray")
+    validate_observations(env)
+    validate_model(cfg.model)
     return worlds
+
+
+OBS_MODES = ("state", "pixels", "state+pixels")
+
+
+def env_make_kwargs(env: EnvConfig) -> dict[str, Any]:
+    """What ``make_env`` takes for this section (besides adapter and num_envs). The
+    observation mode goes to the adapter only when it is not plain state, every adapter's own."""
+    kwargs = dict(env.adapter_kwargs)
+    if env.obs_mode != "state":
+        kwargs.update(obs_mode=env.obs_mode, image_size=env.image_size)
+    return {"env_id": env.id, "vectorization_mode": env.vectorization_mode,
+            "max_episode_steps": env.max_episode_steps, "env_kwargs": dict(env.kwargs), **kwargs}
+
+
+def validate_observations(env: EnvConfig) -> None:
+    import inspect
+
+    from tidal.envs import get_env_adapter
+
+    one_of(env.obs_mode, OBS_MODES, "env.obs_mode")
+    require(env.image_size >= 8, "env.image_size", f"must be >= 8, got {env.image_size}")
+    for key in ("obs_mode", "image_size"):
+        require(key not in env.adapter_kwargs, f"env.adapter_kwargs.{key}", f"set env.{key} instead")
+    if env.obs_mode != "state":
+        takes = inspect.signature(get_env_adapter(env.adapter)).parameters
+        require("obs_mode" in takes, "env.obs_mode",
+                f"the {env.adapter} adapter renders no pixels; use state (or e.g. adapter metaworld)")
+
+
+def validate_model(model: ModelConfig) -> None:
+    """``model.kwargs`` the policy takes; shared fields it does not take left at their defaults."""
+    from tidal.models.policy import policy_arguments
+
+    takes, defaults = policy_arguments(model.name), ModelConfig()
+    for key in model.kwargs:
+        require(key not in SHARED_MODEL_FIELDS, f"model.kwargs.{key}", f"set model.{key} instead")
+        require(key in takes, f"model.kwargs.{key}",
+                f"policy {model.name!r} takes no such argument; it takes {', '.join(sorted(takes))}")
+    for key in SHARED_MODEL_FIELDS:
+        require(key in takes or getattr(model, key) == getattr(defaults, key), f"model.{key}",
+                f"policy {model.name!r} does not use it; leave it at its default")
+
+
+def validate_saved_policy(model: ModelConfig, num_action_chunks: int) -> None:
+    """``model.path`` (when set) a saved folder of the same policy with the same chunk size;
+    checked when a run starts from it (``tidal sft`` writes it, so a config may name it first)."""
+    if model.path is not None:
+        saved = saved_policy_config(model.path)
+        require(saved["name"] == model.name, "model.name",
+                f"{model.path!r} holds a {saved['name']!r} policy, not {model.name!r}")
+        require(saved["num_action_chunks"] == num_action_chunks, "env.num_action_chunks",
+                f"{model.path!r} predicts chunks of {saved['num_action_chunks']}, not {num_action_chunks}")
+
+
+SHARED_MODEL_FIELDS = ("hidden_sizes", "activation", "critic", "obs_norm", "init_log_std", "squash")
+
+
+def saved_policy_config(path: str) -> dict:
+    """The ``config.json`` of a saved policy folder, or a config error naming ``model.path``."""
+    import json
+    from pathlib import Path
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
+        raise ConfigError(f"model.path: {path!r} is not a saved policy folder (config.json and "
+                          "model.safetensors); `tidal sft CONFIG` writes one")
+    return json.loads((folder / "config.json").read_text())
+
+
+def validate_sft(cfg: EmbodiedConfig) -> None:
+    """``tidal sft`` on an embodied config: an env with scripted experts and a place to save."""
+    validate_embodied(cfg)
+    s = cfg.sft
+    require(cfg.env.adapter == "metaworld", "env.adapter",
+            f"tidal sft collects demonstrations from MetaWorld's scripted experts, not {cfg.env.adapter!r}")
+    require(cfg.model.path is not None, "model.path", "tidal sft saves the policy there; set it")
+    for key in ("demos", "steps", "batch_size", "log_interval"):
+        require(getattr(s, key) >= 1, f"sft.{key}", f"must be >= 1, got {getattr(s, key)}")
+    require(s.lr > 0, "sft.lr", f"must be > 0, got {s.lr}")
+    require(s.action_noise >= 0, "sft.action_noise", f"must be >= 0, got {s.action_noise}")

@@ -31,29 +31,31 @@ def bc_loss(policy: EmbodiedPolicy, batch: dict[str, torch.Tensor],
     return loss, metrics
 
 
-def train_bc(policy: EmbodiedPolicy, demos: Demonstrations, steps: int, batch_size: int = 256,
-             lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, num_action_chunks: int = 1,
-             log_every: int = 50) -> list[dict[str, float]]:
-    """``steps`` Adam steps on random minibatches; the observation normaliser (if any) is fitted
-    to the demonstrations first. Returns the logged metrics."""
+def train_bc(policy: EmbodiedPolicy, demos: Demonstrations, engine, steps: int, batch_size: int = 256,
+             seed: int = 0, num_action_chunks: int = 1, log_every: int = 50) -> list[dict[str, float]]:
+    """``steps`` optimizer steps on random minibatches through ``engine`` (a
+    ``tidal.engine.TrainEngine`` over ``policy``: the one optimizer-step implementation); the
+    observation normaliser (if any) is fitted to the demonstrations first. Returns the logged
+    metrics."""
+    if engine.model is not policy:
+        raise ValueError("train_bc: the engine must train this policy")
     obs = torch.from_numpy(demos.obs)
     actions = torch.from_numpy(demos.action_chunks(num_action_chunks))
     if policy.obs_norm is not None:
         policy.obs_norm.update(obs)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay)
     generator = torch.Generator().manual_seed(seed)
-    policy.train()
     history = []
     for step in range(1, steps + 1):
         rows = torch.randint(len(obs), (min(batch_size, len(obs)),), generator=generator)
-        logging = step % log_every == 0 or step == steps
-        loss, metrics = bc_loss(policy, {"obs": obs[rows], "actions": actions[rows]}, action_error=logging)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        optimizer.step()
+        logging = step == 1 or step % log_every == 0 or step == steps
+
+        def loss_fn(module, batch, logging=logging):
+            return bc_loss(module, batch, action_error=logging)
+
+        metrics = engine.train_batch([{"obs": obs[rows], "actions": actions[rows]}], loss_fn)
+        engine.end_step()
         if logging:
-            history.append({"step": step, **metrics})
+            history.append({"step": step, **{k if "/" in k else f"bc/{k}": v[-1] for k, v in metrics.items()}})
     policy.eval()
     return history
 

@@ -11,7 +11,9 @@ import numpy as np
 
 from tidal.checkpoint import load_extra
 from tidal.config import ConfigError, EmbodiedConfig, validate_embodied
-from tidal.envs import make_env
+from tidal.config.embodied import env_make_kwargs, saved_policy_config, validate_saved_policy
+from tidal.envs import make_env, success_metrics
+from tidal.models.saving import space_from_json
 from tidal.runners.loop import RunLoop, fmt
 from tidal.runtime import Channel, wait_all
 from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker, Topology
@@ -33,6 +35,12 @@ class EmbodiedRunner(RunLoop):
         self.channels: dict[str, Channel] = {}
         self.env_steps, self.rollout_version = 0, None
         super().__init__(cfg)
+
+    @property
+    def initial_evaluation(self) -> bool:
+        """A run that starts from a saved policy evaluates it first (the same episodes as
+        ``tidal sft``'s evaluation): the start RL improves on."""
+        return self.cfg.model.path is not None
 
     # -- what the run loop asks of a runner ------------------------------------------------
 
@@ -100,7 +108,8 @@ class EmbodiedRunner(RunLoop):
         return {"env_steps": self.env_steps, "solved_at_env_steps": self.env_steps if solved else None}
 
     def progress_info(self, m: dict) -> str:
-        return (f"env_steps {m['env_steps']} return {fmt(m.get('rollout/return_mean'))} "
+        success = f"success {fmt(m['rollout/success_rate'])} " if "rollout/success_rate" in m else ""
+        return (f"env_steps {m['env_steps']} return {fmt(m.get('rollout/return_mean'))} {success}"
                 f"eval {fmt(m.get('eval/return_mean'))} loss {m.get('train/policy_loss', 0):.4f} "
                 f"v_loss {m.get('train/value_loss', 0):.4f} kl {m.get('train/approx_kl', 0):.4f} "
                 f"{m['env_steps_per_s']:.0f} steps/s")
@@ -126,7 +135,7 @@ class EmbodiedRunner(RunLoop):
         returns = [r for res in env_results for r in res["returns"]]
         lengths = [n for res in env_results for n in res["lengths"]]
         self.env_steps += sum(res["env_steps"] for res in env_results)
-        return {
+        return {**_success(env_results, "rollout"),
             "rollout/return_mean": float(np.mean(returns)) if returns else None,
             "rollout/episode_length_mean": float(np.mean(lengths)) if lengths else None,
             "rollout/episodes": len(returns),
@@ -141,16 +150,17 @@ class EmbodiedRunner(RunLoop):
         if self.rollout_version != step:
             self.sync_weights()
         c, timeout = self.channels, self.cfg.runner.timeout_s
-        returns, done = [], 0
+        returns, done, outcomes = [], 0, []
         while done < self.eval_horizon:
             steps = min(EVAL_SEGMENT, self.eval_horizon - done)
             results = wait_all([self.env.evaluate(c["rollout"], c["env"], steps, done == 0, timeout),
                                 self.rollout.generate(c["rollout"], c["env"], "eval", steps, timeout)], timeout)[0]
             returns += [r for res in results for r in res["returns"]]
+            outcomes += results
             done += steps
             if all(res["finished"] for res in results):
                 break
-        return {"eval/return_mean": float(np.mean(returns)) if returns else None,
+        return {**_success(outcomes, "eval"), "eval/return_mean": float(np.mean(returns)) if returns else None,
                 "eval/return_std": float(np.std(returns)) if returns else None, "eval/episodes": len(returns)}
 
     def save(self, path: Path, meta: dict) -> str:
@@ -199,18 +209,38 @@ class EmbodiedRunner(RunLoop):
         return steps
 
 
+def _success(results: list[dict], prefix: str) -> dict:
+    """Success rates (overall, per task) of the episodes the env ranks report, if they report success."""
+    successes = [x for res in results for x in res.get("successes", [])]
+    tasks = [x for res in results for x in res.get("tasks", [])]
+    return success_metrics(successes, tasks if len(tasks) == len(successes) else [], prefix)
+
+
 def _probe_env(cfg: EmbodiedConfig):
     """The spaces and time limit of the configured env, from one instance made here: an env
     that cannot be made is a config error before any worker starts."""
     env = cfg.env
     try:
-        probe = make_env(env.adapter, 1, env_id=env.id, vectorization_mode="sync", max_episode_steps=env.max_episode_steps,
-                         env_kwargs=dict(env.kwargs), **dict(env.adapter_kwargs))
+        probe = make_env(env.adapter, 1, **{**env_make_kwargs(env), "vectorization_mode": "sync"})
     except Exception as exc:  # noqa: BLE001 - gymnasium raises many kinds for a bad id or kwarg
         key = "env.kwargs" if isinstance(exc, TypeError) and env.kwargs else "env.id"
         raise ConfigError(f"{key}: cannot make {env.id!r} with kwargs {dict(env.kwargs)}: "
                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
     try:
-        return (probe.observation_space, probe.action_space), probe.max_episode_steps
+        spaces = (probe.observation_space, probe.action_space)
     finally:
         probe.close()
+    if cfg.model.path is not None:
+        validate_saved_policy(cfg.model, env.num_action_chunks)
+        _check_saved_spaces(cfg.model.path, *spaces)
+    return spaces, probe.max_episode_steps
+
+
+def _check_saved_spaces(path: str, observation_space, action_space) -> None:
+    """A saved policy acts in this env only if it was saved for the same spaces."""
+    saved = saved_policy_config(path)
+    for what, key, space in (("observations", "observation_space", observation_space),
+                             ("actions", "action_space", action_space)):
+        if space_from_json(saved[key]) != space:
+            raise ConfigError(f"model.path: {path!r} was saved for {what} {space_from_json(saved[key])}, "
+                              f"this env has {space} (env.id, env.obs_mode, env.image_size, env.adapter_kwargs)")

@@ -10,6 +10,7 @@ import torch
 
 from tidal.algorithms import advantage_spec
 from tidal.config import EmbodiedConfig
+from tidal.config.embodied import env_make_kwargs
 from tidal.data import ChunkActions, EnvOutput, Trajectory
 from tidal.envs import ChunkedEnv, make_env
 from tidal.envs.checks import NonFiniteGuard
@@ -101,8 +102,7 @@ class EnvWorker(Worker):
 
     def _make(self, num_envs: int):
         env = self.cfg.env
-        return make_env(env.adapter, num_envs, env_id=env.id, vectorization_mode=env.vectorization_mode,
-                        max_episode_steps=env.max_episode_steps, env_kwargs=dict(env.kwargs), **dict(env.adapter_kwargs))
+        return make_env(env.adapter, num_envs, **env_make_kwargs(env))
 
     def _seeds(self, stage: int, count: int, group_size: int) -> list[int]:
         """Envs ``g * group_size .. (g + 1) * group_size - 1`` (global numbering) share a seed."""

@@ -9,16 +9,13 @@ import torch
 from tidal.checkpoint import rng_state, set_rng_state
 from tidal.config import EmbodiedConfig
 from tidal.data import ChunkActions, EnvOutput
-from tidal.models import build_policy
+from tidal.models.policy import build_from_config
 from tidal.runtime import Channel, Outbox, Worker, async_recv_batch, async_recv_weights
 from tidal.workers.routes import Topology, action_tag, obs_tag
 
 
 def make_policy(cfg: EmbodiedConfig, observation_space: gym.Space, action_space: gym.Space):
-    m = cfg.model
-    return build_policy(m.name, observation_space, action_space, cfg.env.num_action_chunks,
-                        hidden_sizes=tuple(m.hidden_sizes), activation=m.activation, critic=m.critic,
-                        obs_norm=m.obs_norm, init_log_std=m.init_log_std, squash=m.squash)
+    return build_from_config(cfg.model, observation_space, action_space, cfg.env.num_action_chunks)
 
 
 class RolloutWorker(Worker):
