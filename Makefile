@@ -29,6 +29,7 @@ setup: system-deps $(VENV)/.installed
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
