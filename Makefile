@@ -6,7 +6,17 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint train clean
+.PHONY: setup system-deps test lint train clean
+
+# Offscreen MuJoCo rendering (pixel observations) needs EGL with Mesa's driver, or OSMesa;
+# installed with apt-get only when neither is present (a fresh Debian/Ubuntu machine).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+system-deps:
+	@if ldconfig -p | grep -q -E 'libEGL_mesa\.so|libOSMesa\.so'; then :; \
+	elif command -v apt-get >/dev/null; then \
+		$(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends \
+			libegl1 libegl-mesa0 libgl1-mesa-dri libosmesa6; \
+	else echo "install EGL (Mesa) or OSMesa for offscreen rendering" >&2; fi
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -15,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet -e ".[dev]"
 	touch $@
 
-setup: $(VENV)/.installed
+setup: system-deps $(VENV)/.installed
 
 lint: setup
 	$(VENV)/bin/ruff check .

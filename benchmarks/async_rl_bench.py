@@ -30,7 +30,7 @@ def run(config: str, model: str, steps: int, staleness: int, decoupled: bool, ex
         cfg = load_config(LLMConfig, config, [
             f"model.path={local_model}", f"runner.run_dir={tmp}", "runner.progress=false", f"runner.max_steps={steps}",
             f"runner.eval_interval={steps}", "runner.max_minutes=null", f"rollout.max_staleness={staleness}",
-            f"actor.use_decoupled_loss={str(decoupled).lower()}", *extra])
+            f"algorithm.use_decoupled_loss={str(decoupled).lower()}", *extra])
         runner = ReasoningRunner(cfg)
         try:
             summary = runner.run()
@@ -57,14 +57,14 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--pause-mode", default="in_place", help="the asynchronous run's rollout.pause_mode")
-    parser.add_argument("--async-prox", default="recompute", help="the asynchronous run's actor.prox_logp_method")
+    parser.add_argument("--async-prox", default="recompute", help="the asynchronous run's algorithm.prox_logp_method")
     parser.add_argument("--out", default="benchmarks/results/async_rl_bench.json")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     sync = run(args.config, args.model, args.steps, 0, False, args.overrides)
     print("sync:", json.dumps(sync), flush=True)
     asyn = run(args.config, args.model, args.steps, 4, True, [f"rollout.pause_mode={args.pause_mode}",
-                                                              f"actor.prox_logp_method={args.async_prox}", *args.overrides])
+                                                              f"algorithm.prox_logp_method={args.async_prox}", *args.overrides])
     print("async:", json.dumps(asyn), flush=True)
     result = {"sync": sync, "async": asyn, "tokens_per_s_ratio": asyn["train_tokens_per_s"] / sync["train_tokens_per_s"],
               "accuracy_gap_points": 100 * (asyn["final_accuracy"] - sync["final_accuracy"])}

@@ -278,7 +278,7 @@ def test_raw_is_unbaselined_score():
     torch.testing.assert_close(adv, ret)
 
 
-def ref_reinpp(r, mask, gamma, kl, kl_coef, baseline_group=None):
+def ref_reinpp(r, mask, gamma, baseline_group=None):
     T, B = r.shape
     scores = (r * mask).sum(0)
     if baseline_group:
@@ -288,8 +288,6 @@ def ref_reinpp(r, mask, gamma, kl, kl_coef, baseline_group=None):
         valid = np.nonzero(mask[:, b])[0]
         if len(valid):
             tok[valid[-1], b] = scores[b]
-    if kl is not None:
-        tok = tok - kl_coef * kl * mask
     ret = np.zeros((T, B))
     for b in range(B):
         run = 0.0
@@ -309,10 +307,9 @@ def test_reinforce_plus_plus(baseline):
     lengths = torch.randint(1, L + 1, (B,))
     mask_bl = torch.arange(L)[None, :] < lengths[:, None]
     r_bl[torch.arange(B), lengths - 1] = torch.randn(B, dtype=torch.float64)
-    kl = torch.rand(L, B, dtype=torch.float64)
     name = "reinpp_baseline" if baseline else "reinpp"
-    adv, ret = get_advantage(name)(rewards=r_bl.T, mask=mask_bl.T, gamma=0.99, kl=kl, kl_coef=0.1, group_size=4)
-    ra, rr = ref_reinpp(r_bl.T.numpy(), mask_bl.T.numpy().astype(float), 0.99, kl.numpy(), 0.1, 4 if baseline else None)
+    adv, ret = get_advantage(name)(rewards=r_bl.T, mask=mask_bl.T, gamma=0.99, group_size=4)
+    ra, rr = ref_reinpp(r_bl.T.numpy(), mask_bl.T.numpy().astype(float), 0.99, 4 if baseline else None)
     np.testing.assert_allclose(adv.numpy(), ra, atol=1e-9)
     np.testing.assert_allclose(ret.numpy(), rr, atol=1e-9)
 
@@ -328,3 +325,16 @@ def test_estimators_survive_edge_cases():
         ]:
             adv, ret = fn(rewards=r, mask=m, group_size=2, dones=torch.zeros(r.shape[0] + 1, 4), values=None)
             assert torch.isfinite(adv).all() and torch.isfinite(ret).all(), name
+
+
+def test_estimators_declare_their_needs():
+    """Generic code asks the registry: the critic, groups and bootstrap needs are declared."""
+    from tidal.algorithms import advantage_spec
+
+    assert advantage_spec("gae").needs_critic and advantage_spec("gae").needs_bootstrap
+    assert all(advantage_spec(n).needs_groups for n in ("grpo", "dr_grpo", "rloo", "reinpp_baseline"))
+    assert "gae" not in list_advantages(needs_critic=False)
+    ungrouped = set(list_advantages(needs_groups=False))
+    assert {"gae", "raw", "reinpp"} <= ungrouped and not ungrouped & {"grpo", "rloo", "reinpp_baseline"}
+    with pytest.raises(ValueError, match="algorithm.adv_type: unknown advantage estimator 'ppo'"):
+        advantage_spec("ppo")

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import math
 import threading
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from transformers import AutoTokenizer
 
 from tidal.config import ConfigError, load_config
 from tidal.config.llm import LLMConfig, validate_llm
+from tidal.data import LMBatch, TokenSequence
 from tidal.rollout.dispatcher import EpisodeError, RolloutDispatcher
 from tidal.rollout.staleness import StalenessManager
 from tidal.rollout.tasks import (
@@ -19,7 +21,6 @@ from tidal.rollout.tasks import (
     exact_match_reward,
     reverse_problems,
 )
-from tidal.rollout.workflows import Sequence, merge_episodes, pad_episode
 from tidal.workers.lm_actor import length_grouped_micro_batches, pack_by_tokens, token_logprobs
 
 # ----------------------------------------------------------------------------- staleness
@@ -149,18 +150,19 @@ def test_paused_dispatcher_submits_nothing():
 
 
 def test_padded_episodes_and_merging():
-    s1, s2 = Sequence(), Sequence()
+    s1, s2 = TokenSequence(), TokenSequence()
     s1.add_context([1, 2])
     s2.add_context([1, 2, 3])
     from tidal.inference import ModelResponse
+    from tidal.rollout.workflows import add_response
 
-    s1.add_response(ModelResponse(output_tokens=[7, 8], output_logprobs=[-0.1, -0.2], output_versions=[3, 4]))
-    ep = pad_episode([s1, s2], [1.0, 0.0])
-    assert ep["input_ids"].tolist() == [[1, 2, 7, 8], [1, 2, 3, 0]]
-    assert ep["versions"].tolist() == [[-1, -1, 3, 4], [-1, -1, -1, -1]]
-    assert ep["loss_mask"].tolist() == [[False, False, True, True], [False] * 4]
-    merged = merge_episodes([ep, pad_episode([s2], [0.5])])
-    assert merged["input_ids"].shape == (3, 4) and merged["rewards"].tolist() == [1.0, 0.0, 0.5]
+    add_response(s1, ModelResponse(output_tokens=[7, 8], output_logprobs=[-0.1, -0.2], output_versions=[3, 4]))
+    ep = LMBatch.from_sequences([s1, s2], [1.0, 0.0])
+    assert ep.input_ids.tolist() == [[1, 2, 7, 8], [1, 2, 3, 0]]
+    assert ep.versions.tolist() == [[-1, -1, 3, 4], [-1, -1, -1, -1]]
+    assert ep.loss_mask.tolist() == [[False, False, True, True], [False] * 4]
+    merged = LMBatch.concat([ep, LMBatch.from_sequences([s2], [0.5])])
+    assert merged.input_ids.shape == (3, 4) and merged.rewards.tolist() == [1.0, 0.0, 0.5]
 
 
 def test_tasks_and_rewards():
@@ -206,10 +208,10 @@ def test_length_grouped_micro_batches_cover_every_row_once_without_padding_beyon
 
 
 def test_llm_config_rules():
-    with pytest.raises(ConfigError, match="actor.adv_type: expected a critic-free estimator"):
-        validate_llm(load_config(LLMConfig, None, ["actor.adv_type=gae"]))
-    with pytest.raises(ConfigError, match="actor.prox_logp_method"):
-        validate_llm(load_config(LLMConfig, None, ["actor.prox_logp_method=guess"]))
+    with pytest.raises(ConfigError, match="algorithm.adv_type: expected one of .*got .gae."):
+        validate_llm(load_config(LLMConfig, None, ["algorithm.adv_type=gae"]))
+    with pytest.raises(ConfigError, match="algorithm.prox_logp_method"):
+        validate_llm(load_config(LLMConfig, None, ["algorithm.prox_logp_method=guess"]))
     with pytest.raises(ConfigError, match="rollout.workflow: task 'arithmetic' runs the 'rlvr' workflow"):
         validate_llm(load_config(LLMConfig, None, ["rollout.workflow=multi_turn"]))
     with pytest.raises(ConfigError, match="data.task: expected one of arithmetic, guess_number, reverse"):
@@ -231,7 +233,8 @@ def arith_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("m") / "arith"
     cfg = load_config(LLMConfig, None, [f"model.path={path}", "model.hidden=32", "model.layers=1", "sft.steps=20", "sft.eval_size=16"])
     summary = run_sft(cfg)
-    assert 0.0 <= summary["held_out_accuracy"] <= 1.0
+    # 20 steps must already beat guessing uniformly over the vocabulary
+    assert summary["final_loss"] < math.log(len(AutoTokenizer.from_pretrained(path))), summary
     return path
 
 
@@ -243,7 +246,7 @@ def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
     overrides = [f"model.path={arith_model}", f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.max_steps=3",
                  "runner.eval_interval=3", "data.eval_size=8", "rollout.batch_size=4", "rollout.group_size=2",
                  "rollout.max_concurrent_rollouts=8", "runner.experiment=e"]
-    extra = ["actor.loss_agg=seq-mean-token-mean"] if preset == "stable" else []
+    extra = ["algorithm.loss_agg=seq-mean-token-mean"] if preset == "stable" else []
     cfg = load_config(LLMConfig, presets / f"{preset}.yaml", overrides + extra)
     runner = ReasoningRunner(cfg)
     try:
@@ -268,6 +271,19 @@ def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
     assert torch.isfinite(torch.tensor([r["train/policy_loss"] for r in steps])).all()
 
 
+def test_the_same_experiment_twice_makes_two_run_folders(arith_model, tmp_path):
+    from tidal.runners.reasoning import ReasoningRunner
+
+    overrides = [f"model.path={arith_model}", f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.max_steps=1",
+                 "runner.eval_interval=0", "rollout.batch_size=2", "rollout.group_size=2", "runner.experiment=twice"]
+    folders = []
+    for _ in range(2):
+        with ReasoningRunner(load_config(LLMConfig, None, overrides)) as runner:
+            folders.append(Path(runner.run()["run_dir"]))
+    assert [f.name for f in folders] == ["twice", "twice-2"]
+    assert all(len((f / "metrics.jsonl").read_text().splitlines()) == 1 for f in folders)
+
+
 @pytest.mark.ray
 def test_ray_servers_and_a_data_parallel_trainer_run_the_loop_and_resume(arith_model, tmp_path):
     """The whole loop on Ray: a server process and two DDP trainer ranks (rank 0 sends the
@@ -276,7 +292,7 @@ def test_ray_servers_and_a_data_parallel_trainer_run_the_loop_and_resume(arith_m
 
     overrides = [f"model.path={arith_model}", f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.max_steps=2",
                  "runner.eval_interval=2", "data.eval_size=8", "rollout.batch_size=4", "rollout.group_size=2",
-                 "rollout.max_staleness=1", "actor.use_decoupled_loss=true", "rollout.pause_mode=in_place",
+                 "rollout.max_staleness=1", "algorithm.use_decoupled_loss=true", "rollout.pause_mode=in_place",
                  "cluster.backend=ray", "cluster.devices_per_node=3", "cluster.placement={rollout: '0', actor: '1-2'}"]
     summaries = []
     for extra in ([], ["runner.max_steps=3"]):
@@ -309,14 +325,14 @@ def test_multi_turn_workflow_appends_feedback_with_loss_mask_zero():
 
     wf = MultiTurnWorkflow(FakeClient(), tok, lambda d: GuessNumberEnv(d["target"]), None, max_turns=5, turn_discount=0.5)
     ep = asyncio.run(wf({"prompt": "guess?", "target": 42}))
-    text = tok.decode(ep["input_ids"][0].tolist(), skip_special_tokens=True)
+    text = tok.decode(ep.input_ids[0].tolist(), skip_special_tokens=True)
     assert text == "guess?10 >60 <42"
-    assert ep["rewards"].tolist() == [0.25]  # success on the third turn: 1 * 0.5^2
-    mask = ep["loss_mask"][0].tolist()
-    generated = [t for t, m in zip(ep["input_ids"][0].tolist(), mask) if m]
+    assert ep.rewards.tolist() == [0.25]  # success on the third turn: 1 * 0.5^2
+    mask = ep.loss_mask[0].tolist()
+    generated = [t for t, m in zip(ep.input_ids[0].tolist(), mask) if m]
     assert tok.decode(generated) == "106042"
-    assert set(ep["versions"][0][ep["loss_mask"][0]].tolist()) == {7}
-    assert set(ep["versions"][0][~ep["loss_mask"][0]].tolist()) == {-1}
+    assert set(ep.versions[0][ep.loss_mask[0]].tolist()) == {7}
+    assert set(ep.versions[0][~ep.loss_mask[0]].tolist()) == {-1}
 
 
 def test_sft_demonstrations_match_the_multi_turn_episode_layout():
@@ -345,8 +361,8 @@ def test_sft_demonstrations_match_the_multi_turn_episode_layout():
     wf = MultiTurnWorkflow(Replay(), tok, lambda d: GuessNumberEnv(d["target"]), None, max_turns=6)
     ep = asyncio.run(wf(record))
     ids, learned = encode(tok, segments)
-    assert ep["input_ids"][0].tolist()[:len(ids)] == ids
-    assert ep["loss_mask"][0].tolist()[:len(ids)] == learned
+    assert ep.input_ids[0].tolist()[:len(ids)] == ids
+    assert ep.loss_mask[0].tolist()[:len(ids)] == learned
     # every guess is consistent with the feedback before it
     lo, hi = 0, 99
     for text, is_guess in segments[1:]:
@@ -357,15 +373,15 @@ def test_sft_demonstrations_match_the_multi_turn_episode_layout():
             lo, hi = (last + 1, hi) if text == " >" else (lo, last - 1)
 
 
-def _synthetic_batch(rows: int, width: int, vocab: int, seed: int = 0) -> dict:
+def _synthetic_batch(rows: int, width: int, vocab: int, seed: int = 0) -> LMBatch:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(4, width + 1, (rows,), generator=g)
     attention = torch.arange(width)[None, :] < lengths[:, None]
     loss_mask = attention & (torch.arange(width)[None, :] >= 3)
-    return {"input_ids": torch.randint(3, vocab, (rows, width), generator=g) * attention,
-            "attention_mask": attention, "loss_mask": loss_mask,
-            "logprobs": torch.where(loss_mask, -torch.rand(rows, width, generator=g) - 0.5, 0.0),
-            "versions": torch.where(loss_mask, 0, -1), "rewards": torch.randint(0, 2, (rows,), generator=g).float()}
+    return LMBatch(input_ids=torch.randint(3, vocab, (rows, width), generator=g) * attention,
+                   attention_mask=attention, loss_mask=loss_mask,
+                   logprobs=torch.where(loss_mask, -torch.rand(rows, width, generator=g) - 0.5, 0.0),
+                   versions=torch.where(loss_mask, 0, -1), rewards=torch.randint(0, 2, (rows,), generator=g).float())
 
 
 @pytest.mark.ray
@@ -381,12 +397,12 @@ def test_data_parallel_trainer_takes_the_same_step_as_one_rank(arith_model):
     try:
         # and KL to a reference model shaping the reward, with groups that straddle the ranks
         cases = {"token-mean": [], "seq-mean-token-mean": [],
-                 "kl-in-reward": ["actor.kl_coef=0.5", "actor.kl_in=reward", "rollout.group_size=8", "rollout.batch_size=2"]}
+                 "kl-in-reward": ["algorithm.kl_coef=0.5", "algorithm.kl_in=reward", "rollout.group_size=8", "rollout.batch_size=2"]}
         for agg, extra in cases.items():
             loss_agg = "token-mean" if agg == "kl-in-reward" else agg
             cfg = load_config(LLMConfig, None, [f"model.path={arith_model}", "rollout.group_size=4", "rollout.batch_size=4",
                                                 "actor.ppo_minibatches=2", "actor.max_tokens_per_mb=40",
-                                                f"actor.loss_agg={loss_agg}", "actor.use_decoupled_loss=true", "actor.lr=1e-3",
+                                                f"algorithm.loss_agg={loss_agg}", "algorithm.use_decoupled_loss=true", "actor.lr=1e-3",
                                                 *extra])
             one = LMActor.create_group(cfg).launch(cluster, "0", name=f"one-{agg}")
             two = LMActor.create_group(cfg).launch(cluster, "1-2", name=f"two-{agg}")

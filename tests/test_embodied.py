@@ -1,12 +1,16 @@
 """The embodied pipeline end to end: learning, pipelining, chunks, reward worker, resume, Ray."""
 
 import json
+import shutil
 from pathlib import Path
 
+import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 
 from tidal.config import EmbodiedConfig, load_config
+from tidal.envs import GymnasiumVectorEnv, register_env
 from tidal.runners import EmbodiedRunner
 from tidal.runtime import WorkerError
 from tidal.workers.env_worker import _StageRecorder
@@ -32,7 +36,7 @@ def read_metrics(run_dir):
 
 def test_cartpole_ppo_solves_within_100k_steps(tmp_path):
     summary = run(EXAMPLES / "cartpole_ppo.yaml", tmp_path)
-    assert summary["best_eval_return"] >= 475, summary
+    assert summary["best_value"] >= 475, summary
     assert summary["solved_at_env_steps"] <= 100_000
     rows = read_metrics(summary["run_dir"])
     assert REQUIRED_KEYS <= set(rows[0])
@@ -46,7 +50,7 @@ def test_cartpole_ppo_solves_within_100k_steps(tmp_path):
 TINY = [
     "env.total_num_envs=4", "env.pipeline_stage_num=2", "env.num_action_chunks=3", "env.eval_num_envs=2",
     "rollout.num_steps=8", "actor.global_batch_size=16", "actor.micro_batch_size=8", "runner.max_steps=2",
-    "runner.eval_interval=1", "runner.save_interval=1", "runner.target_eval_return=null",
+    "runner.eval_interval=1", "runner.save_interval=1", "runner.target_value=null",
 ]
 
 
@@ -101,7 +105,7 @@ def test_truncated_episode_is_bootstrapped_not_terminal():
 def test_ray_backend_disaggregated_with_data_parallel_actor(tmp_path):
     summary = run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, "cluster.backend=ray", "cluster.devices_per_node=4",
                   "cluster.placement={env: '0', rollout: '1', actor: '2-3'}", "runner.max_steps=3", "runner.eval_interval=3",
-                  "runner.target_eval_return=null", "env.total_num_envs=8", "rollout.num_steps=32",
+                  "runner.target_value=null", "env.total_num_envs=8", "rollout.num_steps=32",
                   "actor.global_batch_size=128", "actor.micro_batch_size=32")
     rows = read_metrics(summary["run_dir"])
     assert len(rows) == 3 and rows[-1]["eval/return_mean"] is not None
@@ -123,3 +127,218 @@ def test_prefetched_bootstrap_changes_nothing_but_the_overlap(tmp_path, auto_res
     assert [[r.get(k) for k in keys] for r in runs[0]] == [[r.get(k) for k in keys] for r in runs[1]]
     assert [r["rollout/bootstrap_prefetched"] for r in runs[1]] == [0.0, 1.0, 1.0]  # it did start epochs early
     assert [r["rollout/bootstrap_prefetched"] for r in runs[0]] == [0.0, 0.0, 0.0]
+
+
+def test_the_same_experiment_twice_makes_two_run_folders(tmp_path):
+    summaries = [run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *TINY, "runner.max_steps=1", "runner.experiment=twice")
+                 for _ in range(2)]
+    assert [Path(s["run_dir"]).name for s in summaries] == ["twice", "twice-2"]
+    assert all(len(read_metrics(s["run_dir"])) == 1 for s in summaries)
+
+
+@pytest.mark.ray
+def test_ray_run_restarts_after_a_killed_actor_and_resumes(tmp_path):
+    """A Ray actor killed in the middle of a run (after its first checkpoint): the run restarts
+    its groups, resumes from the newest checkpoint and finishes, each step logged once."""
+    import threading
+    import time
+
+    import ray
+
+    from tidal.runners.loop import run_with_restarts
+
+    cfg = load_config(EmbodiedConfig, EXAMPLES / "cartpole_ppo.yaml", [
+        f"runner.run_dir={tmp_path}", "runner.progress=false", *TINY, "runner.max_steps=6", "runner.eval_interval=0",
+        "runner.max_restarts=1", "runner.timeout_s=20", "cluster.backend=ray", "cluster.devices_per_node=2",
+        "cluster.placement={env: '0', 'rollout,actor': '1'}", "env.pipeline_stage_num=1"])
+    runners = []
+
+    def kill_env_after_first_checkpoint():
+        deadline = time.time() + 120
+        while time.time() < deadline and not (runners and list(runners[0].run_dir.glob("checkpoints/step_000002"))):
+            time.sleep(0.05)
+        ray.kill(runners[0].env._ranks[0].actor, no_restart=True)
+
+    killer = threading.Thread(target=kill_env_after_first_checkpoint, daemon=True)
+    killer.start()
+    summary = run_with_restarts(lambda c: runners.append(EmbodiedRunner(c)) or runners[-1], cfg)
+    killer.join(5)
+    assert summary["restarts"] == 1 and summary["steps"] == 6
+    assert len(runners) == 2 and runners[1].start_step >= 2
+    assert [r["step"] for r in read_metrics(summary["run_dir"])] == list(range(6))
+
+
+# -- exact resume ------------------------------------------------------------------------
+
+
+def _without_timings(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("time/") and k != "env_steps_per_s"}
+
+
+def assert_resume_is_exact(tmp_path, config, overrides, resume_at: int, max_steps: int):
+    """Run ``max_steps`` straight (saving at ``resume_at``); resume a copy of that checkpoint in
+    a new folder and run to ``max_steps`` again: every row after it and the final weights match
+    bitwise (only timings differ)."""
+    from safetensors.torch import load_file
+
+    overrides = [*overrides, f"runner.max_steps={max_steps}", f"runner.save_interval={resume_at}",
+                 "runner.keep_checkpoints=0"]
+    straight = Path(run(config, tmp_path, *overrides, "runner.experiment=straight")["run_dir"])
+    checkpoint = tmp_path / "resumed" / "checkpoints" / f"step_{resume_at:06d}"
+    shutil.copytree(straight / "checkpoints" / checkpoint.name, checkpoint)
+    resumed = Path(run(config, tmp_path, *overrides, f"runner.resume_from={checkpoint}")["run_dir"])
+    assert resumed == tmp_path / "resumed"
+    expected = [_without_timings(r) for r in read_metrics(straight) if r["step"] >= resume_at]
+    assert [_without_timings(r) for r in read_metrics(resumed)] == expected
+    final = f"checkpoints/step_{max_steps:06d}/model.safetensors"
+    weights, resumed_weights = load_file(straight / final), load_file(resumed / final)
+    assert weights.keys() == resumed_weights.keys()
+    assert all(torch.equal(weights[k], resumed_weights[k]) for k in weights)
+
+
+def test_resume_continues_exactly_as_the_uninterrupted_cartpole_run(tmp_path):
+    """Envs mid-episode (chunks, two pipeline stages), running returns, the epoch (evaluation
+    seeds) and the rollout's sampling RNG all come back; the prefetched epoch start is redone."""
+    assert_resume_is_exact(tmp_path, EXAMPLES / "cartpole_ppo.yaml",
+                           [*TINY, "runner.overlap_env_bootstrap=true"], resume_at=2, max_steps=4)
+
+
+def test_resume_with_async_vector_envs_is_exact(tmp_path):
+    """The copies of an async vector env live in subprocesses: their state travels too."""
+    assert_resume_is_exact(tmp_path, EXAMPLES / "cartpole_ppo.yaml",
+                           [*TINY, "env.vectorization_mode=async", "env.pipeline_stage_num=1",
+                            "env.total_num_envs=2"], resume_at=1, max_steps=2)
+
+
+MUJOCO_TINY = [
+    "env.id=HalfCheetah-v5", "env.total_num_envs=2", "env.eval_num_envs=2",
+    "env.max_episode_steps=12", "rollout.num_steps=8", "actor.global_batch_size=8",
+    "actor.micro_batch_size=8", "algorithm.update_epochs=1", "runner.eval_interval=1",
+    "runner.target_value=null", "runner.max_env_steps=null",
+]
+
+
+def test_resume_continues_exactly_as_the_uninterrupted_mujoco_run(tmp_path):
+    """MuJoCo: the simulator's state, warm start and time limit counters come back."""
+    assert_resume_is_exact(tmp_path, EXAMPLES / "halfcheetah_ppo.yaml", MUJOCO_TINY,
+                           resume_at=1, max_steps=3)
+
+
+@pytest.mark.ray
+def test_resume_on_ray_continues_exactly_as_the_uninterrupted_run(tmp_path):
+    """On ray the rollout samples in its own process: its RNG travels in the checkpoint."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False)  # one session for both runs (they reuse it)
+    try:
+        ray_overrides = ["cluster.backend=ray", "cluster.devices_per_node=2", "runner.timeout_s=60",
+                         "cluster.placement={env: '0', 'rollout,actor': '1'}"]
+        assert_resume_is_exact(tmp_path, EXAMPLES / "cartpole_ppo.yaml",
+                               [*TINY, "env.pipeline_stage_num=1", *ray_overrides],
+                               resume_at=1, max_steps=3)
+    finally:
+        ray.shutdown()
+
+
+# -- non-finite values from envs and reward models ---------------------------------------
+
+
+class _NonFiniteCartPole(gym.Wrapper):
+    """CartPole; the copy reset with seed ``bad_seed`` returns NaN (``what``: obs or reward) on
+    its steps ``first`` .. ``last`` (counted from 1 over its whole life)."""
+
+    def __init__(self, env, bad_seed: int, what: str, first: int, last: int):
+        super().__init__(env)
+        self.bad_seed, self.what, self.first, self.last = bad_seed, what, first, last
+        self.bad, self.steps = False, 0
+
+    def reset(self, *, seed=None, options=None):
+        if seed is not None:
+            self.bad = seed == self.bad_seed
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        obs, reward, term, trunc, info = super().step(action)
+        self.steps += 1
+        if self.bad and self.first <= self.steps <= self.last:
+            if self.what == "obs":
+                obs = np.full_like(obs, np.nan)
+            else:
+                reward = float("nan")
+        return obs, reward, term, trunc, info
+
+
+def _make_nonfinite_cartpole(bad_seed=-1, what="reward", first=1, last=10**9, **kwargs):
+    return _NonFiniteCartPole(gym.make("CartPole-v1", **kwargs), bad_seed, what, first, last)
+
+
+gym.register("TidalTestNonFinite-v0", entry_point=_make_nonfinite_cartpole)
+
+
+@register_reward_model("test_inf_for_env_3_once")
+def _inf_for_env_3_once():
+    calls = []
+
+    def model(out):
+        calls.append(1)
+        rewards = out.rewards.clone()
+        if len(calls) == 6:
+            rewards[3] = float("inf")
+        return rewards
+
+    return model
+
+
+NONFINITE = [*TINY, "env.pipeline_stage_num=1", "env.num_action_chunks=1", "runner.seed=0",
+             "runner.eval_interval=0", "env.id=TidalTestNonFinite-v0"]
+
+
+def test_nonfinite_values_are_named_and_masked_and_training_goes_on(tmp_path, caplog):
+    """env 1's observation turns NaN on its 3rd step (one run), env 2's reward on its 5th (another),
+    the reward model answers inf for env 3 on its 6th call (both): each is named, that env's
+    samples up to there are masked, and every optimizer step is taken."""
+    overrides = [*NONFINITE, "reward.enabled=true", "reward.name=test_inf_for_env_3_once",
+                 "reward.mode=add"]
+    for bad_seed, what, step in ((1, "obs", 3), (2, "reward", 5)):
+        kwargs = f"env.kwargs={{bad_seed: {bad_seed}, what: {what}, first: {step}, last: {step}}}"
+        summary = run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *overrides, kwargs,
+                      f"runner.experiment={what}")
+        rows = read_metrics(summary["run_dir"])
+        assert [r["train/skipped_steps"] for r in rows] == [0, 0]
+        assert [r["rollout/nonfinite_env_steps"] for r in rows] == [2, 0]
+        # env bad_seed masked up to its bad step (chunk step step - 1), env 3 up to chunk step 5
+        assert rows[0]["rollout/valid_fraction"] == 1 - (step + 6) / (4 * 8)
+        keys = ("train/policy_loss", "train/value_loss", "train/grad_norm")
+        assert np.isfinite([[r[k] for k in keys] for r in rows]).all()
+    messages = [r.getMessage() for r in caplog.records if r.name == "tidal.envs"]
+    at = "at training step 1, chunk step"
+    for expected, count in ((f"env rank 0, env 1: non-finite observation from the env {at} 2", 1),
+                            (f"env rank 0, env 2: non-finite reward from the env {at} 4", 1),
+                            (f"env rank 0, env 3: non-finite reward from the reward model {at} 5",
+                             2)):
+        assert sum(m.startswith(expected) for m in messages) == count, (expected, messages)
+    assert len(messages) == 4
+
+
+def test_an_env_that_keeps_returning_nan_ends_the_run_named(tmp_path):
+    named = (r"NonFiniteEnvError: env rank 0, env 2: non-finite observations or rewards 3 chunk "
+             r"steps in a row \(up to training step 1, chunk step 3;")
+    with pytest.raises(WorkerError, match=named):
+        run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *NONFINITE, "env.max_nonfinite_steps=3",
+            "env.kwargs={bad_seed: 2, what: obs, first: 2}")
+
+
+@register_env("test_without_state")
+class _AdapterWithoutState(GymnasiumVectorEnv):
+    state_dict = None  # an adapter that cannot save its envs
+
+
+def test_a_resume_that_cannot_be_exact_says_so(tmp_path, caplog):
+    overrides = [*TINY, "env.adapter=test_without_state", "runner.eval_interval=0",
+                 "runner.max_steps=1"]
+    first = Path(run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *overrides)["run_dir"])
+    run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *overrides, "runner.max_steps=2",
+        f"runner.resume_from={first / 'checkpoints'}")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert ("resume is not exact: env rank 0 (CartPole-v1) has state that is not checkpointed: "
+            "_AdapterWithoutState has no state_dict") in warnings, warnings

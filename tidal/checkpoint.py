@@ -1,9 +1,10 @@
-"""Atomic checkpoints: written to a temporary folder, then renamed into place.
+"""Atomic checkpoints: written to a temporary folder, fsynced, then renamed into place.
 
 A checkpoint folder holds ``model.safetensors`` (weights and buffers, e.g. the observation
 normaliser), ``state.pt`` (optimizer, scheduler and RNG states; loaded with
 ``weights_only=True``, never unrestricted pickle) and ``meta.json`` (step, version, counters).
-A crash while writing leaves the previous checkpoint untouched.
+``latest`` moves only once the new folder is complete; a crash while writing leaves the
+previous checkpoints untouched, and resuming falls back to the newest complete one.
 """
 
 from __future__ import annotations
@@ -41,17 +42,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(ast.literal_eval(state["python"]))
 
 
-def save_checkpoint(path: str | Path, model_state: dict[str, torch.Tensor], state: dict[str, Any], meta: dict[str, Any]) -> Path:
-    """Write a checkpoint folder atomically; returns its path."""
+def save_checkpoint(path: str | Path, model_state: dict[str, torch.Tensor], state: dict[str, Any],
+                    meta: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
+    """Write a checkpoint folder atomically; returns its path. ``extra``: more files
+    ``{name: weights-only-loadable value}`` (e.g. the env and rollout workers' state)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / MODEL_FILE))
+    save_file(_unshared(model_state), str(tmp / MODEL_FILE))
     torch.save(state, tmp / STATE_FILE)
     (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
-    _fsync_dir(tmp)
+    for name, value in (extra or {}).items():
+        torch.save(value, tmp / name)
+    _fsync_files(tmp)
     if path.exists():  # replace an older checkpoint of the same name: move it aside first
         old = path.with_name(f".{path.name}.old-{os.getpid()}")
         os.replace(path, old)
@@ -59,32 +64,100 @@ def save_checkpoint(path: str | Path, model_state: dict[str, torch.Tensor], stat
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, path)
+    _fsync_dir(path.parent)
     _write_latest(path)
     return path
 
 
-def _fsync_dir(folder: Path) -> None:
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors, tied weights (one storage, several names) copied apart: safetensors
+    refuses tensors that share memory, and a strict load wants every name."""
+    seen, out = set(), {}
+    for k, v in state.items():
+        t = v.detach().contiguous().cpu()
+        ptr = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else None
+        out[k] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    return out
+
+
+def _fsync_files(folder: Path) -> None:
     for f in folder.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename or a new entry in ``folder`` survive a power cut."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_latest(path: Path) -> None:
     pointer = path.parent / "latest"
     tmp = path.parent / ".latest.tmp"
-    tmp.write_text(path.name)
+    with open(tmp, "w") as fh:
+        fh.write(path.name)
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, pointer)
+    _fsync_dir(path.parent)
+
+
+def is_complete(path: Path) -> bool:
+    return all((path / f).is_file() for f in (MODEL_FILE, STATE_FILE, META_FILE))
+
+
+def complete_checkpoints(folder: str | Path) -> list[Path]:
+    """The complete ``step_*`` checkpoints in a ``checkpoints/`` folder, oldest first."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted((p for p in folder.glob("step_*") if p.is_dir() and is_complete(p)), key=lambda p: p.name)
+
+
+def clean_stale(folder: str | Path) -> list[Path]:
+    """Remove the temporary folders a killed save left behind; returns what was removed."""
+    stale = [p for p in Path(folder).glob(".step_*") if p.is_dir()] if Path(folder).is_dir() else []
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
+def prune_checkpoints(folder: str | Path, keep: int) -> None:
+    """Keep the ``keep`` newest complete checkpoints (0: all)."""
+    if keep > 0:
+        for old in complete_checkpoints(folder)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder, or a ``checkpoints/`` folder whose ``latest`` names one."""
+    """A checkpoint folder, or a ``checkpoints/`` folder: the one ``latest`` names when it is
+    complete, else the newest complete one (a save killed between its renames)."""
     path = Path(path)
-    if (path / "latest").is_file():
-        path = path / (path / "latest").read_text().strip()
+    if (path / "latest").is_file() or path.name == "checkpoints":
+        pointer = path / "latest"
+        named = path / pointer.read_text().strip() if pointer.is_file() else None
+        if named is not None and is_complete(named):
+            return named
+        candidates = complete_checkpoints(path)
+        if not candidates:
+            raise FileNotFoundError(f"runner.resume_from: {str(path)!r} holds no complete checkpoint")
+        return candidates[-1]
     missing = [f for f in (MODEL_FILE, STATE_FILE, META_FILE) if not (path / f).is_file()]
     if missing:
         raise FileNotFoundError(f"runner.resume_from: {str(path)!r} is not a checkpoint (missing {', '.join(missing)})")
     return path
+
+
+def load_extra(path: str | Path, name: str) -> Any | None:
+    """An ``extra`` file of a checkpoint (weights-only load); None when it has none."""
+    file = resolve_checkpoint(path) / name
+    return torch.load(file, weights_only=True) if file.is_file() else None
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:

@@ -6,57 +6,118 @@ import argparse
 import json
 import sys
 
-import yaml
+HALVES = {"embodied": ("tidal.config.embodied:EmbodiedConfig", "tidal.runners.embodied:EmbodiedRunner"),
+          "llm": ("tidal.config.llm:LLMConfig", "tidal.runners.reasoning:ReasoningRunner")}
 
 
-def _task_of(config_path: str) -> str:
-    with open(config_path) as fh:
-        data = yaml.safe_load(fh) or {}
-    return (data.get("runner") or {}).get("task", "embodied")
+def _load(spec: str):
+    import importlib
+
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _config(args: argparse.Namespace):
+    """The config class of the half ``runner.task`` names (an override wins over the file)."""
+    from tidal.config import ConfigError
+    from tidal.config.loader import override_value, read_yaml
+
+    task = override_value(args.overrides, "runner.task")
+    if task is None:
+        task = (read_yaml(args.config).get("runner") or {}).get("task", "embodied")
+    if task not in HALVES:
+        raise ConfigError(f"runner.task: expected one of {', '.join(HALVES)}, got {task!r}")
+    from tidal.config import load_config
+
+    return task, load_config(_load(HALVES[task][0]), args.config, args.overrides)
+
+
+class _ConfigFailure(Exception):
+    """A config error found while building a runner (e.g. an env id that cannot be made)."""
+
+
+def _fail(kind: str, exc: BaseException) -> int:
+    print(f"tidal: {kind}: {exc}", file=sys.stderr, flush=True)
+    return 2
 
 
 def train(args: argparse.Namespace) -> int:
-    from tidal.config import ConfigError, EmbodiedConfig, load_config
-    from tidal.config.llm import LLMConfig
+    from tidal.config import ConfigError
+    from tidal.runners.loop import Interrupted, run_with_restarts
 
+    _setup_logging()
     try:
-        task = _task_of(args.config)
-        if task == "embodied":
-            from tidal.runners import EmbodiedRunner
-
-            runner = EmbodiedRunner(load_config(EmbodiedConfig, args.config, args.overrides))
-        elif task == "llm":
-            from tidal.runners.reasoning import ReasoningRunner
-
-            runner = ReasoningRunner(load_config(LLMConfig, args.config, args.overrides))
-        else:
-            raise ConfigError(f"runner.task: expected 'embodied' or 'llm', got {task!r}")
+        task, cfg = _config(args)
     except (ConfigError, FileNotFoundError) as exc:
-        print(f"tidal: config error: {exc}", file=sys.stderr)
-        return 2
+        return _fail("config error", exc)
+
+    def make_runner(cfg):
+        from tidal.runtime.errors import ClusterUnreachable
+
+        try:
+            return _load(HALVES[task][1])(cfg)
+        except (ConfigError, FileNotFoundError, ClusterUnreachable) as exc:
+            raise _ConfigFailure(exc) from None
+
     try:
-        summary = runner.run()
-    finally:
-        runner.close()
+        summary = run_with_restarts(make_runner, cfg)
+    except _ConfigFailure as exc:
+        return _fail("config error", exc.args[0])
+    except Interrupted as exc:
+        print(f"tidal: {exc}", file=sys.stderr, flush=True)
+        return 128 + exc.signum
+    summary.pop("evals", None)  # every evaluation is in metrics.jsonl
     print(json.dumps(summary, indent=2))
     return 0
 
 
-def sft(args: argparse.Namespace) -> int:
-    import logging
+def config(args: argparse.Namespace) -> int:
+    """Print the resolved config with each key's help."""
+    from tidal.config import ConfigError, describe
 
+    try:
+        _, cfg = _config(args)
+    except (ConfigError, FileNotFoundError) as exc:
+        return _fail("config error", exc)
+    print(describe(cfg))
+    return 0
+
+
+def sft(args: argparse.Namespace) -> int:
     from tidal.config import ConfigError, load_config
-    from tidal.config.llm import LLMConfig
+    from tidal.config.llm import LLMConfig, validate_sft
     from tidal.runners.sft import run_sft
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    _setup_logging()
     try:
         cfg = load_config(LLMConfig, args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"tidal: config error: {exc}", file=sys.stderr)
-        return 2
+        validate_sft(cfg)
+    except (ConfigError, FileNotFoundError) as exc:
+        return _fail("config error", exc)
     print(json.dumps(run_sft(cfg), indent=2))
     return 0
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    """Evaluate a model folder or checkpoint on the held-out records; print the summary."""
+    from tidal.config import ConfigError, load_config
+    from tidal.config.llm import LLMConfig
+    from tidal.runners.evaluate import run_eval
+
+    _setup_logging()
+    try:
+        cfg = load_config(LLMConfig, args.config, args.overrides)
+        summary = run_eval(cfg, args.checkpoint, args.n)
+    except (ConfigError, FileNotFoundError) as exc:
+        return _fail("config error", exc)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _setup_logging() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -84,10 +145,22 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("config", help="a YAML config, e.g. examples/embodied/cartpole_ppo.yaml")
     p_train.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     p_train.set_defaults(fn=train)
+    p_config = sub.add_parser("config", help="print the resolved config with each key's help")
+    p_config.add_argument("config", help="a YAML config")
+    p_config.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    p_config.set_defaults(fn=config)
     p_sft = sub.add_parser("sft", help="supervised warm start of the LM named by model.path")
     p_sft.add_argument("config")
     p_sft.add_argument("overrides", nargs="*")
     p_sft.set_defaults(fn=sft)
+    p_eval = sub.add_parser("eval", help="score a model or checkpoint on data.eval_path (the config's reward)")
+    p_eval.add_argument("config", help="an LLM config, e.g. examples/llm/gsm8k_grpo.yaml")
+    p_eval.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    p_eval.add_argument("--checkpoint", default=None,
+                        help="a training checkpoint (or checkpoints/ folder) of model.path")
+    p_eval.add_argument("--n", type=int, default=1,
+                        help="sampled completions per record besides the greedy one (pass@k)")
+    p_eval.set_defaults(fn=evaluate)
     p_serve = sub.add_parser("serve", help="serve a Hugging Face causal LM over HTTP (SGLang's API subset)")
     p_serve.add_argument("--model", required=True, help="a local model directory (save_pretrained)")
     p_serve.add_argument("--host", default="127.0.0.1")
@@ -97,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("--allow-weights-from", action="append",
                          help="a directory weight updates may load from (repeatable; default: the model's)")
     p_serve.set_defaults(fn=serve)
+    from tidal.plot import add_plot_parser
+
+    add_plot_parser(sub)
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -4,6 +4,8 @@ No I/O, no workers, no config objects. Layout conventions are in each docstring.
 """
 
 from tidal.algorithms.advantages import (
+    EstimatorSpec,
+    advantage_spec,
     compute_gae,
     episode_scores,
     get_advantage,
@@ -25,6 +27,8 @@ from tidal.algorithms.losses import (
 from tidal.algorithms.prox import loglinear_prox_logp
 
 __all__ = [
+    "EstimatorSpec",
+    "advantage_spec",
     "aggregate_loss",
     "compute_gae",
     "decoupled_ppo_loss",

@@ -13,6 +13,7 @@ or docstring says so.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +21,7 @@ from tidal.algorithms._tensors import as_mask, check_shape, compute_dtype
 from tidal.registry import Registry
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-_ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
+_ADVANTAGES: Registry[EstimatorSpec] = Registry("advantage estimator", "algorithm.adv_type")
 
 
 # ----------------------------------------------------------------------------- primitives
@@ -170,20 +171,52 @@ def episode_scores(rewards: torch.Tensor, dones: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- registry
 
 
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """What an estimator needs, declared at registration so generic code asks instead of
+    testing names: a critic (values), groups of samples (``group_size`` > 1, whole episodes),
+    bootstrap values of truncated episodes, and whether its output is whitened over the batch
+    when ``normalize_advantages`` is on."""
+
+    fn: AdvantageFn
+    needs_critic: bool = False
+    needs_groups: bool = False
+    needs_bootstrap: bool = False
+    whiten: bool = False
+
+
+def register_advantage(
+    name: str,
+    *,
+    needs_critic: bool = False,
+    needs_groups: bool = False,
+    needs_bootstrap: bool = False,
+    whiten: bool = False,
+) -> Callable[[AdvantageFn], AdvantageFn]:
     """Register an estimator under ``name``. It is called with keyword arguments only
-    (``rewards``, ``mask``, ``values``, ``dones``, ``gamma``, ``lam``, ``group_size``, ``kl``,
-    ``kl_coef``, ...; time-major as this module describes), must accept ``**kwargs`` it does
-    not use, and returns ``(advantages, returns)`` shaped like ``rewards``."""
-    return _ADVANTAGES.register(name)
+    (``rewards``, ``mask``, ``values``, ``dones``, ``gamma``, ``lam``, ``group_size``, ...;
+    time-major as this module describes), must accept ``**kwargs`` it does not use, and
+    returns ``(advantages, returns)`` shaped like ``rewards``."""
+
+    def decorator(fn: AdvantageFn) -> AdvantageFn:
+        spec = EstimatorSpec(fn, needs_critic, needs_groups, needs_bootstrap, whiten)
+        _ADVANTAGES.register(name)(spec)
+        return fn
+
+    return decorator
 
 
 def get_advantage(name: str) -> AdvantageFn:
+    return _ADVANTAGES.get(name).fn
+
+
+def advantage_spec(name: str) -> EstimatorSpec:
     return _ADVANTAGES.get(name)
 
 
-def list_advantages() -> list[str]:
-    return _ADVANTAGES.names()
+def list_advantages(**needs: bool) -> list[str]:
+    """Registered names, optionally only those whose spec matches, e.g. ``needs_critic=False``."""
+    return [n for n in _ADVANTAGES.names() if all(getattr(_ADVANTAGES.get(n), k) == v for k, v in needs.items())]
 
 
 def _outcome_scores(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -208,26 +241,19 @@ def _discounted_returns(
 
 
 def _reinforce_pp(
-    scores: torch.Tensor,
-    mask: torch.Tensor,
-    gamma: float,
-    kl: torch.Tensor | None,
-    kl_coef: float,
+    scores: torch.Tensor, mask: torch.Tensor, gamma: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score at the last valid step, minus a per-step KL penalty, discounted returns,
-    whitened over all valid steps of the batch."""
+    """Score at the last valid step, discounted returns, whitened over all valid steps of the
+    batch. (A KL penalty, when wanted, is shaped into the rewards by the caller.)"""
     horizon = mask.shape[0]
     last = horizon - 1 - torch.flip(mask.long(), [0]).argmax(0)
     token_rewards = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
     token_rewards.scatter_(0, last.unsqueeze(0), (scores * mask.any(0)).unsqueeze(0))
-    if kl is not None:
-        check_shape("kl", kl, mask.shape)
-        token_rewards = token_rewards - kl_coef * torch.where(mask, kl.to(scores.dtype), 0.0)
     returns = _discounted_returns(token_rewards, mask, gamma)
     return masked_whiten(returns, mask), returns
 
 
-@register_advantage("gae")
+@register_advantage("gae", needs_critic=True, needs_bootstrap=True, whiten=True)
 def _gae(*, rewards, values=None, dones=None, gamma=1.0, lam=1.0, **_):
     if dones is None:
         dones = torch.zeros((rewards.shape[0] + 1, *rewards.shape[1:]), dtype=torch.bool)
@@ -244,9 +270,9 @@ def _group_estimator(**norm_kwargs) -> AdvantageFn:
     return estimator
 
 
-register_advantage("grpo")(_group_estimator(std=True))
-register_advantage("dr_grpo")(_group_estimator(std=False))
-register_advantage("rloo")(_group_estimator(std=False, leave_one_out=True))
+register_advantage("grpo", needs_groups=True)(_group_estimator(std=True))
+register_advantage("dr_grpo", needs_groups=True)(_group_estimator(std=False))
+register_advantage("rloo", needs_groups=True)(_group_estimator(std=False, leave_one_out=True))
 
 
 @register_advantage("raw")
@@ -258,13 +284,13 @@ def _raw(*, rewards, mask=None, **_):
 
 
 @register_advantage("reinpp")
-def _reinpp(*, rewards, mask=None, gamma=1.0, kl=None, kl_coef=0.0, **_):
+def _reinpp(*, rewards, mask=None, gamma=1.0, **_):
     m = as_mask(mask, rewards)
-    return _reinforce_pp(_outcome_scores(rewards, m), m, gamma, kl, kl_coef)
+    return _reinforce_pp(_outcome_scores(rewards, m), m, gamma)
 
 
-@register_advantage("reinpp_baseline")
-def _reinpp_baseline(*, rewards, mask=None, group_size=1, gamma=1.0, kl=None, kl_coef=0.0, **_):
+@register_advantage("reinpp_baseline", needs_groups=True)
+def _reinpp_baseline(*, rewards, mask=None, group_size=1, gamma=1.0, **_):
     m = as_mask(mask, rewards)
     centred = group_normalize(_outcome_scores(rewards, m), group_size, std=False)
-    return _reinforce_pp(centred, m, gamma, kl, kl_coef)
+    return _reinforce_pp(centred, m, gamma)

@@ -1,182 +1,168 @@
-"""The embodied training config and its validation rules. Every field is visible here."""
+"""The embodied training config and its validation rules. Every field is visible here, with
+its help (``tidal config FILE`` prints it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from tidal.config.loader import ConfigError, require
-
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinpp_baseline")
-
-
-@dataclass
-class ClusterConfig:
-    backend: str = "local"  # local: threads of this process; ray: Ray actors
-    address: str | None = None  # a running Ray cluster to join (ray backend)
-    devices_per_node: int | None = None  # GPUs or CPU slots per node; None: detected
-    # intra-op threads per process: small models run fastest single-threaded (3.6 ms vs 12.7 ms
-    # per PPO micro-step of a 64x64 MLP on a 2-core machine); raise it for large models
-    torch_threads: int = 1
-    # component(s) -> devices, e.g. {"env": "0", "rollout,actor": "1"}; empty: all on device 0
-    placement: dict[str, str] = field(default_factory=dict)
-
-    def resolved_placement(self, components: list[str]) -> dict[str, str]:
-        return dict(self.placement) or {",".join(components): "0"}
+from tidal.config.common import (
+    ActorConfig,
+    AlgorithmConfig,
+    ClusterConfig,
+    RunnerConfig,
+    one_of,
+    validate_common,
+    world_sizes,
+)
+from tidal.config.loader import require
+from tidal.config.schema import section, setting
 
 
 @dataclass
-class RunnerConfig:
-    task: str = "embodied"
-    experiment: str = "run"
-    run_dir: str = "runs"  # the run folder is run_dir/experiment
-    seed: int = 1
-    max_steps: int = 100  # training steps (each: one rollout epoch, then an update)
-    max_env_steps: int | None = None  # stop once this many env steps were collected
-    target_eval_return: float | None = None  # stop once an evaluation reaches this
-    weight_sync_interval: int = 1
-    eval_interval: int = 10  # 0: never
-    save_interval: int = 0  # 0: only at the end
-    resume_from: str | None = None  # a checkpoint folder
-    timeout_s: float = 600.0  # bound on every wait for a phase
-    # while the actor trains, envs start the next epoch (resets, first observations)
-    overlap_env_bootstrap: bool = False
-    progress: bool = True  # live progress on the terminal
+class EmbodiedRunnerConfig(RunnerConfig):
+    """The run loop, plus what only the embodied loop has."""
+
+    max_env_steps: int | None = setting(None, "stop once this many env steps were collected")
+    weight_sync_interval: int = setting(1, "send the actor's weights to the rollout every this many steps")
+    overlap_env_bootstrap: bool = setting(False, "while the actor trains, envs start the next epoch (resets, first observations)")
 
 
 @dataclass
 class EnvConfig:
-    adapter: str = "gymnasium"
-    id: str = "CartPole-v1"
-    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the env itself (gymnasium.make)
-    adapter_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the adapter
-    total_num_envs: int = 8
-    pipeline_stage_num: int = 1
-    num_action_chunks: int = 1
-    auto_reset: bool = True
-    max_episode_steps: int | None = None  # None: the env's own limit
-    vectorization_mode: str = "sync"
-    eval_num_envs: int = 8
-    group_size: int = 1  # envs that reset with the same seed (embodied GRPO groups)
+    """The simulators: adapter, task, vectorisation, action chunks."""
+
+    adapter: str = setting("gymnasium", "env adapter from the registry (tidal.envs)")
+    id: str = setting("CartPole-v1", "the env id the adapter makes (gymnasium: a registered id or module.path:EnvId)")
+    kwargs: dict[str, Any] = setting(factory=dict, help="passed to the env itself (gymnasium.make)")
+    adapter_kwargs: dict[str, Any] = setting(factory=dict, help="passed to the adapter")
+    total_num_envs: int = setting(8, "training envs over all env ranks")
+    pipeline_stage_num: int = setting(1, "pipeline stages: stage i+1 simulates while stage i is inferred")
+    num_action_chunks: int = setting(1, "actions per chunk step (the policy predicts a chunk at once)")
+    auto_reset: bool = setting(True, "reset envs whose episode ended inside an epoch")
+    max_episode_steps: int | None = setting(None, "time limit; None: the env's own")
+    vectorization_mode: str = setting("sync", "sync | async (gymnasium vector envs; sync is faster on few cores)")
+    eval_num_envs: int = setting(8, "evaluation envs over all env ranks")
+    group_size: int = setting(1, "envs that reset with the same seed (embodied GRPO groups)")
+    max_nonfinite_steps: int = setting(
+        16, "abort when an env returns a non-finite observation or reward this many chunk steps in "
+            "a row (fewer: warn, mask its samples, restart it)")
 
 
 @dataclass
 class RolloutConfig:
-    num_steps: int = 128  # chunk steps per env per training step
-    eval_deterministic: bool = True
+    """The policy's inference side."""
+
+    num_steps: int = setting(128, "chunk steps per env per training step")
+    eval_deterministic: bool = setting(True, "evaluate with the mode of the action distribution")
 
 
 @dataclass
 class ModelConfig:
-    name: str = "mlp"
-    hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
-    activation: str = "tanh"
-    critic: bool = True
-    obs_norm: bool = False
-    init_log_std: float = 0.0
-    squash: bool = False
+    """The policy network."""
+
+    name: str = setting("mlp", "policy from the registry (tidal.models)")
+    hidden_sizes: list[int] = setting(factory=lambda: [64, 64], help="hidden layer widths")
+    activation: str = setting("tanh", "tanh | relu | gelu")
+    critic: bool = setting(True, "a value head (needed by estimators that need a critic, e.g. gae)")
+    obs_norm: bool = setting(False, "normalise observations with running statistics")
+    init_log_std: float = setting(0.0, "initial log std of Gaussian policies")
+    squash: bool = setting(False, "tanh-squash Gaussian actions into the action bounds")
 
 
 @dataclass
-class AlgorithmConfig:
-    adv_type: str = "gae"
-    gamma: float = 0.99
-    gae_lambda: float = 0.95
-    normalize_advantages: bool = True
-    reward_type: str = "chunk"  # chunk: a chunk is one step; action: every action is a step
-    reward_scale: float = 1.0
-    logprob_type: str = "chunk"  # token | action | chunk
-    loss_agg: str = "token-mean"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    dual_clip: float | None = None
-    value_clip: float | None = None
-    huber_delta: float | None = None
-    vf_coef: float = 0.5
-    entropy_bonus: float = 0.0
-    bootstrap_type: str = "truncated"  # truncated: bootstrap truncations; always: every done
-    update_epochs: int = 4
-    critic_warmup_steps: int = 0  # training steps that update only the critic
-    target_kl: float | None = None  # stop the epochs of a step early past this approx KL
+class EmbodiedAlgorithmConfig(AlgorithmConfig):
+    """The advantage estimator and the PPO objective, with the embodied extras."""
+
+    gae_lambda: float = setting(0.95, "GAE lambda")
+    normalize_advantages: bool = setting(True, "whiten advantages over the batch (estimators that ask for it)")
+    reward_type: str = setting("chunk", "chunk: a chunk is one step; action: every action is a step")
+    reward_scale: float = setting(1.0, "multiply env rewards by this")
+    logprob_type: str = setting("chunk", "token | action | chunk: the level the PPO ratio is taken at")
+    dual_clip: float | None = setting(None, "dual-clip PPO constant (> 1)")
+    value_clip: float | None = setting(None, "clip value updates to this distance from the old values")
+    huber_delta: float | None = setting(None, "Huber value loss with this delta; None: squared error")
+    vf_coef: float = setting(0.5, "value loss weight")
+    entropy_bonus: float = setting(0.0, "entropy bonus weight")
+    bootstrap_type: str = setting("truncated", "truncated: bootstrap truncations; always: every done")
+    update_epochs: int = setting(4, "passes over the batch per training step")
+    critic_warmup_steps: int = setting(0, "training steps that update only the critic")
+    target_kl: float | None = setting(None, "stop a step's epochs early past this approximate KL")
 
 
 @dataclass
-class ActorConfig:
-    global_batch_size: int = 256  # samples per optimizer step, over all actor ranks
-    micro_batch_size: int = 64  # samples per forward/backward
-    lr: float = 2.5e-4
-    lr_schedule: str = "constant"  # constant | linear | cosine (over runner.max_steps)
-    warmup_steps: int = 0
-    max_grad_norm: float | None = 0.5
-    adam_eps: float = 1e-5
-    weight_decay: float = 0.0
-    bf16: bool = False
-    seed: int = 1
+class EmbodiedActorConfig(ActorConfig):
+    """The train engine, with the embodied batch sizes."""
+
+    global_batch_size: int = setting(256, "samples per optimizer step, over all actor ranks")
+    micro_batch_size: int = setting(64, "samples per forward/backward (gradient accumulation up to global)")
+    adam_eps: float = setting(1e-5, "the optimizer's epsilon")
+    max_grad_norm: float | None = setting(0.5, "clip the gradient norm to this; None: no clipping")
 
 
 @dataclass
 class RewardConfig:
-    enabled: bool = False
-    name: str = "scale"  # a registered reward model (tidal.workers.reward)
-    mode: str = "replace"  # replace the env reward, or add to it
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    """An optional reward model group between env and actor."""
+
+    enabled: bool = setting(False, "run a reward group")
+    name: str = setting("scale", "a registered reward model (tidal.workers.reward_worker)")
+    mode: str = setting("replace", "replace the env reward, or add to it")
+    kwargs: dict[str, Any] = setting(factory=dict, help="passed to the reward model")
 
 
 @dataclass
 class EmbodiedConfig:
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    runner: RunnerConfig = field(default_factory=RunnerConfig)
-    env: EnvConfig = field(default_factory=EnvConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    actor: ActorConfig = field(default_factory=ActorConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
+    cluster: ClusterConfig = section(ClusterConfig)
+    runner: EmbodiedRunnerConfig = section(EmbodiedRunnerConfig)
+    env: EnvConfig = section(EnvConfig)
+    rollout: RolloutConfig = section(RolloutConfig)
+    model: ModelConfig = section(ModelConfig)
+    algorithm: EmbodiedAlgorithmConfig = section(EmbodiedAlgorithmConfig)
+    actor: EmbodiedActorConfig = section(EmbodiedActorConfig)
+    reward: RewardConfig = section(RewardConfig)
 
-
-def _one_of(value, allowed, key: str) -> None:
-    require(value in allowed, key, f"expected one of {', '.join(map(str, allowed))}, got {value!r}")
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "actor.seed": "runner.seed",
+        "runner.target_eval_return": "runner.target_value (with runner.target_metric: eval/return_mean)",
+    }
 
 
 def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
     """Check every cross-field rule; return the world size of each component."""
-    from tidal.algorithms import list_advantages
+    from tidal.algorithms import advantage_spec
     from tidal.algorithms.losses import AGGREGATIONS, LOGPROB_LEVELS
     from tidal.envs import list_env_adapters
-    from tidal.runtime import ComponentPlacement, PlacementError
+    from tidal.models.policy import POLICIES
 
     env, alg, act = cfg.env, cfg.algorithm, cfg.actor
-    _one_of(cfg.cluster.backend, ("local", "ray"), "cluster.backend")
-    _one_of(alg.adv_type, list_advantages(), "algorithm.adv_type")
-    _one_of(alg.reward_type, ("chunk", "action"), "algorithm.reward_type")
-    _one_of(alg.logprob_type, LOGPROB_LEVELS, "algorithm.logprob_type")
-    _one_of(alg.loss_agg, AGGREGATIONS, "algorithm.loss_agg")
-    _one_of(alg.bootstrap_type, ("truncated", "always"), "algorithm.bootstrap_type")
-    _one_of(act.lr_schedule, ("constant", "linear", "cosine"), "actor.lr_schedule")
-    _one_of(env.adapter, list_env_adapters(), "env.adapter")
-    _one_of(cfg.reward.mode, ("replace", "add"), "reward.mode")
+    validate_common(cfg.cluster, cfg.runner, act, alg)
+    spec = advantage_spec(alg.adv_type)
+    one_of(cfg.model.name, POLICIES.names(), "model.name")
+    one_of(cfg.model.activation, ("tanh", "relu", "gelu"), "model.activation")
+    one_of(env.vectorization_mode, ("sync", "async"), "env.vectorization_mode")
+    one_of(alg.reward_type, ("chunk", "action"), "algorithm.reward_type")
+    one_of(alg.logprob_type, LOGPROB_LEVELS, "algorithm.logprob_type")
+    one_of(alg.loss_agg, AGGREGATIONS, "algorithm.loss_agg")
+    one_of(alg.bootstrap_type, ("truncated", "always"), "algorithm.bootstrap_type")
+    one_of(env.adapter, list_env_adapters(), "env.adapter")
+    one_of(cfg.reward.mode, ("replace", "add"), "reward.mode")
     for key, value in (("env.total_num_envs", env.total_num_envs), ("env.pipeline_stage_num", env.pipeline_stage_num),
                        ("env.num_action_chunks", env.num_action_chunks), ("env.eval_num_envs", env.eval_num_envs),
                        ("rollout.num_steps", cfg.rollout.num_steps), ("actor.global_batch_size", act.global_batch_size),
                        ("actor.micro_batch_size", act.micro_batch_size), ("algorithm.update_epochs", alg.update_epochs),
                        ("runner.max_steps", cfg.runner.max_steps), ("env.group_size", env.group_size),
-                       ("runner.weight_sync_interval", cfg.runner.weight_sync_interval)):
+                       ("runner.weight_sync_interval", cfg.runner.weight_sync_interval),
+                       ("env.max_nonfinite_steps", env.max_nonfinite_steps)):
         require(value >= 1, key, f"must be >= 1, got {value}")
-    require(alg.reward_type == "chunk" or alg.adv_type != "gae", "algorithm.reward_type",
-             "'action' needs a value per action; use 'chunk' with adv_type gae")
+    require(alg.reward_type == "chunk" or not spec.needs_critic, "algorithm.reward_type",
+            f"'action' needs a value per action; use 'chunk' with adv_type {alg.adv_type}")
     require(alg.reward_type == "chunk" or alg.logprob_type != "chunk", "algorithm.logprob_type",
              "reward_type 'action' gives one advantage per action: use logprob_type action or token")
-    require(not (alg.adv_type == "gae" and not cfg.model.critic), "model.critic", "adv_type gae needs a critic")
+    require(cfg.model.critic or not spec.needs_critic, "model.critic", f"adv_type {alg.adv_type} needs a critic")
     require(alg.dual_clip is None or alg.dual_clip > 1, "algorithm.dual_clip", f"must be > 1, got {alg.dual_clip}")
-    require(0 <= alg.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {alg.gamma}")
 
     components = ["env", "rollout", "actor"] + (["reward"] if cfg.reward.enabled else [])
-    try:
-        num_devices = _num_devices_hint(cfg)
-        placement = ComponentPlacement(cfg.cluster.resolved_placement(components), num_devices)
-        worlds = {c: placement.get_world_size(c) for c in components}
-    except PlacementError as exc:
-        raise placement_config_error(exc) from None
+    worlds = world_sizes(cfg.cluster, components)
 
     stages = env.pipeline_stage_num
     require(env.total_num_envs % (worlds["env"] * stages) == 0, "env.total_num_envs",
@@ -197,7 +183,7 @@ def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
     require(act.global_batch_size % (act.micro_batch_size * worlds["actor"]) == 0, "actor.global_batch_size",
              f"{act.global_batch_size} must be a multiple of micro_batch_size x actor ranks "
              f"= {act.micro_batch_size} x {worlds['actor']}")
-    if alg.adv_type in GROUP_ESTIMATORS:
+    if spec.needs_groups:
         require(env.group_size > 1, "env.group_size", f"adv_type {alg.adv_type} needs groups of 2 or more envs")
         require(not env.auto_reset, "env.auto_reset", f"adv_type {alg.adv_type} scores whole episodes: set it to false")
         per_actor = env.total_num_envs // worlds["actor"]
@@ -207,23 +193,3 @@ def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
         require(worlds["actor"] == 1, "cluster.placement",
                  "a data-parallel actor (more than one rank) needs cluster.backend=ray")
     return worlds
-
-
-def placement_config_error(exc: Exception) -> ConfigError:
-    """A placement error as a config error naming its key (some already start with it)."""
-    msg = str(exc)
-    return ConfigError(msg if msg.startswith("cluster.") else f"cluster.{msg}")
-
-
-def _num_devices_hint(cfg: EmbodiedConfig) -> int:
-    """Devices to validate placement against before the cluster exists: the configured count,
-    or the highest device named (the cluster checks the real count when it starts)."""
-    if cfg.cluster.devices_per_node is not None:
-        return cfg.cluster.devices_per_node
-    import os
-
-    from tidal.runtime.placement import _parse_spec_string
-
-    named = [d for spec in cfg.cluster.placement.values() if spec != "all"
-             for d in _parse_spec_string(str(spec), 1 << 16, "cluster.placement")]
-    return max([os.cpu_count() or 1, *(d + 1 for d in named)])

@@ -52,7 +52,8 @@ class Trajectory:
     (the last column bootstraps); ``rewards`` ``[B, T, C]``; ``terminations``,
     ``truncations`` and ``dones`` ``[B, T + 1, C]`` where column ``t + 1`` ends step ``t`` and
     column 0 is the previous epoch's last; ``raw_obs`` ``[B, T, ...]`` for the observation
-    normaliser; ``versions`` ``[B, T]``.
+    normaliser; ``versions`` ``[B, T]``; ``valid`` ``[B, T]``: False where an env's samples are
+    masked (it returned a non-finite value at or after that step in this epoch).
     """
 
     forward_inputs: dict[str, torch.Tensor]
@@ -65,3 +66,92 @@ class Trajectory:
     dones: torch.Tensor
     raw_obs: torch.Tensor | None = None
     versions: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+
+
+# ----------------------------------------------------------------------------- language records
+
+
+@dataclass
+class TokenSequence:
+    """One sample of a language episode, built turn by turn: context tokens (the prompt, an
+    environment's feedback) are not trained on; generated tokens carry their behaviour
+    log-prob and the weight version that sampled them."""
+
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def add_context(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+        self.loss_mask += [0] * len(tokens)
+        self.logprobs += [0.0] * len(tokens)
+        self.versions += [-1] * len(tokens)
+
+    def add_generated(self, tokens: list[int], logprobs: list[float], versions: list[int]) -> None:
+        if not len(tokens) == len(logprobs) == len(versions):
+            raise ValueError(f"generated tokens, log-probs and versions differ in length: "
+                             f"{len(tokens)}, {len(logprobs)}, {len(versions)}")
+        self.tokens += tokens
+        self.loss_mask += [1] * len(tokens)
+        self.logprobs += logprobs
+        self.versions += versions
+
+
+_LM_FILLS = {"attention_mask": 0, "loss_mask": 0, "logprobs": 0.0, "versions": -1}
+
+
+@dataclass(kw_only=True)
+class LMBatch:
+    """Language samples padded on the right to one width ``L``: ``input_ids``,
+    ``attention_mask`` and ``loss_mask`` (1 on generated tokens) ``[n, L]``; behaviour
+    ``logprobs`` (0 elsewhere) and ``versions`` (-1 elsewhere) ``[n, L]``; ``rewards`` ``[n]``.
+    What a workflow returns for one episode, and what the trainer trains on."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    logprobs: torch.Tensor
+    versions: torch.Tensor
+    rewards: torch.Tensor
+
+    @classmethod
+    def from_sequences(cls, seqs: list[TokenSequence], rewards: list[float], pad_id: int = 0) -> LMBatch:
+        width = max(len(s.tokens) for s in seqs)
+
+        def pad(values, fill, dtype):
+            return torch.tensor([v + [fill] * (width - len(v)) for v in values], dtype=dtype)
+
+        return cls(
+            input_ids=pad([s.tokens for s in seqs], pad_id, torch.long),
+            attention_mask=pad([[1] * len(s.tokens) for s in seqs], 0, torch.bool),
+            loss_mask=pad([s.loss_mask for s in seqs], 0, torch.bool),
+            logprobs=pad([s.logprobs for s in seqs], 0.0, torch.float32),
+            versions=pad([s.versions for s in seqs], -1, torch.long),
+            rewards=torch.tensor(rewards, dtype=torch.float32),
+        )
+
+    @classmethod
+    def concat(cls, batches: list[LMBatch], pad_id: int = 0) -> LMBatch:
+        """Rows of every batch, the token dimension padded to the widest."""
+        width = max(b.width for b in batches)
+        fills = {"input_ids": pad_id, **_LM_FILLS}
+
+        def column(name):
+            parts = []
+            for b in batches:
+                x = getattr(b, name)
+                if name in fills and x.shape[1] < width:
+                    x = torch.cat([x, torch.full((x.shape[0], width - x.shape[1]), fills[name], dtype=x.dtype)], 1)
+                parts.append(x)
+            return torch.cat(parts, 0)
+
+        return cls(**{name: column(name) for name in (*fills, "rewards")})
+
+    @property
+    def width(self) -> int:
+        return self.input_ids.shape[1]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]

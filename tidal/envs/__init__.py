@@ -2,9 +2,10 @@
 
 An adapter is a vectorised env of ``num_envs`` copies with a small interface
 (``VectorEnvAdapter``). ``gymnasium`` (classic control, MuJoCo, anything ``gymnasium.make_vec``
-builds) is built in; ManiSkill, LIBERO or a user's env plug in with ``register_env``.
+builds) and ``metaworld`` are built in; ManiSkill, LIBERO or a user's env plug in with ``register_env``.
 """
 
+from tidal.envs import rendering  # noqa: F401, I001  (picks MUJOCO_GL before mujoco is imported)
 from tidal.envs.base import (
     ChunkedEnv,
     EpisodeStats,
@@ -13,16 +14,25 @@ from tidal.envs.base import (
     list_env_adapters,
     make_env,
     register_env,
+    success_metrics,
 )
 from tidal.envs.gym_adapter import GymnasiumVectorEnv
+from tidal.envs.layout import LayoutBox, ObsLayout, layout_of, tokenize
+from tidal.envs.metaworld_adapter import MetaWorldVectorEnv
 
 __all__ = [
     "ChunkedEnv",
     "EpisodeStats",
     "GymnasiumVectorEnv",
+    "LayoutBox",
+    "MetaWorldVectorEnv",
+    "ObsLayout",
     "VectorEnvAdapter",
     "get_env_adapter",
     "list_env_adapters",
     "make_env",
+    "layout_of",
     "register_env",
+    "success_metrics",
+    "tokenize",
 ]

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from tidal.data import EnvOutput
+from tidal.envs.state import from_plain, to_plain
 from tidal.registry import Registry
 
 
@@ -18,7 +19,11 @@ class VectorEnvAdapter(Protocol):
     """``num_envs`` copies of an env stepped together. No auto-reset: the caller resets
     finished copies with ``reset(mask=...)``; a copy stepped after its episode ended restarts
     first, and the caller ignores what it reports until it resets it. Arrays are NumPy,
-    batch-first."""
+    batch-first.
+
+    Optional, for exact resume: ``state_dict() -> (state, missed)`` (weights-only-loadable
+    values; ``missed`` names what it could not capture) and ``load_state_dict(state)``. An
+    adapter without them restarts from its seeds on resume, and the resume says so."""
 
     num_envs: int
     observation_space: gym.Space  # of one copy
@@ -45,15 +50,32 @@ def make_env(adapter: str, num_envs: int, **kwargs) -> VectorEnvAdapter:
 
 @dataclass
 class EpisodeStats:
-    """Returns and lengths of the episodes that ended, collected between two ``drain`` calls."""
+    """Returns and lengths of the episodes that ended, collected between two ``drain`` calls;
+    with an adapter that reports ``successes``, whether each episode succeeded (at any step)
+    and, when it names them, its task."""
 
     returns: list[float] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
+    successes: list[float] = field(default_factory=list)
+    tasks: list[str] = field(default_factory=list)
 
     def drain(self) -> dict[str, list]:
-        out = {"returns": self.returns, "lengths": self.lengths}
-        self.returns, self.lengths = [], []
+        out = {"returns": self.returns, "lengths": self.lengths, "successes": self.successes, "tasks": self.tasks}
+        self.returns, self.lengths, self.successes, self.tasks = [], [], [], []
         return out
+
+
+def success_metrics(successes: list[float], tasks: list[str], prefix: str) -> dict[str, float]:
+    """``{prefix}/success_rate`` over all episodes, and per task when episodes name one
+    (``{prefix}/success_rate/reach-v3``); nothing when no episode reported success."""
+    if not successes:
+        return {}
+    out = {f"{prefix}/success_rate": float(np.mean(successes))}
+    if tasks:
+        for task in sorted(set(tasks)):
+            rows = [s for s, t in zip(successes, tasks) if t == task]
+            out[f"{prefix}/success_rate/{task}"] = float(np.mean(rows))
+    return out
 
 
 class ChunkedEnv:
@@ -73,6 +95,8 @@ class ChunkedEnv:
         self._returns = np.zeros(self.num_envs)
         self._lengths = np.zeros(self.num_envs, dtype=np.int64)
         self._counting = np.ones(self.num_envs, dtype=bool)  # episodes still to be reported
+        self._succeeded = np.zeros(self.num_envs, dtype=bool)  # this episode has succeeded
+        self.reports_success = hasattr(env, "successes")
         self.last_obs: torch.Tensor | None = None
 
     def reset(self, seed_offset: int = 0) -> EnvOutput:
@@ -82,6 +106,7 @@ class ChunkedEnv:
         self._returns[:] = 0
         self._lengths[:] = 0
         self._counting[:] = True
+        self._succeeded[:] = False
         self.last_obs = _as_tensor(obs)
         return EnvOutput(obs=self.last_obs)
 
@@ -89,6 +114,7 @@ class ChunkedEnv:
         """``actions``: ``[B, C, ...]`` in the env's action space."""
         if actions.shape[1] == 1:  # the common case, without the per-action bookkeeping
             obs, reward, terms, truncs = self.env.step(actions[:, 0])
+            self._note_success(np.ones(self.num_envs, dtype=bool))
             rewards, terms, truncs = reward.astype(np.float32, copy=False)[:, None], terms[:, None], truncs[:, None]
             steps_taken, ended = 1, terms[:, 0] | truncs[:, 0]
             final_obs = obs.copy() if ended.any() else None  # adapters may reuse their buffers
@@ -116,6 +142,7 @@ class ChunkedEnv:
         for c in range(chunk):
             steps_taken += alive
             obs, reward, term, trunc = self.env.step(actions[:, c])
+            self._note_success(alive)
             rewards[:, c] = np.where(alive, reward, 0.0)
             terms[:, c] = term & alive
             truncs[:, c] = trunc & alive
@@ -129,19 +156,61 @@ class ChunkedEnv:
             final_obs = np.where(_expand(ended, obs), final_obs, obs)
         return obs, rewards, terms, truncs, steps_taken, ended, final_obs
 
+    def _note_success(self, alive: np.ndarray) -> None:
+        if self.reports_success:
+            self._succeeded |= self.env.successes & alive
+
     def _account(self, rewards: np.ndarray, steps, ended: np.ndarray) -> None:
         self._returns += np.where(self._counting, rewards.sum(1), 0.0)
         self._lengths += np.where(self._counting, steps, 0)
         finished = ended & self._counting
         if finished.any():
-            for i in np.flatnonzero(finished):
+            tasks = getattr(self.env, "task_names", None)
+            # a non-finite return is not reported (the env worker names the value)
+            for i in np.flatnonzero(finished & np.isfinite(self._returns)):
                 self.stats.returns.append(float(self._returns[i]))
                 self.stats.lengths.append(int(self._lengths[i]))
+                if self.reports_success:
+                    self.stats.successes.append(float(self._succeeded[i]))
+                    if tasks is not None:
+                        self.stats.tasks.append(tasks[i])
             if self.auto_reset:
                 self._returns[ended] = 0
                 self._lengths[ended] = 0
+                self._succeeded[ended] = False
             else:
                 self._counting &= ~ended
+
+    def restart(self, mask: torch.Tensor, obs: torch.Tensor) -> torch.Tensor:
+        """Reset the copies in ``mask`` mid-episode (e.g. after non-finite values): their running
+        episodes are dropped, not reported. Returns ``obs`` with their first observations."""
+        rows = mask.numpy()
+        obs = obs.clone()
+        obs[mask] = _as_tensor(self.env.reset(mask=rows)[rows])
+        self._returns[rows], self._lengths[rows], self._counting[rows] = 0, 0, True
+        self.last_obs = obs
+        return obs
+
+    def state_dict(self) -> tuple[dict, list[str]]:
+        """Running episodes (returns, lengths, what is still to be reported) and the adapter's
+        exact state; with what could not be captured. An adapter without ``state_dict``
+        restarts from its own seeds on resume."""
+        adapter_state = getattr(self.env, "state_dict", None)
+        if adapter_state is None:
+            env_state, missed = None, [f"{type(self.env).__name__} has no state_dict"]
+        else:
+            env_state, missed = adapter_state()
+        counters = {"returns": self._returns, "lengths": self._lengths, "counting": self._counting,
+                    "last_obs": self.last_obs, "stats": [self.stats.returns, self.stats.lengths]}
+        return {"counters": to_plain(counters), "env": env_state}, missed
+
+    def load_state_dict(self, state: dict) -> None:
+        counters = from_plain(state["counters"])
+        self._returns, self._lengths = counters["returns"], counters["lengths"]
+        self._counting, self.last_obs = counters["counting"], counters["last_obs"]
+        self.stats.returns, self.stats.lengths = (list(x) for x in counters["stats"])
+        if state["env"] is not None:
+            self.env.load_state_dict(state["env"])
 
     def all_reported(self) -> bool:
         """Without auto-reset: every copy has finished (and reported) its episode."""

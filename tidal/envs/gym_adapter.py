@@ -1,12 +1,22 @@
 """The gymnasium adapter: any env id ``gymnasium.make_vec`` can build (classic control, MuJoCo,
-MetaWorld when installed, user-registered ids)."""
+user-registered ids; ``module.path:EnvId`` imports the module that registers ``EnvId`` first,
+gymnasium's convention)."""
 
 from __future__ import annotations
+
+import importlib
 
 import gymnasium as gym
 import numpy as np
 
 from tidal.envs.base import register_env
+from tidal.envs.state import (
+    StateAccess,
+    capture_vector_env,
+    from_plain,
+    restore_vector_env,
+    to_plain,
+)
 
 
 @register_env("gymnasium")
@@ -19,6 +29,7 @@ class GymnasiumVectorEnv:
         max_episode_steps: int | None = None,
         env_kwargs: dict | None = None,
     ):
+        env_id = import_env_module(env_id)
         try:
             spec = gym.spec(env_id)
         except gym.error.Error as exc:
@@ -31,6 +42,7 @@ class GymnasiumVectorEnv:
             num_envs=num_envs,
             vectorization_mode=vectorization_mode,
             vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.DISABLED},
+            wrappers=[StateAccess],
             **kwargs,
         )
         self.num_envs = num_envs
@@ -55,5 +67,26 @@ class GymnasiumVectorEnv:
         self._ended = term | trunc
         return obs, reward, term, trunc
 
+    def state_dict(self) -> tuple[dict, list[str]]:
+        """The exact state of every copy (see ``tidal.envs.state``) and what it misses."""
+        state, missed = capture_vector_env(self.env)
+        return {"ended": to_plain(self._ended), "vector_env": state}, missed
+
+    def load_state_dict(self, state: dict) -> None:
+        restore_vector_env(self.env, state["vector_env"])
+        self._ended = from_plain(state["ended"])
+
     def close(self) -> None:
         self.env.close()
+
+
+def import_env_module(env_id: str) -> str:
+    """``module.path:EnvId`` -> import ``module.path`` (it registers the env), return ``EnvId``."""
+    if ":" not in env_id:
+        return env_id
+    module, _, name = env_id.partition(":")
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise ValueError(f"env.id: cannot import module {module!r} of {env_id!r} ({exc})") from exc
+    return name

@@ -1,18 +1,20 @@
 """LLM generation: an embedded engine with continuous batching, an HTTP server speaking
-SGLang's subset, and a client with resumable ``agenerate``."""
+SGLang's subset and OpenAI's API, and a client with resumable ``agenerate``."""
 
 from tidal.inference.client import (
-    GenerationConfig,
     InferenceClient,
     InferenceError,
     ModelRequest,
     ModelResponse,
+    SGLangProtocol,
 )
-from tidal.inference.engine import EngineError, GenerationEngine, GenerationResult, SamplingParams
+from tidal.inference.engine import EngineError, GenerationEngine, GenerationResult, WeightsRejected
+from tidal.inference.params import GREEDY_TEMPERATURE, GenerationConfig
 from tidal.inference.server import InferenceServer, build_app
 
 __all__ = [
     "EngineError",
+    "GREEDY_TEMPERATURE",
     "GenerationConfig",
     "GenerationEngine",
     "GenerationResult",
@@ -21,6 +23,7 @@ __all__ = [
     "InferenceServer",
     "ModelRequest",
     "ModelResponse",
-    "SamplingParams",
+    "SGLangProtocol",
+    "WeightsRejected",
     "build_app",
 ]

@@ -14,17 +14,9 @@ import aiohttp
 import torch
 from safetensors.torch import save
 
+from tidal.inference.params import GenerationConfig
+
 StopReason = Literal["stop", "length", "abort"]
-
-
-@dataclass
-class GenerationConfig:
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
 
 
 @dataclass
@@ -32,6 +24,9 @@ class ModelRequest:
     input_ids: list[int]
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # requests of one session (e.g. the turns of an episode) go to one server, where a prefix
+    # cache can reuse their shared context; without one, a request goes to the least loaded
+    session_id: str | None = None
 
 
 @dataclass
@@ -55,17 +50,55 @@ class InferenceError(RuntimeError):
     pass
 
 
-def _seeded(g: GenerationConfig, i: int) -> GenerationConfig:
-    """Sample ``i`` of a seeded ``n``-sample request is seeded ``seed + i`` (as the server does)."""
-    return g if g.seed is None else GenerationConfig(g.max_new_tokens, g.temperature, g.top_p, g.top_k,
-                                                     g.stop_token_ids, g.seed + i)
+class SGLangProtocol:
+    """The requests of tidal's servers and SGLang's: ``/generate`` with token ids, and the
+    pause → update → continue endpoints."""
+
+    name = "sglang"
+
+    def generate(self, req: ModelRequest, out: ModelResponse, n: int) -> tuple[str, dict]:
+        """The prompt plus the tokens so far, the rest of the budget."""
+        g = req.gconfig.seeded(out.output_len)
+        params = {"max_new_tokens": g.max_new_tokens - out.output_len, "temperature": g.temperature,
+                  "top_p": g.top_p, "top_k": g.top_k, "stop_token_ids": g.stop_token_ids, "seed": g.seed,
+                  "n": n, "ignore_eos": True}  # stop only at the ids asked for (SGLang stops at EOS)
+        if g.stop:
+            params["stop"] = g.stop
+        payload = {"input_ids": req.input_ids + out.output_tokens, "sampling_params": params,
+                   "return_logprob": True, "rid": req.rid}
+        if g.top_logprobs:
+            payload["top_logprobs_num"] = g.top_logprobs
+        return "/generate", payload
+
+    def samples(self, result, n: int) -> list[dict]:
+        return [result] if n == 1 else result
+
+    def absorb(self, out: ModelResponse, result: dict) -> str:
+        meta, tokens = result["meta_info"], result["output_ids"]
+        out.output_tokens += tokens
+        out.output_logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
+        out.output_versions += meta.get("output_token_versions") or [meta["weight_version"]] * len(tokens)
+        return meta["finish_reason"]["type"]
+
+    def pause(self, mode: str) -> tuple[str, dict | None, dict | None]:
+        return "/pause_generation", {"mode": mode}, None
+
+    def resume(self) -> tuple[str, dict]:
+        return "/continue_generation", {}
+
+    def update_from_disk(self, model_path: str, version: int) -> list[tuple[str, dict]]:
+        return [("/update_weights_from_disk", {"model_path": model_path, "weight_version": version})]
+
+    supports_tensors = True
 
 
 class InferenceClient:
-    """Requests with the same ``rid`` stick to one server; others go to the least loaded."""
+    """Requests of one ``session_id`` stick to one server; the others go to the least loaded
+    (fewest requests in flight from this client)."""
 
     def __init__(self, addresses: list[str], api_key: str | None = None, timeout: float = 300.0,
-                 max_retries: int = 4, backoff_s: float = 0.2, resume_delay_s: float = 0.05):
+                 max_retries: int = 4, backoff_s: float = 0.2, resume_delay_s: float = 0.05,
+                 protocol: SGLangProtocol | None = None):
         if not addresses:
             raise ValueError("InferenceClient: needs at least one server address")
         self.addresses = [a.rstrip("/") for a in addresses]
@@ -73,6 +106,7 @@ class InferenceClient:
         self.timeout, self.max_retries, self.backoff_s = timeout, max_retries, backoff_s
         self.resume_delay_s = resume_delay_s
         self._in_flight = {a: 0 for a in self.addresses}
+        self.protocol = protocol or SGLangProtocol()  # tidal.inference.vllm.VLLMProtocol for vLLM
         self._http: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
@@ -89,9 +123,9 @@ class InferenceClient:
             await self._http.close()
             self._http = None
 
-    def pick_server(self, rid: str | None) -> str:
-        if rid is not None:
-            digest = int(hashlib.sha1(rid.encode()).hexdigest(), 16)
+    def pick_server(self, session_id: str | None = None) -> str:
+        if session_id is not None:
+            digest = int(hashlib.sha1(session_id.encode()).hexdigest(), 16)
             return self.addresses[digest % len(self.addresses)]
         return min(self.addresses, key=lambda a: self._in_flight[a])
 
@@ -124,16 +158,15 @@ class InferenceClient:
     async def agenerate_n(self, req: ModelRequest, n: int) -> list[ModelResponse]:
         """``n`` samples of one prompt in one request (SGLang's ``sampling_params.n``); a sample
         aborted by a weight update is resumed on its own."""
-        address = self.pick_server(req.rid)
+        address = self.pick_server(req.session_id)
         self._in_flight[address] += n
         try:
-            first = await self.request(address, "/generate", self._payload(req, ModelResponse(), n))
-            results = [first] if n == 1 else first
+            first = await self.request(address, *self.protocol.generate(req, ModelResponse(), n))
             outs = []
-            for i, result in enumerate(results):
+            for i, result in enumerate(self.protocol.samples(first, n)):
                 out = ModelResponse(input_tokens=list(req.input_ids))
-                reason = self._absorb(out, result)
-                sample = req if n == 1 else ModelRequest(req.input_ids, _seeded(req.gconfig, i), f"{req.rid}-{i}")
+                reason = self.protocol.absorb(out, result)
+                sample = req if n == 1 else ModelRequest(req.input_ids, req.gconfig.seeded(i), f"{req.rid}-{i}")
                 outs.append(self._resume(address, sample, out, reason))
             return list(await asyncio.gather(*outs))
         finally:
@@ -142,39 +175,21 @@ class InferenceClient:
     async def _resume(self, address: str, req: ModelRequest, out: ModelResponse, reason: str | None) -> ModelResponse:
         while reason not in ("stop", "length") and out.output_len < req.gconfig.max_new_tokens:
             await asyncio.sleep(self.resume_delay_s)
-            reason = self._absorb(out, await self.request(address, "/generate", self._payload(req, out, 1)))
+            answer = await self.request(address, *self.protocol.generate(req, out, 1))
+            reason = self.protocol.absorb(out, self.protocol.samples(answer, 1)[0])
         out.stop_reason = "length" if reason in (None, "abort") else reason
         return out
-
-    @staticmethod
-    def _payload(req: ModelRequest, out: ModelResponse, n: int) -> dict:
-        g = req.gconfig
-        return {
-            "input_ids": req.input_ids + out.output_tokens,
-            "sampling_params": {"max_new_tokens": g.max_new_tokens - out.output_len, "temperature": g.temperature,
-                                "top_p": g.top_p, "top_k": g.top_k, "stop_token_ids": g.stop_token_ids,
-                                "seed": None if g.seed is None else g.seed + out.output_len, "n": n},
-            "return_logprob": True,
-            "rid": req.rid,
-        }
-
-    @staticmethod
-    def _absorb(out: ModelResponse, result: dict) -> str:
-        meta, tokens = result["meta_info"], result["output_ids"]
-        out.output_tokens += tokens
-        out.output_logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
-        out.output_versions += meta.get("output_token_versions") or [meta["weight_version"]] * len(tokens)
-        return meta["finish_reason"]["type"]
 
     # -- the weight-update cycle -----------------------------------------------------------
 
     async def pause(self, mode: str = "abort") -> None:
         """``abort``: in-flight requests return and are resubmitted with their tokens so far;
         ``in_place``: they wait, with their KV cache, and continue on the new weights."""
-        await asyncio.gather(*(self.request(a, "/pause_generation", {"mode": mode}) for a in self.addresses))
+        endpoint, payload, params = self.protocol.pause(mode)
+        await asyncio.gather(*(self.request(a, endpoint, payload, params=params) for a in self.addresses))
 
     async def resume(self) -> None:
-        await asyncio.gather(*(self.request(a, "/continue_generation", {}) for a in self.addresses))
+        await asyncio.gather(*(self.request(a, *self.protocol.resume()) for a in self.addresses))
 
     async def update_weights(self, version: int, model_path: str | None = None,
                              state_dict: dict[str, torch.Tensor] | None = None, pause_mode: str = "abort") -> None:
@@ -182,12 +197,14 @@ class InferenceClient:
         on every server."""
         if (model_path is None) == (state_dict is None):
             raise ValueError("update_weights: give exactly one of model_path and state_dict")
+        if state_dict is not None and not self.protocol.supports_tensors:
+            raise ValueError(f"update_weights: {self.protocol.name} servers load weights from a folder; "
+                             "give model_path")
         await self.pause(pause_mode)
         try:
             if model_path is not None:
-                await asyncio.gather(*(self.request(a, "/update_weights_from_disk",
-                                                    {"model_path": model_path, "weight_version": version})
-                                       for a in self.addresses))
+                for endpoint, payload in self.protocol.update_from_disk(model_path, version):
+                    await asyncio.gather(*(self.request(a, endpoint, payload) for a in self.addresses))
             else:
                 blob = save({k: v.detach().contiguous().cpu() for k, v in state_dict.items()})
                 await asyncio.gather(*(self.request(a, "/update_weights_from_tensors", content=blob,

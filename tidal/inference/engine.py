@@ -6,7 +6,7 @@ prefilled together (left-padded) and their cache padded in, a finished one is dr
 
 Log-probabilities: for every generated token the engine reports
 ``log_softmax(logits / temperature)[token]`` — the temperature-scaled distribution *before*
-top-k / top-p filtering (``log_softmax(logits)`` when ``temperature == 0``, i.e. greedy). A
+top-k / top-p filtering (``log_softmax(logits)`` when greedy, i.e. ``temperature`` below ``GREEDY_TEMPERATURE``). A
 trainer recomputes the same number from a forward pass of the same weights.
 
 ``pause("abort")`` aborts every in-flight request — each finishes with what it generated so
@@ -30,15 +30,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: no top-k
-    stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
+from tidal.inference.params import GenerationConfig
 
 
 @dataclass
@@ -49,12 +41,18 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: int
     prompt_tokens: int
-    matched_stop: int | None = None
+    matched_stop: int | str | None = None  # the stop token id or stop string
     output_versions: list[int] = field(default_factory=list)  # the weight version of each token
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # if asked for
 
 
 class EngineError(RuntimeError):
     pass
+
+
+class WeightsRejected(ValueError):
+    """An update that does not fit the model (keys, shapes, dtypes) or holds non-finite values;
+    nothing of it was applied."""
 
 
 PAUSE_MODES = ("abort", "in_place")
@@ -65,12 +63,14 @@ PREFILL_CHUNK = 32  # requests prefilled in one forward pass
 class _Request:
     rid: str
     prompt: list[int]
-    params: SamplingParams
+    params: GenerationConfig
     on_done: Callable[[GenerationResult], None]
     generator: torch.Generator | None = None
+    on_token: Callable[[int], None] | None = None  # called with each new token (streaming)
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
     next_token: int | None = None
 
 
@@ -81,6 +81,7 @@ class GenerationEngine:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).eval()
         self.vocab_size = self.model.config.vocab_size
         self.max_positions = getattr(self.model.config, "max_position_embeddings", 4096)
+        self.tokenizer = load_tokenizer(self.model_dir)  # None when the folder has none
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
         self._incoming: queue.Queue[_Request] = queue.Queue()
@@ -99,31 +100,38 @@ class GenerationEngine:
 
     # -- public API (thread-safe) ---------------------------------------------------------
 
-    def submit(self, prompt: list[int], params: SamplingParams, on_done: Callable[[GenerationResult], None],
-               rid: str | None = None) -> str:
+    def submit(self, prompt: list[int], params: GenerationConfig, on_done: Callable[[GenerationResult], None],
+               rid: str | None = None, on_token: Callable[[int], None] | None = None) -> str:
+        """Queue a request; ``on_done(result)`` (and ``on_token(token)`` for every token) run on
+        the engine's thread and must be quick."""
         self.validate(prompt, params)
         rid = rid or uuid.uuid4().hex
         gen = None
-        if params.temperature > 0:
+        if not params.greedy:
             gen = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed() % 2**63)
-        self._incoming.put(_Request(rid, list(prompt), params, on_done, gen))
+        self._incoming.put(_Request(rid, list(prompt), params, on_done, gen, on_token))
         self._wake.set()
         return rid
 
-    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt: list[int], params: GenerationConfig) -> None:
+        """Refuse what cannot be generated, naming the field (the server answers 400)."""
+        params.validate()
         if not prompt:
             raise ValueError("input_ids: must not be empty")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"input_ids: ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt) >= self.max_positions:
+            raise ValueError(f"input_ids: the prompt has {len(prompt)} tokens, longer than the model's context "
+                             f"allows: the context is {self.max_positions} tokens, so a prompt may have at most "
+                             f"{self.max_positions - 1} (room for one new token)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("sampling_params.stop: stop strings need a tokenizer, and the model folder has none")
         room = self.max_positions - len(prompt)
-        if not 1 <= params.max_new_tokens <= room:
-            raise ValueError(f"sampling_params.max_new_tokens: must be in [1, {room}] for a prompt of "
-                             f"{len(prompt)} tokens (context {self.max_positions}), got {params.max_new_tokens}")
-        if params.temperature < 0:
-            raise ValueError(f"sampling_params.temperature: must be >= 0, got {params.temperature}")
-        if not 0 < params.top_p <= 1:
-            raise ValueError(f"sampling_params.top_p: must be in (0, 1], got {params.top_p}")
+        if params.max_new_tokens > room:
+            raise ValueError(f"sampling_params.max_new_tokens: {params.max_new_tokens} new tokens after a prompt of "
+                             f"{len(prompt)} tokens exceed the model's context of {self.max_positions} tokens; "
+                             f"at most {room} fit")
 
     def pause(self, mode: str = "abort", timeout: float = 60.0) -> None:
         """Stop generating: ``abort`` returns every in-flight request with what it has,
@@ -146,13 +154,14 @@ class GenerationEngine:
         return self._paused.is_set()
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], weight_version: int) -> None:
-        """Load new weights (only while paused) and stamp later tokens with ``weight_version``."""
+        """Load new weights (only while paused) and stamp later tokens with ``weight_version``.
+        Every tensor is checked before any is copied: a refused update changes nothing."""
         if not self._paused.is_set():
             raise EngineError("weights can only be updated while generation is paused")
-        with self._lock:
-            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
-            if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
-                raise EngineError(f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        pairs = check_weights(self.model.state_dict(), state_dict)
+        with self._lock, torch.no_grad():
+            for target, source in pairs:
+                target.copy_(source)
             self.weight_version = weight_version
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -208,11 +217,11 @@ class GenerationEngine:
             mask[i, width - len(r.prompt):] = 1
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        tokens, logprobs = self._sample(out.logits[:, -1].float(), reqs)
+        tokens, logprobs, tops = self._sample(out.logits[:, -1].float(), reqs)
         self.stats["requests"] += len(reqs)
         self._join(reqs, out.cache, mask)
-        for req, tok, lp in zip(reqs, tokens.tolist(), logprobs.tolist()):
-            self._accept(req, tok, lp)
+        for req, tok, lp, top in zip(reqs, tokens.tolist(), logprobs.tolist(), tops):
+            self._accept(req, tok, lp, top)
 
     def _join(self, reqs: list[_Request], cache: DynamicCache, mask: torch.Tensor) -> None:
         """Pad the new requests' cache or the batch's on the left so both have one length."""
@@ -237,24 +246,40 @@ class GenerationEngine:
         out = self.model(input_ids=ids, attention_mask=self._mask, position_ids=positions,
                          cache=self._cache, use_cache=True)
         self._cache = out.cache
-        tokens, logprobs = self._sample(out.logits[:, -1].float(), batch)
-        for req, tok, lp in zip(batch, tokens.tolist(), logprobs.tolist()):
-            self._accept(req, tok, lp)
+        tokens, logprobs, tops = self._sample(out.logits[:, -1].float(), batch)
+        for req, tok, lp, top in zip(batch, tokens.tolist(), logprobs.tolist(), tops):
+            self._accept(req, tok, lp, top)
         self._drop_finished()
 
-    def _accept(self, req: _Request, token: int, logprob: float) -> None:
+    def _accept(self, req: _Request, token: int, logprob: float, top: list | None) -> None:
         req.output.append(token)
+        if req.on_token is not None:
+            req.on_token(token)
+        if top is not None:
+            req.top.append(top)
         req.logprobs.append(logprob)
         req.versions.append(self.weight_version)
         req.next_token = token
         self.stats["generated_tokens"] += 1
 
-    def _finish_reason(self, req: _Request) -> tuple[str | None, int | None]:
+    def _finish_reason(self, req: _Request) -> tuple[str | None, int | str | None]:
         if req.output and req.output[-1] in req.params.stop_token_ids:
             return "stop", req.output[-1]
+        if req.params.stop:
+            matched = self._stop_string(req)
+            if matched is not None:
+                return "stop", matched
         if len(req.output) >= req.params.max_new_tokens:
             return "length", None
         return None, None
+
+    def _stop_string(self, req: _Request) -> str | None:
+        """The stop string the newest token completed, if any: decode only the tail that can
+        hold one (a string of k characters spans at most k tokens, plus a few partial ones)."""
+        width = max(len(s) for s in req.params.stop) + 4
+        tail = self.tokenizer.decode(req.output[-width:], skip_special_tokens=False)
+        # an earlier occurrence would have stopped the request already: any match is new
+        return next((stop for stop in req.params.stop if stop in tail), None)
 
     def _drop_finished(self) -> None:
         keep = []
@@ -285,15 +310,15 @@ class GenerationEngine:
 
     def _complete(self, req: _Request, reason: str, matched: int | None) -> None:
         req.on_done(GenerationResult(req.rid, req.output, req.logprobs, reason, self.weight_version,
-                                     len(req.prompt), matched, req.versions))
+                                     len(req.prompt), matched, req.versions, req.top))
 
-    def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> tuple[torch.Tensor, torch.Tensor, list]:
         """One token per row: greedy rows take the argmax, the others draw by inverse CDF from
         one uniform of their own generator (seeded requests repeat)."""
-        temps = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in reqs])
+        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in reqs])
         logp = torch.log_softmax(logits / temps[:, None], -1)
         tokens = logits.argmax(-1)
-        sampled = [i for i, r in enumerate(reqs) if r.params.temperature > 0]
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if sampled:
             rows = torch.tensor(sampled)
             probs = logp[rows].exp()
@@ -306,7 +331,55 @@ class GenerationEngine:
             u = torch.cat([1.0 - torch.rand(1, generator=reqs[i].generator) for i in sampled])
             picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
             tokens[rows] = picked.clamp(max=probs.shape[-1] - 1)
-        return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        # a token the model gives probability 0 has log-prob -inf, which JSON cannot carry
+        floor = torch.finfo(logp.dtype).min
+        chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).clamp(min=floor)
+        tops = [None] * len(reqs)
+        for i, r in enumerate(reqs):
+            if r.params.top_logprobs:
+                values, ids = logp[i].topk(min(r.params.top_logprobs, logp.shape[-1]))
+                tops[i] = list(zip(ids.tolist(), values.clamp(min=floor).tolist()))
+        return tokens, chosen, tops
+
+
+def load_tokenizer(model_dir: str):
+    """The model folder's tokenizer, or ``None`` when it has none (token-id requests only)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def check_weights(current: dict[str, torch.Tensor], update: dict[str, torch.Tensor]
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pair every tensor of ``current`` (a model's state dict) with its new value in ``update``,
+    after checking all of them: the same keys (a key tied to another, e.g. an LM head sharing
+    the embedding, may be left out), the same shapes, a compatible dtype (floating point may
+    change precision, nothing else may change) and finite values. Raises ``WeightsRejected``."""
+    unexpected = sorted(set(update) - set(current))
+    if unexpected:
+        raise WeightsRejected(f"weights: unexpected keys {unexpected[:5]} (the model has no such tensors)")
+    supplied_storage = {current[k].data_ptr() for k in update}
+    missing = sorted(k for k in current if k not in update and current[k].data_ptr() not in supplied_storage)
+    if missing:
+        raise WeightsRejected(f"weights: missing keys {missing[:5]} ({len(missing)} of {len(current)} tensors)")
+    pairs = []
+    for key, source in update.items():
+        target = current[key]
+        if not isinstance(source, torch.Tensor):
+            raise WeightsRejected(f"weights: {key} is a {type(source).__name__}, not a tensor")
+        if source.shape != target.shape:
+            raise WeightsRejected(f"weights: {key} has shape {list(source.shape)}, the model expects "
+                                  f"{list(target.shape)}")
+        same_kind = source.dtype.is_floating_point and target.dtype.is_floating_point
+        if source.dtype != target.dtype and not same_kind:
+            raise WeightsRejected(f"weights: {key} has dtype {source.dtype}, the model expects {target.dtype}")
+        if source.dtype.is_floating_point and not bool(torch.isfinite(source).all()):
+            raise WeightsRejected(f"weights: {key} holds non-finite values (NaN or inf)")
+        pairs.append((target, source))
+    return pairs
 
 
 def _filtered_probs(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Endpoints (SGLang's names and fields): ``POST /generate``, ``POST /pause_generation``,
 ``POST /continue_generation``, ``POST /update_weights_from_disk``,
 ``POST /update_weights_from_tensors`` (a safetensors body, for trainers in the same cluster),
-``GET /health``, ``GET /get_model_info``, ``POST /flush_cache``. Binds 127.0.0.1 by default;
+``GET /health``, ``GET /get_model_info``, ``POST /flush_cache``; and OpenAI's ``/v1/models``,
+``/v1/completions`` and ``/v1/chat/completions`` (see ``openai_api``). Binds 127.0.0.1 by default;
 with an API key every endpoint needs ``Authorization: Bearer <key>``. Weights load only from
 directories the operator allowed, and only as safetensors.
 """
@@ -20,32 +21,24 @@ from typing import Literal
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load, load_file
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tidal.inference.engine import EngineError, GenerationEngine, GenerationResult, SamplingParams
+from tidal.inference.engine import EngineError, GenerationEngine
+from tidal.inference.http_guard import ConnectionGuard
+from tidal.inference.openai_api import add_openai_routes
+from tidal.inference.protocol import (
+    error_json,
+    generate_all,
+    json_body,
+    parse_generate,
+    result_json,
+)
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class SamplingParamsBody(_Strict):
-    max_new_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = -1
-    stop_token_ids: list[int] = Field(default_factory=list)
-    seed: int | None = None
-    n: int = Field(1, ge=1, le=256)  # samples of this prompt (sample i is seeded seed + i)
-
-
-class GenerateBody(_Strict):
-    input_ids: list[int]
-    sampling_params: SamplingParamsBody = Field(default_factory=SamplingParamsBody)
-    return_logprob: bool = False
-    rid: str | None = None
 
 
 class PauseBody(_Strict):
@@ -57,24 +50,8 @@ class UpdateFromDiskBody(_Strict):
     weight_version: int | None = None
 
 
-def _finish_reason(result: GenerationResult) -> dict:
-    if result.finish_reason == "stop":
-        return {"type": "stop", "matched": result.matched_stop}
-    if result.finish_reason == "length":
-        return {"type": "length", "length": len(result.output_ids)}
-    return {"type": "abort", "message": "generation was paused"}
-
-
-def _result_json(result: GenerationResult, return_logprob: bool) -> dict:
-    meta = {"id": result.rid, "finish_reason": _finish_reason(result), "weight_version": result.weight_version,
-            "prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.output_ids),
-            "output_token_versions": result.output_versions}
-    if return_logprob:
-        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(result.output_logprobs, result.output_ids)]
-    return {"output_ids": result.output_ids, "meta_info": meta}
-
-
-def build_app(engine: GenerationEngine, api_key: str | None = None, allowed_dirs: list[str] | None = None) -> FastAPI:
+def build_app(engine: GenerationEngine, api_key: str | None = None, allowed_dirs: list[str] | None = None,
+              served_model_name: str | None = None) -> FastAPI:
     app = FastAPI(title="tidal inference server")
     allowed = [Path(d).resolve() for d in (allowed_dirs or [])]
 
@@ -83,33 +60,37 @@ def build_app(engine: GenerationEngine, api_key: str | None = None, allowed_dirs
         if api_key is not None:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return JSONResponse({"error": "missing or wrong API key"}, status_code=401)
+                return error_json(request.url.path, 401, "missing or wrong API key")
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
-    async def bad_request(_request, exc: RequestValidationError):
+    async def invalid(request: Request, exc: RequestValidationError):
         problems = [f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()]
-        return JSONResponse({"error": "; ".join(problems)}, status_code=400)
+        return error_json(request.url.path, 400, "; ".join(problems))
+
+    @app.exception_handler(ValueError)
+    async def bad_value(request: Request, exc: ValueError):
+        # every check of a request raises ValueError naming the field: a 400, never a 500
+        message = str(exc)
+        return error_json(request.url.path, 400, message, param=message.split(":", 1)[0])
+
+    @app.exception_handler(EngineError)
+    async def conflict(request: Request, exc: EngineError):
+        return error_json(request.url.path, 409, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return error_json(request.url.path, exc.status_code, str(exc.detail))
 
     @app.post("/generate")
-    async def generate(body: GenerateBody):
-        """One result, or a list of ``n`` results (SGLang's shape) when ``sampling_params.n > 1``."""
-        p = body.sampling_params
-        loop = asyncio.get_running_loop()
-        waiting = []
-        try:
-            for i in range(p.n):
-                params = SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
-                                        top_k=p.top_k, stop_token_ids=p.stop_token_ids,
-                                        seed=None if p.seed is None else p.seed + i)
-                done: asyncio.Future[GenerationResult] = loop.create_future()
-                rid = body.rid if p.n == 1 or body.rid is None else f"{body.rid}-{i}"
-                engine.submit(body.input_ids, params, lambda r, f=done: loop.call_soon_threadsafe(_settle, f, r), rid=rid)
-                waiting.append(done)
-        except ValueError as exc:
-            raise HTTPException(status_code=400, detail=str(exc)) from None
-        results = [_result_json(await done, body.return_logprob) for done in waiting]
-        return results[0] if p.n == 1 else results
+    async def generate(request: Request):
+        """SGLang's ``/generate``: one result, or a list (``n > 1`` or a batch of prompts)."""
+        call = parse_generate(await json_body(request), engine.tokenizer)
+        jobs = call.expanded()
+        results = await generate_all(engine, [(prompt, cfg, rid) for _, prompt, cfg, rid in jobs])
+        out = [result_json(r, engine.tokenizer, call.return_logprob, call.text_options[p],
+                           call.return_text_in_logprobs) for (p, *_), r in zip(jobs, results)]
+        return out if call.batched or call.n > 1 else out[0]
 
     @app.post("/pause_generation")
     async def pause(body: PauseBody | None = None):
@@ -134,10 +115,8 @@ def build_app(engine: GenerationEngine, api_key: str | None = None, allowed_dirs
         return state
 
     def _update(state: dict, version: int | None) -> dict:
-        try:
-            engine.update_weights(state, engine.weight_version + 1 if version is None else version)
-        except EngineError as exc:
-            raise HTTPException(status_code=409, detail=str(exc)) from None
+        # EngineError (not paused) is a 409, WeightsRejected (a ValueError) a 400
+        engine.update_weights(state, engine.weight_version + 1 if version is None else version)
         return {"success": True, "weight_version": engine.weight_version}
 
     @app.post("/update_weights_from_disk")
@@ -166,26 +145,28 @@ def build_app(engine: GenerationEngine, api_key: str | None = None, allowed_dirs
     async def flush_cache():
         return {"success": True, "message": "no prefix cache is kept; nothing to flush"}
 
+    add_openai_routes(app, engine, served_model_name or Path(engine.model_dir).name)
     return app
-
-
-def _settle(fut: asyncio.Future, result: GenerationResult) -> None:
-    if not fut.done():
-        fut.set_result(result)
 
 
 class InferenceServer:
     """The engine behind uvicorn in a background thread of this process."""
 
     def __init__(self, engine: GenerationEngine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                 allowed_dirs: list[str] | None = None):
+                 allowed_dirs: list[str] | None = None, served_model_name: str | None = None,
+                 header_timeout_s: float = 10.0, body_timeout_s: float = 120.0,
+                 max_connections: int | None = None):
         self.engine = engine
-        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # bounded request read times and connections: idle or half-sent connections cannot
+        # starve the server of descriptors (see http_guard)
+        self.guard = ConnectionGuard(header_timeout_s, body_timeout_s, max_connections)
+        self.socket = self.guard.listener()
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind((host, port))
         self.host, self.port = host, self.socket.getsockname()[1]
-        app = build_app(engine, api_key, allowed_dirs)
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=30))
+        app = build_app(engine, api_key, allowed_dirs, served_model_name)
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=30,
+                                                     http=self.guard.protocol(), backlog=4096))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self.socket]},
                                         name=f"tidal-server-{self.port}", daemon=True)
 

@@ -1,12 +1,21 @@
-"""Tiny causal LMs and a character-level tokenizer built locally (nothing is downloaded): for
-tests, demos and benchmarks on a CPU."""
+"""Tiny causal LMs and tokenizers built locally (nothing is downloaded): for tests, demos and
+benchmarks on a CPU. ``save_tiny_model`` writes a character-level Llama; ``save_tiny_chat_model``
+writes a Qwen2 with a byte-level BPE tokenizer and a ChatML chat template, a folder that loads
+like any Hugging Face chat model."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 
@@ -36,6 +45,87 @@ def save_tiny_model(path: str | Path, alphabet: str = "0123456789+=-*<>?abcdefgh
     path = Path(path)
     tokenizer = char_tokenizer(alphabet)
     model = tiny_llama(len(tokenizer), **kwargs)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+# ChatML, as Qwen writes it, after a BOS: the template (not the caller) adds every special token
+CHATML_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CHAT_SPECIALS = {
+    "pad_token": "<|endoftext|>",
+    "bos_token": "<|startoftext|>",
+    "eos_token": "<|im_end|>",
+}
+
+
+def byte_level_tokenizer(corpus: Iterable[str] = (), vocab_size: int = 512,
+                         chat_template: str | None = CHATML_TEMPLATE) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (any text encodes; GPT-2's byte alphabet) whose merges are
+    trained on ``corpus`` up to ``vocab_size`` (no merges for an empty corpus), with ChatML's
+    special tokens (``<|im_end|>`` is EOS) and ``chat_template``."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = [*CHAT_SPECIALS.values(), "<|im_start|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(list(corpus), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **CHAT_SPECIALS,
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = chat_template
+    return fast
+
+
+def tiny_qwen2(
+    vocab_size: int,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 2,
+    max_positions: int = 512,
+    seed: int = 0,
+    special_ids: dict[str, int] | None = None,
+) -> Qwen2ForCausalLM:
+    """A tiny Qwen2; head_dim = hidden / heads (32 by default: vLLM's CPU kernels reject 16)."""
+    import torch
+
+    torch.manual_seed(seed)
+    ids = special_ids or {}
+    cfg = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        **ids,
+    )
+    return Qwen2ForCausalLM(cfg)
+
+
+def save_tiny_chat_model(
+    path: str | Path, corpus: Iterable[str] = (), vocab_size: int = 512, **kwargs
+) -> Path:
+    """A Qwen2 folder with a chat tokenizer, loadable with ``AutoModelForCausalLM`` /
+    ``AutoTokenizer`` (``local_files_only=True``); ``kwargs`` go to :func:`tiny_qwen2`."""
+    path = Path(path)
+    tokenizer = byte_level_tokenizer(corpus, vocab_size)
+    special_ids = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+                   "eos_token_id": tokenizer.eos_token_id}
+    model = tiny_qwen2(len(tokenizer), special_ids=special_ids, **kwargs)
+    model.generation_config.update(**special_ids)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -1,12 +1,29 @@
-"""Policies behind one interface (``EmbodiedPolicy``), built by name from config."""
+"""Policies behind one interface (``EmbodiedPolicy``), built by name from config: ``mlp``,
+``cnn`` (pixels), ``vla`` (token actions); saved and loaded as folders."""
 
+from tidal.models.cnn import CNNActorCritic
 from tidal.models.policy import (
     EmbodiedPolicy,
+    LeadingNorm,
     MLPActorCritic,
     PolicyStep,
     RunningNorm,
     build_policy,
     register_policy,
 )
+from tidal.models.saving import load_policy, save_policy
+from tidal.models.vla import TokenActionPolicy
 
-__all__ = ["EmbodiedPolicy", "MLPActorCritic", "PolicyStep", "RunningNorm", "build_policy", "register_policy"]
+__all__ = [
+    "CNNActorCritic",
+    "EmbodiedPolicy",
+    "LeadingNorm",
+    "MLPActorCritic",
+    "PolicyStep",
+    "RunningNorm",
+    "TokenActionPolicy",
+    "build_policy",
+    "load_policy",
+    "register_policy",
+    "save_policy",
+]

@@ -26,8 +26,12 @@ register_policy = POLICIES.register
 
 
 def build_policy(name: str, observation_space: gym.Space, action_space: gym.Space, num_action_chunks: int, **kwargs) -> EmbodiedPolicy:
-    return POLICIES.get(name)(observation_space=observation_space, action_space=action_space,
-                              num_action_chunks=num_action_chunks, **kwargs)
+    policy = POLICIES.get(name)(observation_space=observation_space, action_space=action_space,
+                                num_action_chunks=num_action_chunks, **kwargs)
+    # what `save_policy` writes so `load_policy` can rebuild it
+    policy.build_spec = {"name": name, "observation_space": observation_space, "action_space": action_space,
+                         "num_action_chunks": num_action_chunks, "kwargs": kwargs}
+    return policy
 
 
 @dataclass
@@ -63,6 +67,21 @@ class RunningNorm(nn.Module):
         return out.clamp(-self.clip, self.clip).to(x.dtype)
 
 
+class LeadingNorm(RunningNorm):
+    """A running normaliser of the first ``width`` values of each observation (the state part
+    of a packed observation); the rest (tokens, pixels) passes through unchanged."""
+
+    def __init__(self, width: int, clip: float = 10.0, eps: float = 1e-8):
+        super().__init__((width,), clip, eps)
+        self.width = width
+
+    def update(self, x: torch.Tensor) -> None:
+        super().update(x[..., : self.width])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([super().forward(x[..., : self.width]), x[..., self.width :]], -1)
+
+
 class EmbodiedPolicy(nn.Module, abc.ABC):
     """The interface every embodied policy implements (MLP, CNN, VLA-style token policies)."""
 
@@ -92,6 +111,11 @@ class EmbodiedPolicy(nn.Module, abc.ABC):
     @abc.abstractmethod
     def env_actions(self, actions: torch.Tensor) -> np.ndarray:
         """Actions as the env takes them, ``[B, C, ...]``."""
+
+    def policy_actions(self, env_actions: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``env_actions``: env actions ``[B, C, ...]`` as this policy's own
+        actions (what ``evaluate`` scores; behaviour cloning needs it)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score env actions")
 
 
 def _layer(n_in: int, n_out: int, gain: float) -> nn.Linear:
@@ -136,6 +160,12 @@ class MLPActorCritic(EmbodiedPolicy):
         if not isinstance(observation_space, gym.spaces.Box) or len(observation_space.shape) != 1:
             raise ValueError(f"model 'mlp': needs a flat Box observation space, got {observation_space}")
         obs_dim = observation_space.shape[0]
+        self._init_heads(obs_dim, action_space, num_action_chunks, hidden_sizes, activation, critic, init_log_std, squash)
+        self.obs_norm = RunningNorm((obs_dim,)) if obs_norm else None
+
+    def _init_heads(self, in_dim: int, action_space: gym.Space, num_action_chunks: int, hidden_sizes, activation: str,
+                    critic: bool, init_log_std: float, squash: bool) -> None:
+        """Actor and critic MLPs over ``in_dim`` features (what ``features`` returns)."""
         self.chunks = num_action_chunks
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
         if self.discrete:
@@ -150,9 +180,12 @@ class MLPActorCritic(EmbodiedPolicy):
         else:
             raise ValueError(f"model 'mlp': needs a Discrete or flat Box action space, got {action_space}")
         self.squash = squash and not self.discrete
-        self.actor = _mlp(obs_dim, list(hidden_sizes), out, activation, 0.01)
-        self.critic = _mlp(obs_dim, list(hidden_sizes), 1, activation, 1.0) if critic else None
-        self.obs_norm = RunningNorm((obs_dim,)) if obs_norm else None
+        self.actor = _mlp(in_dim, list(hidden_sizes), out, activation, 0.01)
+        self.critic = _mlp(in_dim, list(hidden_sizes), 1, activation, 1.0) if critic else None
+
+    def features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """What the actor and critic heads read (the observation itself, for the MLP)."""
+        return inputs["obs"]
 
     def _dist(self, obs: torch.Tensor):
         head = self.actor(obs)
@@ -171,7 +204,7 @@ class MLPActorCritic(EmbodiedPolicy):
         return logp
 
     def act(self, inputs, deterministic=False) -> PolicyStep:
-        obs = inputs["obs"]
+        obs = self.features(inputs)
         dist = self._dist(obs)
         if deterministic:
             actions = dist.probs.argmax(-1) if self.discrete else dist.mean
@@ -181,7 +214,7 @@ class MLPActorCritic(EmbodiedPolicy):
         return PolicyStep(actions=actions, logprobs=self._logprob(dist, actions), values=values, inputs=inputs)
 
     def evaluate(self, inputs, actions):
-        obs = inputs["obs"]
+        obs = self.features(inputs)
         dist = self._dist(obs)
         entropy = dist.entropy()
         out = {"logprobs": self._logprob(dist, actions), "entropy": entropy.unsqueeze(-1) if self.discrete else entropy}
@@ -192,7 +225,7 @@ class MLPActorCritic(EmbodiedPolicy):
     def value(self, inputs) -> torch.Tensor:
         if self.critic is None:
             raise ValueError("model.critic is false: this policy has no value head")
-        return self.critic(inputs["obs"]).squeeze(-1)
+        return self.critic(self.features(inputs)).squeeze(-1)
 
     def env_actions(self, actions: torch.Tensor) -> np.ndarray:
         if self.discrete:
@@ -200,3 +233,11 @@ class MLPActorCritic(EmbodiedPolicy):
         if self.squash:
             return (self.low + (torch.tanh(actions) + 1.0) * 0.5 * (self.high - self.low)).numpy()
         return torch.maximum(torch.minimum(actions, self.high), self.low).numpy()
+
+    def policy_actions(self, env_actions: torch.Tensor) -> torch.Tensor:
+        if self.discrete:
+            return env_actions.long()
+        if self.squash:  # the inverse of the squash, kept off the asymptotes
+            unit = (2.0 * (env_actions - self.low) / (self.high - self.low) - 1.0).clamp(-0.999, 0.999)
+            return torch.atanh(unit)
+        return env_actions.float()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidal.registry import Registry
+from tidal.rollout.rewards import exact_match_reward  # noqa: F401  (re-exported: runners import it from here)
 
 ARITH_ALPHABET = "0123456789+=-*<>?abcdefghijklmnopqrstuvwxyz "
 
@@ -60,11 +61,6 @@ def arithmetic_problems(n: int, digits: int = 2, seed: int = 0, ops: str = "+") 
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
         out.append({"prompt": f"{a}{op}{b}=", "answer": str(value)})
     return out
-
-
-def exact_match_reward(completion: str, answer: str, **_) -> float:
-    """1 when the completion (up to the first space or end) is exactly the answer."""
-    return 1.0 if completion.strip().split(" ")[0] == answer else 0.0
 
 
 @register_task("arithmetic", reward=exact_match_reward)

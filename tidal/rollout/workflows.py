@@ -1,10 +1,9 @@
-"""Episodes for language agents: ``async def run_episode(client, data) -> dict | None``.
+"""Episodes for language agents: ``async def run_episode(data) -> LMBatch | None``.
 
-An episode returns padded tensors ``[n, L]``: ``input_ids``, ``attention_mask``, ``loss_mask``
-(1 on generated tokens), ``logprobs`` (behaviour log-probs, 0 elsewhere), ``versions``
-(the weight version of each generated token, -1 elsewhere) and ``rewards`` ``[n]``, or
-``None`` to reject. Reward functions run off the event loop with a timeout; an exception or a
-timeout rejects that sample and is counted.
+An episode returns an ``LMBatch`` (tidal.data: padded ``[n, L]`` token ids, masks, behaviour
+log-probs and per-token weight versions, and ``rewards`` ``[n]``), or ``None`` to reject.
+Rewards run off the event loop with a timeout (:meth:`Reward.ascore`); an exception or a
+timeout rejects that group and is counted.
 """
 
 from __future__ import annotations
@@ -12,114 +11,59 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from tidal.data import LMBatch, TokenSequence
 from tidal.inference import GenerationConfig, InferenceClient, ModelRequest, ModelResponse
+from tidal.models.lm import render_prompt
+from tidal.rollout.rewards import Reward
 
 log = logging.getLogger(__name__)
 RewardFn = Callable[..., float]
+PromptRenderer = Callable[[Any], list[int]]  # a record's prompt (text or chat messages) -> token ids
 
 
-@dataclass
-class RewardCounters:
-    errors: int = 0
-    timeouts: int = 0
+def add_response(seq: TokenSequence, resp: ModelResponse) -> None:
+    seq.add_generated(resp.output_tokens, resp.output_logprobs, resp.output_versions)
 
 
-@dataclass
-class Sequence:
-    tokens: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-
-    def add_context(self, tokens: list[int]) -> None:
-        self.tokens += tokens
-        self.loss_mask += [0] * len(tokens)
-        self.logprobs += [0.0] * len(tokens)
-        self.versions += [-1] * len(tokens)
-
-    def add_response(self, resp: ModelResponse) -> None:
-        self.tokens += resp.output_tokens
-        self.loss_mask += [1] * resp.output_len
-        self.logprobs += resp.output_logprobs
-        self.versions += resp.output_versions
-
-
-def pad_episode(seqs: list[Sequence], rewards: list[float], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    width = max(len(s.tokens) for s in seqs)
-
-    def pad(values, fill, dtype):
-        return torch.tensor([v + [fill] * (width - len(v)) for v in values], dtype=dtype)
-
-    return {
-        "input_ids": pad([s.tokens for s in seqs], pad_id, torch.long),
-        "attention_mask": pad([[1] * len(s.tokens) for s in seqs], 0, torch.bool),
-        "loss_mask": pad([s.loss_mask for s in seqs], 0, torch.bool),
-        "logprobs": pad([s.logprobs for s in seqs], 0.0, torch.float32),
-        "versions": pad([s.versions for s in seqs], -1, torch.long),
-        "rewards": torch.tensor(rewards, dtype=torch.float32),
-    }
-
-
-def merge_episodes(episodes: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Concatenate episodes along dim 0, padding the token dimension to the longest."""
-    width = max(e["input_ids"].shape[1] for e in episodes)
-    fills = {"input_ids": pad_id, "attention_mask": 0, "loss_mask": 0, "logprobs": 0.0, "versions": -1}
-    out = {}
-    for key in episodes[0]:
-        parts = []
-        for e in episodes:
-            x = e[key]
-            if key in fills and x.shape[1] < width:
-                x = torch.cat([x, torch.full((x.shape[0], width - x.shape[1]), fills[key], dtype=x.dtype)], 1)
-            parts.append(x)
-        out[key] = torch.cat(parts, 0)
-    return out
-
-
-async def score(reward_fn: RewardFn, timeout: float, counters: RewardCounters, **kwargs) -> float | None:
-    """Run a (blocking) reward function off the event loop; ``None`` on error or timeout."""
-    try:
-        return float(await asyncio.wait_for(asyncio.to_thread(reward_fn, **kwargs), timeout))
-    except TimeoutError:
-        counters.timeouts += 1
-    except Exception:  # a broken reward rejects the sample; it is counted, not fatal
-        counters.errors += 1
-        log.exception("reward function failed")
-    return None
+def plain_renderer(tokenizer) -> PromptRenderer:
+    """Prompt text after BOS, no chat template (the generated tasks' layout)."""
+    return lambda prompt: render_prompt(tokenizer, prompt, chat_template=False)
 
 
 class RLVRWorkflow:
     """Single-turn RL from verifiable rewards: ``group_size`` samples per prompt, each scored by
-    ``reward_fn(prompt=..., completion=..., **data)``. ``data`` holds ``prompt`` (text)."""
+    ``reward`` (a :class:`Reward`, or a plain ``fn(completion=..., **record)``) with the record's
+    fields. ``render`` turns the record's ``prompt`` into token ids (default: plain text)."""
 
-    def __init__(self, client: InferenceClient, tokenizer, reward_fn: RewardFn, gconfig: GenerationConfig,
-                 group_size: int = 1, reward_timeout_s: float = 10.0):
-        self.client, self.tokenizer, self.reward_fn = client, tokenizer, reward_fn
-        self.gconfig, self.group_size, self.reward_timeout_s = gconfig, group_size, reward_timeout_s
-        self.counters = RewardCounters()
+    def __init__(self, client: InferenceClient, tokenizer, reward: Reward | RewardFn, gconfig: GenerationConfig,
+                 group_size: int = 1, reward_timeout_s: float = 10.0, render: PromptRenderer | None = None):
+        self.client, self.tokenizer, self.gconfig = client, tokenizer, gconfig
+        self.reward = reward if isinstance(reward, Reward) else Reward(getattr(reward, "__name__", "reward"), reward)
+        self.group_size, self.reward_timeout_s = group_size, reward_timeout_s
+        self.render = render or plain_renderer(tokenizer)
 
-    async def __call__(self, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-        prompt_ids = self.tokenizer.encode(data["prompt"], add_special_tokens=False)
-        prompt_ids = [self.tokenizer.bos_token_id] + prompt_ids
+    @property
+    def counters(self):
+        """The reward's failure counters (errors, timeouts)."""
+        return self.reward.counters
+
+    async def __call__(self, data: dict[str, Any]) -> LMBatch | None:
+        prompt_ids = self.render(data["prompt"])
         # the whole group in one request: one HTTP round trip instead of group_size
         responses = await self.client.agenerate_n(ModelRequest(prompt_ids, self.gconfig), self.group_size)
-        seqs, rewards = [], []
+        completions = [self.tokenizer.decode(r.output_tokens, skip_special_tokens=True) for r in responses]
+        rewards = await asyncio.gather(*(self.reward.ascore(c, data, self.reward_timeout_s) for c in completions))
+        if any(r is None for r in rewards):
+            return None  # a group with a missing member cannot be normalised: reject it whole
+        seqs = []
         for resp in responses:
-            completion = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
-            reward = await score(self.reward_fn, self.reward_timeout_s, self.counters, completion=completion, **data)
-            if reward is None:
-                return None  # a group with a missing member cannot be normalised: reject it whole
-            seq = Sequence()
+            seq = TokenSequence()
             seq.add_context(prompt_ids)
-            seq.add_response(resp)
+            add_response(seq, resp)
             seqs.append(seq)
-            rewards.append(reward)
-        return pad_episode(seqs, rewards, self.tokenizer.pad_token_id)
+        return LMBatch.from_sequences(seqs, rewards, self.tokenizer.pad_token_id)
 
 
 class MultiTurnWorkflow:
@@ -133,16 +77,16 @@ class MultiTurnWorkflow:
         self.client, self.tokenizer, self.make_env = client, tokenizer, make_env
         self.gconfig, self.max_turns, self.turn_discount, self.group_size = gconfig, max_turns, turn_discount, group_size
 
-    async def play(self, data: dict[str, Any], gconfig: GenerationConfig | None = None) -> tuple[Sequence, float]:
+    async def play(self, data: dict[str, Any], gconfig: GenerationConfig | None = None) -> tuple[TokenSequence, float]:
         """One episode (with ``gconfig`` instead of the workflow's, e.g. greedy for evaluation)."""
         gconfig = gconfig or self.gconfig
         env = self.make_env(data)
-        seq = Sequence()
+        seq = TokenSequence()
         seq.add_context([self.tokenizer.bos_token_id] + self.tokenizer.encode(data["prompt"], add_special_tokens=False))
         reward = 0.0
         for turn in range(self.max_turns):
             resp = await self.client.agenerate(ModelRequest(list(seq.tokens), gconfig))
-            seq.add_response(resp)
+            add_response(seq, resp)
             feedback, turn_reward, done = env.step(self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True))
             if turn_reward > 0:
                 reward = turn_reward * self.turn_discount**turn
@@ -151,6 +95,6 @@ class MultiTurnWorkflow:
             seq.add_context(self.tokenizer.encode(feedback, add_special_tokens=False))
         return seq, reward
 
-    async def __call__(self, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+    async def __call__(self, data: dict[str, Any]) -> LMBatch | None:
         results = await asyncio.gather(*(self.play(data) for _ in range(self.group_size)))
-        return pad_episode([s for s, _ in results], [r for _, r in results], self.tokenizer.pad_token_id)
+        return LMBatch.from_sequences([s for s, _ in results], [r for _, r in results], self.tokenizer.pad_token_id)

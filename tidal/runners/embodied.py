@@ -1,53 +1,49 @@
 """The embodied training loop: sync weights → generate rollouts (env, rollout, reward and actor
-groups over channels) → advantages → train → evaluate / checkpoint / log."""
+groups over channels) → advantages → train → evaluate / checkpoint / log (the shared run loop)."""
 
 from __future__ import annotations
 
 import logging
-import math
-import time
 import uuid
 from pathlib import Path
 
 import numpy as np
 
-from tidal.config import EmbodiedConfig, to_yaml, validate_embodied
+from tidal.checkpoint import load_extra
+from tidal.config import ConfigError, EmbodiedConfig, validate_embodied
 from tidal.envs import make_env
-from tidal.metrics import MetricLogger, Timer, attach_file_log
-from tidal.runtime import Channel, Cluster, wait_all
+from tidal.runners.loop import RunLoop, fmt
+from tidal.runtime import Channel, wait_all
 from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker, Topology
 
 log = logging.getLogger("tidal.train")
+WORKERS_FILE = "workers.pt"  # the env and rollout ranks' state, next to the actor's files
 EVAL_SEGMENT = 32  # chunk steps per evaluation call: a few wasted steps against a group call each
 
 
-class EmbodiedRunner:
+class EmbodiedRunner(RunLoop):
     def __init__(self, cfg: EmbodiedConfig):
-        self.cfg = cfg
-        worlds = validate_embodied(cfg)
+        self.worlds = validate_embodied(cfg)
         env = cfg.env
-        self.topo = Topology(env=worlds["env"], rollout=worlds["rollout"], actor=worlds["actor"],
+        self.topo = Topology(env=self.worlds["env"], rollout=self.worlds["rollout"], actor=self.worlds["actor"],
                              stages=env.pipeline_stage_num, total_num_envs=env.total_num_envs,
-                             eval_num_envs=env.eval_num_envs, reward=worlds.get("reward", 0))
-        probe = make_env(env.adapter, 1, env_id=env.id, vectorization_mode="sync",
-                         max_episode_steps=env.max_episode_steps, env_kwargs=dict(env.kwargs), **dict(env.adapter_kwargs))
-        spaces = (probe.observation_space, probe.action_space)
-        max_episode_steps = probe.max_episode_steps
-        probe.close()
+                             eval_num_envs=env.eval_num_envs, reward=self.worlds.get("reward", 0))
+        self.spaces, self.max_episode_steps = _probe_env(cfg)
+        self.cluster = self.env = self.rollout = self.actor = self.reward = None
+        self.channels: dict[str, Channel] = {}
+        self.env_steps, self.rollout_version = 0, None
+        super().__init__(cfg)
 
-        self.run_dir = _run_folder(cfg)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
-        self._log_handler = attach_file_log(self.run_dir / "train.log")
-        self.timer = Timer()
+    # -- what the run loop asks of a runner ------------------------------------------------
 
-        self.cluster = Cluster(cfg.cluster.backend, address=cfg.cluster.address,
-                               devices_per_node=cfg.cluster.devices_per_node)
+    def build(self) -> None:
+        cfg, spaces = self.cfg, self.spaces
+        self.cluster = self.start_cluster()
         components = ["env", "rollout", "actor"] + (["reward"] if cfg.reward.enabled else [])
         placement = self.cluster.placement(cfg.cluster.resolved_placement(components))
         self.env = EnvWorker.create_group(cfg, self.topo).launch(self.cluster, placement, name="env")
         self.rollout = RolloutWorker.create_group(cfg, self.topo, *spaces).launch(self.cluster, placement, name="rollout")
-        self.actor = ActorWorker.create_group(cfg, self.topo, *spaces, max_episode_steps).launch(
+        self.actor = ActorWorker.create_group(cfg, self.topo, *spaces, self.max_episode_steps).launch(
             self.cluster, placement, name="actor")
         self.reward = (RewardWorker.create_group(cfg, self.topo).launch(self.cluster, placement, name="reward")
                        if cfg.reward.enabled else None)
@@ -55,12 +51,59 @@ class EmbodiedRunner:
         self.channels = {name: Channel.create(f"{run_id}-{name}", self.cluster)
                          for name in ("env", "rollout", "actor", "weights", "reward")}
         self.eval_horizon = self.env.execute_on(0).eval_horizon().wait(cfg.runner.timeout_s)[0]
-        self.start_step, self.env_steps, self.rollout_version = 0, 0, None
-        if cfg.runner.resume_from:
-            meta = self.actor.load(cfg.runner.resume_from).wait(cfg.runner.timeout_s)[0]
-            self.start_step, self.env_steps = meta["step"], meta["env_steps"]
-            log.info("resumed from %s at step %d", cfg.runner.resume_from, self.start_step)
-        self.logger = MetricLogger(self.run_dir)
+
+    def restore(self, checkpoint: Path) -> dict:
+        meta = self.actor.load(str(checkpoint)).wait(self.cfg.runner.timeout_s)[0]
+        self.env_steps = meta["env_steps"]
+        self.restore_workers(checkpoint)
+        return meta
+
+    def restore_workers(self, checkpoint: Path) -> None:
+        """The env and rollout state a checkpoint holds (synchronous runs then continue exactly
+        as the interrupted run would have); a warning says when the resume cannot be exact."""
+        workers = load_extra(checkpoint, WORKERS_FILE)
+        if workers is None:
+            log.warning("resume is not exact: %s holds no env or rollout state (saved by an older "
+                        "tidal); the envs restart from their seeds", checkpoint)
+            return
+        saved = {name: len(workers[name]) for name in ("env", "rollout")}
+        if saved != {"env": self.env.world_size, "rollout": self.rollout.world_size}:
+            log.warning("resume is not exact: the checkpoint's env and rollout ranks %s differ "
+                        "from this run's (%d, %d); the envs restart from their seeds", saved,
+                        self.env.world_size, self.rollout.world_size)
+            return
+        weights = workers["rollout"][0]["weights"]  # rank 0 keeps the stale weights for all ranks
+        handles = [self.env.execute_on(r).load_state_dict(s) for r, s in enumerate(workers["env"])]
+        handles += [self.rollout.execute_on(r).load_state_dict({**s, "weights": weights})
+                    for r, s in enumerate(workers["rollout"])]
+        timeout = self.cfg.runner.timeout_s
+        results = wait_all(handles, timeout)
+        if weights is not None:
+            self.rollout_version = workers["rollout"][0]["version"]
+        if workers["env"][0]["prefetched"]:
+            self.env.prefetch_train_bootstrap(self.channels["rollout"]).wait(timeout)
+        for rank, missed in enumerate(r[0] for r in results[:self.env.world_size]):
+            if missed:
+                log.warning("resume is not exact: env rank %d (%s) has state that is not "
+                            "checkpointed: %s", rank, self.cfg.env.id, ", ".join(missed))
+
+    def checkpoint_meta(self) -> dict:
+        return {"env_steps": self.env_steps}
+
+    def should_stop(self, metrics: dict) -> bool:
+        return self.cfg.runner.max_env_steps is not None and self.env_steps >= self.cfg.runner.max_env_steps
+
+    def summarize(self) -> dict:
+        solved = self.cfg.runner.target_value is not None and any(
+            e.get(self.cfg.runner.target_metric) is not None and e[self.cfg.runner.target_metric] >= self.cfg.runner.target_value
+            for _, e in self.evals)
+        return {"env_steps": self.env_steps, "solved_at_env_steps": self.env_steps if solved else None}
+
+    def progress_info(self, m: dict) -> str:
+        return (f"env_steps {m['env_steps']} return {fmt(m.get('rollout/return_mean'))} "
+                f"eval {fmt(m.get('eval/return_mean'))} loss {m.get('train/policy_loss', 0):.4f} "
+                f"v_loss {m.get('train/value_loss', 0):.4f} kl {m.get('train/approx_kl', 0):.4f} "
+                f"{m['env_steps_per_s']:.0f} steps/s")
 
     # -- phases ----------------------------------------------------------------------------
 
@@ -88,11 +131,15 @@ class EmbodiedRunner:
             "rollout/episode_length_mean": float(np.mean(lengths)) if lengths else None,
             "rollout/episodes": len(returns),
             "rollout/bootstrap_prefetched": float(np.mean([res["prefetched"] for res in env_results])),
+            "rollout/nonfinite_env_steps": sum(res["nonfinite"] for res in env_results),
         }
 
-    def evaluate(self) -> dict:
-        """Every eval env through one episode, in segments of at most ``EVAL_SEGMENT`` chunk
-        steps: the evaluation ends with the last episode, not at the time limit."""
+    def evaluate(self, step: int) -> dict:
+        """The policy just trained: every eval env through one episode, in segments of at most
+        ``EVAL_SEGMENT`` chunk steps (the evaluation ends with the last episode, not at the
+        time limit)."""
+        if self.rollout_version != step:
+            self.sync_weights()
         c, timeout = self.channels, self.cfg.runner.timeout_s
         returns, done = [], 0
         while done < self.eval_horizon:
@@ -106,47 +153,16 @@ class EmbodiedRunner:
         return {"eval/return_mean": float(np.mean(returns)) if returns else None,
                 "eval/return_std": float(np.std(returns)) if returns else None, "eval/episodes": len(returns)}
 
-    def save(self, step: int) -> str:
-        path = self.run_dir / "checkpoints" / f"step_{step:06d}"
-        meta = {"step": step, "env_steps": self.env_steps}
-        return self.actor.save(str(path), meta).wait(self.cfg.runner.timeout_s)[0]
+    def save(self, path: Path, meta: dict) -> str:
+        """The actor's checkpoint, with the env and rollout ranks' state in ``workers.pt``."""
+        timeout = self.cfg.runner.timeout_s
+        stale_weights = self.rollout_version != meta["step"]
+        handles = [self.env.state_dict(), self.rollout.state_dict(stale_weights)]
+        envs, rollouts = wait_all(handles, timeout)
+        workers = {"env": envs, "rollout": rollouts}
+        return self.actor.save(str(path), meta, {WORKERS_FILE: workers}).wait(timeout)[0]
 
-    # -- the loop --------------------------------------------------------------------------
-
-    def run(self) -> dict:
-        r = self.cfg.runner
-        progress = _Progress(r.max_steps, self.start_step, enabled=r.progress)
-        summary: dict = {"best_eval_return": None, "solved_at_env_steps": None}
-        start_time, step = time.perf_counter(), self.start_step
-        try:
-            for step in range(self.start_step, r.max_steps):
-                metrics = self._train_step(step)
-                if r.eval_interval and ((step + 1) % r.eval_interval == 0 or step + 1 == r.max_steps):
-                    if self.rollout_version != step + 1:
-                        self.sync_weights()  # evaluate the policy just trained
-                    metrics.update(self.evaluate())
-                metrics["time/elapsed"] = time.perf_counter() - start_time
-                self.logger.log(step, metrics)
-                log.info(_summary_line(step, metrics))
-                progress.update(step, metrics)
-                if r.save_interval and (step + 1) % r.save_interval == 0:
-                    self.save(step + 1)
-                ev = metrics.get("eval/return_mean")
-                if ev is not None:
-                    summary["best_eval_return"] = max(ev, summary["best_eval_return"] or -math.inf)
-                    if r.target_eval_return is not None and ev >= r.target_eval_return:
-                        summary["solved_at_env_steps"] = self.env_steps
-                        break
-                if r.max_env_steps is not None and self.env_steps >= r.max_env_steps:
-                    break
-            summary["checkpoint"] = self.save(step + 1)
-        finally:
-            progress.close()
-        summary.update(steps=step + 1, env_steps=self.env_steps, wall_time=time.perf_counter() - start_time,
-                       run_dir=str(self.run_dir))
-        return summary
-
-    def _train_step(self, step: int) -> dict:
+    def train_step(self, step: int) -> dict:
         timeout = self.cfg.runner.timeout_s
         with self.timer("step"):
             with self.timer("sync_weights"):
@@ -170,75 +186,31 @@ class EmbodiedRunner:
         per_step = self.cfg.env.total_num_envs * self.cfg.rollout.num_steps * self.cfg.env.num_action_chunks
         return per_step / max(metrics.get("time/step", 1e-9), 1e-9)
 
-    def close(self) -> None:
-        self.logger.close()
-        self.env.close().wait(self.cfg.runner.timeout_s)
-        for group in (self.env, self.rollout, self.actor, self.reward):
+    def cleanup_steps(self, graceful: bool) -> list:
+        steps = []
+        if graceful and self.env is not None:
+            steps.append(("env close", lambda: self.env.close().wait(self.cfg.runner.timeout_s)))
+        for name, group in (("env", self.env), ("rollout", self.rollout), ("actor", self.actor), ("reward", self.reward)):
             if group is not None:
-                group.shutdown()
-        for ch in self.channels.values():
-            ch.close()
-        self.cluster.shutdown()
-        logging.getLogger("tidal").removeHandler(self._log_handler)
-        self._log_handler.close()
+                steps.append((f"{name} group", group.shutdown))
+        steps += [(f"{name} channel", ch.close) for name, ch in self.channels.items()]
+        if self.cluster is not None:
+            steps.append(("cluster", self.cluster.shutdown))
+        return steps
 
 
-def _run_folder(cfg: EmbodiedConfig) -> Path:
-    """A resumed run continues in the folder that holds its checkpoint; a new run gets
-    ``run_dir/experiment``, suffixed ``-2``, ``-3``, ... when that exists already."""
-    if cfg.runner.resume_from:
-        from tidal.checkpoint import resolve_checkpoint
-
-        return resolve_checkpoint(cfg.runner.resume_from).parent.parent
-    base = Path(cfg.runner.run_dir) / cfg.runner.experiment
-    candidate, n = base, 1
-    while candidate.exists():
-        n += 1
-        candidate = base.with_name(f"{base.name}-{n}")
-    return candidate
-
-
-def _fmt(v) -> str:
-    return "-" if v is None else f"{v:.1f}"
-
-
-def _summary_line(step: int, m: dict) -> str:
-    return (f"step {step + 1} env_steps {m['env_steps']} return {_fmt(m.get('rollout/return_mean'))} "
-            f"eval {_fmt(m.get('eval/return_mean'))} loss {m.get('train/policy_loss', 0):.4f} "
-            f"v_loss {m.get('train/value_loss', 0):.4f} kl {m.get('train/approx_kl', 0):.4f} "
-            f"{m['env_steps_per_s']:.0f} steps/s")
-
-
-class _Progress:
-    """Live progress (step, env steps, return, steps/s, ETA) on a terminal; a line per step otherwise."""
-
-    def __init__(self, total: int, start: int, enabled: bool):
-        from rich.console import Console
-
-        self.console = Console(stderr=True)
-        self.enabled, self.total, self.start = enabled, total, start
-        self.live = None
-        self.t0 = time.perf_counter()
-        if enabled and self.console.is_terminal:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.live = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=self.console)
-            self.task = self.live.add_task("train", total=total, completed=start, info="")
-            self.live.start()
-
-    def update(self, step: int, m: dict) -> None:
-        if not self.enabled:
-            return
-        info = (f"env steps {m['env_steps']}  return {_fmt(m.get('rollout/return_mean'))}  "
-                f"eval {_fmt(m.get('eval/return_mean'))}  {m['env_steps_per_s']:.0f} steps/s")
-        if self.live is not None:
-            self.live.update(self.task, completed=step + 1, info=info)
-        else:
-            done = step + 1 - self.start
-            eta = (time.perf_counter() - self.t0) / max(done, 1) * (self.total - step - 1)
-            self.console.print(f"step {step + 1}/{self.total}  {info}  ETA {eta:.0f}s", highlight=False)
-
-    def close(self) -> None:
-        if self.live is not None:
-            self.live.stop()
+def _probe_env(cfg: EmbodiedConfig):
+    """The spaces and time limit of the configured env, from one instance made here: an env
+    that cannot be made is a config error before any worker starts."""
+    env = cfg.env
+    try:
+        probe = make_env(env.adapter, 1, env_id=env.id, vectorization_mode="sync", max_episode_steps=env.max_episode_steps,
+                         env_kwargs=dict(env.kwargs), **dict(env.adapter_kwargs))
+    except Exception as exc:  # noqa: BLE001 - gymnasium raises many kinds for a bad id or kwarg
+        key = "env.kwargs" if isinstance(exc, TypeError) and env.kwargs else "env.id"
+        raise ConfigError(f"{key}: cannot make {env.id!r} with kwargs {dict(env.kwargs)}: "
+                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    try:
+        return (probe.observation_space, probe.action_space), probe.max_episode_steps
+    finally:
+        probe.close()

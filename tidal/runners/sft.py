@@ -1,4 +1,12 @@
-"""``tidal sft``: supervised warm start of a tiny causal LM on generated examples."""
+"""``tidal sft``: supervised warm start of the causal LM at model.path.
+
+With data.path it learns the file's records: conversations (data.messages_key) or prompt/answer
+pairs, rendered with the chat template when data.chat_template is set, with the loss only on the
+assistant's turns. Without, it learns a registered task's generated demonstrations. When
+model.path does not exist yet it builds a tiny model there first: a chat Qwen2 with a byte-level
+BPE tokenizer trained on the dataset's text, or a character-level Llama for a generated task.
+The result is saved to model.path and scored on the held-out records as ``tidal eval`` scores it.
+"""
 
 from __future__ import annotations
 
@@ -8,83 +16,133 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tidal.config.llm import LLMConfig
-from tidal.inference.tiny import char_tokenizer, tiny_llama
+from tidal.config.common import ActorConfig
+from tidal.config.llm import LLMConfig, validate_sft
+from tidal.data.datasets import RecordIterator, load_conversations, load_prompts
+from tidal.engine import TrainEngine
+from tidal.inference.tiny import save_tiny_chat_model, save_tiny_model
+from tidal.models.lm import load_causal_lm
 from tidal.rollout.tasks import ARITH_ALPHABET, TASKS
+from tidal.runners.lm_common import data_cache, eval_records, sft_examples
 
 log = logging.getLogger("tidal.sft")
 
+Example = tuple[list[int], list[int]]  # (input_ids, loss_mask)
 
-def load_or_build(cfg: LLMConfig):
-    path = Path(cfg.model.path)
-    if (path / "config.json").is_file():
-        return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
-    tokenizer = char_tokenizer(ARITH_ALPHABET)
-    m = cfg.model
-    model = tiny_llama(len(tokenizer), hidden=m.hidden, layers=m.layers, heads=m.heads, max_positions=m.max_positions,
-                       seed=cfg.runner.seed)
-    return model, tokenizer
+
+def dataset_text(cfg: LLMConfig, cache: Path) -> list[str]:
+    """Every string of the training file an SFT example renders (to train a tokenizer on)."""
+    d = cfg.data
+    if d.messages_key is not None:
+        rows = load_conversations(d.path, cache, d.messages_key, d.id_key)
+        texts = [m["content"] for row in rows for m in row["messages"]]
+    else:
+        rows = load_prompts(d.path, cache, d.prompt_key, d.answer_key, d.id_key)
+        texts = [str(answer) for answer in rows["answer"]]
+        for prompt in rows["prompt"]:
+            texts += [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+    return texts + ([d.system_prompt] if d.system_prompt else [])
+
+
+def load_or_build(cfg: LLMConfig, cache: Path):
+    """``(model, tokenizer)`` from model.path, where a tiny model is built first when it does not
+    exist (a chat model for a dataset file, a character-level one for a generated task)."""
+    m, path = cfg.model, Path(cfg.model.path)
+    if not path.exists():
+        size = dict(hidden=m.hidden, layers=m.layers, heads=m.heads, max_positions=m.max_positions)
+        if cfg.data.path is not None:
+            save_tiny_chat_model(
+                path, dataset_text(cfg, cache), m.vocab_size, seed=cfg.runner.seed, **size
+            )
+        else:
+            save_tiny_model(path, ARITH_ALPHABET, seed=cfg.runner.seed, **size)
+        log.info("sft: built a tiny model in %s", path)
+    return load_causal_lm(path, m.dtype, m.attn_implementation, m.gradient_checkpointing)
 
 
 def encode(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
     """BOS, then each segment; a trained segment (a model turn) ends with EOS and is learned."""
     ids, trained = [tokenizer.bos_token_id], [False]
     for text, learn in segments:
-        part = tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] if learn else [])
+        part = tokenizer.encode(text, add_special_tokens=False) + (
+            [tokenizer.eos_token_id] if learn else []
+        )
         ids += part
         trained += [learn] * len(part)
     return ids, trained
 
 
-@torch.no_grad()
-def greedy_accuracy(model, tokenizer, problems: list[dict], max_new_tokens: int) -> float:
-    """Exact match of greedy answers, batched with left padding."""
-    model.eval()
-    correct = 0
-    for start in range(0, len(problems), 128):
-        chunk = problems[start:start + 128]
-        prompts = [[tokenizer.bos_token_id] + tokenizer.encode(p["prompt"], add_special_tokens=False) for p in chunk]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
-        mask = (ids != tokenizer.pad_token_id).long()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        for p, row in zip(chunk, out[:, width:]):
-            text = tokenizer.decode(row, skip_special_tokens=True)
-            correct += text.strip().split(" ")[0] == p["answer"]
-    return correct / len(problems)
+def batches(cfg: LLMConfig, tokenizer, cache: Path):
+    """``next_batch() -> [Example]``: the file's examples in a seeded shuffled order, or fresh
+    demonstrations of the task's generated problems."""
+    d, size = cfg.data, cfg.sft.batch_size
+    if d.path is not None:
+        examples = RecordIterator(sft_examples(cfg, tokenizer, cache), seed=cfg.runner.seed)
+        return lambda: examples.next_batch(size)
+    task, rng = TASKS.get(d.task), random.Random(cfg.runner.seed)
+    train = task.problems(d.train_size, d.seed, d)
+    return lambda: [encode(tokenizer, task.demonstration(p, rng)) for p in rng.sample(train, size)]
+
+
+def collate(batch: list[Example], pad_id: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids`` and ``labels`` (-100 off the learned tokens), cut to the
+    context."""
+    batch = [(ids[:context], mask[:context]) for ids, mask in batch]
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in batch])
+    learn = torch.tensor(
+        [[bool(x) for x in mask] + [False] * (width - len(mask)) for _, mask in batch]
+    )
+    return ids, torch.where(learn, ids, -100)
 
 
 def run_sft(cfg: LLMConfig) -> dict:
+    validate_sft(cfg)
     torch.manual_seed(cfg.runner.seed)
     torch.set_num_threads(max(1, cfg.cluster.torch_threads))
-    model, tokenizer = load_or_build(cfg)
-    d = cfg.data
-    task = TASKS.get(d.task)
-    train = task.problems(d.train_size, d.seed, d)
-    held_out = task.problems(cfg.sft.eval_size, d.seed + 10_000, d)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr)
-    rng = random.Random(cfg.runner.seed)
-    start = time.perf_counter()
-    model.train()
+    with data_cache(cfg, None) as cache:
+        model, tokenizer = load_or_build(cfg, cache)
+        next_batch = batches(cfg, tokenizer, cache)
+        held_out = eval_records(cfg, cache, cfg.sft.eval_size)
+    context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    # torch's AdamW defaults and no clipping: how the warm start has always trained
+    engine = TrainEngine(
+        model,
+        ActorConfig(lr=cfg.sft.lr, optimizer="adamw", weight_decay=0.01, max_grad_norm=None),
+        total_steps=cfg.sft.steps,
+        name="sft",
+    )
+
+    def loss_fn(module, micro):
+        ids, labels = micro
+        loss = module(input_ids=ids, labels=labels).loss
+        return loss, {"loss": loss.item()}
+
+    start, losses = time.perf_counter(), []
     for step in range(cfg.sft.steps):
-        batch = [encode(tokenizer, task.demonstration(p, rng)) for p in rng.sample(train, cfg.sft.batch_size)]
-        width = max(len(ids) for ids, _ in batch)
-        ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in batch])
-        learn = torch.tensor([trained + [False] * (width - len(trained)) for _, trained in batch])
-        labels = torch.where(learn, ids, -100)
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        losses.append(
+            engine.train_batch([collate(next_batch(), tokenizer.pad_token_id, context)], loss_fn)[
+                "loss"
+            ][0]
+        )
+        engine.end_step()
         if (step + 1) % 100 == 0:
-            log.info("sft step %d loss %.4f", step + 1, loss.item())
-    # multi-turn tasks are scored by the RL runner's first evaluation (it needs the environment)
-    accuracy = None if task.multi_turn else greedy_accuracy(model, tokenizer, held_out, cfg.rollout.max_new_tokens)
+            log.info("sft step %d loss %.4f", step + 1, losses[-1])
     Path(cfg.model.path).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(cfg.model.path)
     tokenizer.save_pretrained(cfg.model.path)
-    return {"model_path": cfg.model.path, "steps": cfg.sft.steps, "held_out_accuracy": accuracy,
-            "final_loss": loss.item(), "wall_time": time.perf_counter() - start}
+    # multi-turn tasks are scored by the RL runner's first evaluation (it needs the environment)
+    accuracy = None
+    if held_out and not (cfg.data.path is None and TASKS.get(cfg.data.task).multi_turn):
+        from tidal.runners.evaluate import serve_and_evaluate
+
+        accuracy = serve_and_evaluate(cfg, held_out).metrics["eval/accuracy"]
+    return {
+        "model_path": cfg.model.path,
+        "steps": cfg.sft.steps,
+        "held_out_accuracy": accuracy,
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "wall_time": time.perf_counter() - start,
+    }

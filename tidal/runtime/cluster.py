@@ -21,6 +21,7 @@ class Cluster:
         backend: str = "local",
         *,
         address: str | None = None,
+        connect_timeout_s: float = 30.0,
         devices_per_node: int | None = None,
         namespace: str = "tidal",
         ray_init_kwargs: Mapping | None = None,
@@ -33,6 +34,7 @@ class Cluster:
         options = BackendOptions(
             namespace=namespace,
             address=address,
+            connect_timeout_s=connect_timeout_s,
             devices_per_node=devices_per_node,
             ray_init_kwargs=dict(ray_init_kwargs or {}),
             shared_event_loop=shared_event_loop,

@@ -44,3 +44,7 @@ class ChannelTimeoutError(TimeoutError):
 
     def __reduce__(self):
         return type(self), (self.channel, self.op, self.key, self.timeout)
+
+
+class ClusterUnreachable(ConnectionError):
+    """Nothing answers at the cluster address: a configuration error, named before anything runs."""

@@ -3,7 +3,6 @@ the policy with PPO (micro-batches, gradient accumulation, data parallel over ra
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import gymnasium as gym
@@ -11,6 +10,7 @@ import numpy as np
 import torch
 
 from tidal.algorithms import (
+    advantage_spec,
     get_advantage,
     loss_mask_from_dones,
     masked_whiten,
@@ -19,26 +19,12 @@ from tidal.algorithms import (
     reshape_logprobs,
     value_loss,
 )
-from tidal.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from tidal.config import EmbodiedConfig
 from tidal.data import Trajectory
+from tidal.engine import TrainEngine
 from tidal.runtime import Channel, CommMapper, Worker, merge_batches, send_weights
 from tidal.workers.rollout_worker import make_policy
 from tidal.workers.routes import TRAJECTORY_TAG, Topology
-
-
-def lr_lambda(schedule: str, warmup: int, total: int):
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if schedule == "linear":
-            return 1.0 - progress
-        if schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
-
-    return factor
 
 
 def _time_major(x: torch.Tensor) -> torch.Tensor:
@@ -55,19 +41,12 @@ class ActorWorker(Worker):
                  max_episode_steps: int | None = None):
         self.cfg, self.topo = cfg, topology
         torch.set_num_threads(cfg.cluster.torch_threads)
-        torch.manual_seed(cfg.actor.seed)
+        torch.manual_seed(cfg.runner.seed)
         self.policy = make_policy(cfg, observation_space, action_space)
-        self.model = self.policy
         if self.world_size > 1:
             self.init_distributed()
-            self.model = torch.nn.parallel.DistributedDataParallel(self.policy)
-        a = cfg.actor
-        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=a.lr, eps=a.adam_eps, weight_decay=a.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(a.lr_schedule, a.warmup_steps, cfg.runner.max_steps))
-        self.version = 0  # training steps applied to the weights
-        self.global_step = 0
-        self.skipped_steps = 0
+        self.engine = TrainEngine(self.policy, cfg.actor, cfg.runner.max_steps, distributed=self.world_size > 1)
+        self.estimator = advantage_spec(cfg.algorithm.adv_type)
         self.max_chunk_steps = math.ceil((max_episode_steps or cfg.rollout.num_steps) / cfg.env.num_action_chunks)
         self.batch: dict[str, torch.Tensor] | None = None
         self.traj: Trajectory | None = None
@@ -76,8 +55,8 @@ class ActorWorker(Worker):
 
     def send_weights(self, weights_ch: Channel) -> int:
         if self.rank == 0:
-            send_weights(weights_ch, self.policy.state_dict(), self.version, self.topo.rollout)
-        return self.version
+            send_weights(weights_ch, self.policy.state_dict(), self.engine.step, self.topo.rollout)
+        return self.engine.step
 
     # -- data ----------------------------------------------------------------------------
 
@@ -107,17 +86,21 @@ class ActorWorker(Worker):
             mask_sum = torch.full(r.shape, float(r.shape[0]))
         else:
             mask, mask_sum = loss_mask_from_dones(d)
+        if traj.valid is not None:  # envs that returned non-finite values: their samples are out
+            valid = _time_major(traj.valid)
+            per_action = alg.reward_type == "action"
+            mask = mask & (valid.repeat_interleave(chunk, 0) if per_action else valid)
         values = _time_major(traj.prev_values).float() if traj.prev_values is not None else None
         adv, ret = get_advantage(alg.adv_type)(rewards=r, values=values, dones=d, mask=mask, gamma=alg.gamma,
                                                lam=alg.gae_lambda, group_size=cfg.env.group_size)
-        if alg.normalize_advantages and alg.adv_type == "gae":
+        if alg.normalize_advantages and self.estimator.whiten:
             adv = masked_whiten(adv, mask)
         metrics = {
             "rollout/reward_per_step": float(r[mask].mean()) if mask.any() else 0.0,
             "rollout/advantage_mean": float(adv[mask].mean()) if mask.any() else 0.0,
             "rollout/return_target_mean": float(ret[mask].mean()) if mask.any() else 0.0,
             "rollout/valid_fraction": float(mask.float().mean()),
-            "rollout/policy_version_lag": float(self.version - traj.versions.float().mean()),
+            "rollout/policy_version_lag": float(self.engine.step - traj.versions.float().mean()),
         }
         if alg.reward_type == "action":  # [T * C, B] → [T, B, C]: one advantage per action
             adv, ret = (x.reshape(steps, chunk, batch).transpose(1, 2) for x in (adv, ret))
@@ -138,48 +121,42 @@ class ActorWorker(Worker):
     # -- training ------------------------------------------------------------------------
 
     def run_training(self) -> dict[str, float]:
+        """PPO epochs over the batch: shuffled (seeded) global batches split over the ranks,
+        each an optimizer step accumulated over micro-batches."""
         alg, act = self.cfg.algorithm, self.cfg.actor
         per_rank = act.global_batch_size // self.world_size
-        accumulation = per_rank // act.micro_batch_size
         size = self.batch["advantages"].shape[0]
         if size % per_rank:
             raise ValueError(f"actor rank {self.rank}: {size} samples do not divide into per-rank batches of {per_rank}")
-        generator = torch.Generator().manual_seed(act.seed + 1000 * self.rank + self.global_step)
-        critic_only = self.global_step < alg.critic_warmup_steps
-        self.model.train()
+        step = self.engine.step
+        generator = torch.Generator().manual_seed(self.cfg.runner.seed + 1000 * self.rank + step)
+        critic_only = step < alg.critic_warmup_steps
+        accumulation = per_rank // act.micro_batch_size
+
+        def loss_fn(model, micro):
+            loss, info = self._micro_loss(model, micro, critic_only)
+            return loss / accumulation, info
+
         metrics: dict[str, list[float]] = {}
         for _ in range(alg.update_epochs):
             order = torch.randperm(size, generator=generator)
             epoch_kl = []
             for start in range(0, size, per_rank):
-                idx = order[start:start + per_rank]
-                self.optimizer.zero_grad(set_to_none=True)
-                for m in range(accumulation):
-                    micro = {k: v[idx[m * act.micro_batch_size:(m + 1) * act.micro_batch_size]] for k, v in self.batch.items()}
-                    sync = contextlib.nullcontext() if m == accumulation - 1 or self.world_size == 1 else self.model.no_sync()
-                    with sync:
-                        loss, info = self._micro_loss(micro, critic_only)
-                        (loss / accumulation).backward()
-                    for k, v in info.items():
-                        metrics.setdefault(k, []).append(v)
-                    epoch_kl.append(info["train/approx_kl"])
-                self._optimizer_step(metrics)
+                idx = order[start:start + per_rank].split(act.micro_batch_size)
+                micro_batches = [{k: v[i] for k, v in self.batch.items()} for i in idx]
+                for k, v in self.engine.train_batch(micro_batches, loss_fn).items():
+                    metrics.setdefault(k, []).extend(v)
+                epoch_kl.extend(metrics["approx_kl"][-len(micro_batches):])
             if alg.target_kl is not None and np.mean(epoch_kl) > alg.target_kl:
                 break
-        self.scheduler.step()
-        self.global_step += 1
-        self.version += 1
-        out = {k: float(np.mean(v)) for k, v in metrics.items()}
-        out["train/lr"] = self.optimizer.param_groups[0]["lr"]
-        out["train/skipped_steps"] = float(self.skipped_steps)
+        out = {f"train/{k}": float(np.mean(v)) for k, v in metrics.items()}
+        out.update(self.engine.end_step())
         return self.all_reduce_mean(out)
 
-    def _micro_loss(self, micro: dict[str, torch.Tensor], critic_only: bool):
+    def _micro_loss(self, model, micro: dict[str, torch.Tensor], critic_only: bool):
         alg = self.cfg.algorithm
         inputs = {k[3:]: v for k, v in micro.items() if k.startswith("in.")}
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.actor.bf16)
-        with autocast:
-            out = self.model(inputs, micro["actions"])
+        out = model(inputs, micro["actions"])
         level = alg.logprob_type
         logp = reshape_logprobs(out["logprobs"].float(), level)
         old = reshape_logprobs(micro["old_logprobs"], level)
@@ -188,8 +165,7 @@ class ActorWorker(Worker):
                                       agg=alg.loss_agg, loss_mask_sum=mask_sum, max_episode_steps=self.max_chunk_steps)
         entropy = reshape_logprobs(out["entropy"].float(), level)
         entropy_mean = torch.where(mask, entropy, 0.0).sum() / mask.sum().clamp(min=1)
-        info = {"train/policy_loss": pg_loss.item(), "train/entropy": entropy_mean.item(),
-                **{f"train/{k}": v.item() for k, v in pg.items()}}
+        info = {"policy_loss": pg_loss.item(), "entropy": entropy_mean.item(), **{k: v.item() for k, v in pg.items()}}
         loss = torch.zeros(())
         if not critic_only:
             loss = pg_loss - alg.entropy_bonus * entropy_mean
@@ -198,7 +174,7 @@ class ActorWorker(Worker):
             v_loss, v = value_loss(out["values"].float(), micro["old_values"], self._step_returns(micro["returns"]),
                                    step_mask, alg.value_clip, alg.huber_delta)
             loss = loss + alg.vf_coef * v_loss
-            info.update({"train/value_loss": v_loss.item(), **{f"train/{k}": x.item() for k, x in v.items()}})
+            info.update({"value_loss": v_loss.item(), **{k: x.item() for k, x in v.items()}})
         return loss, info
 
     @staticmethod
@@ -214,35 +190,13 @@ class ActorWorker(Worker):
     def _step_returns(returns: torch.Tensor) -> torch.Tensor:
         return returns if returns.dim() == 1 else returns[:, 0]
 
-    def _optimizer_step(self, metrics: dict[str, list[float]]) -> None:
-        max_norm = self.cfg.actor.max_grad_norm
-        params = [p for p in self.policy.parameters() if p.grad is not None]
-        if max_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        else:
-            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
-        if torch.isfinite(norm):
-            self.optimizer.step()
-        else:  # a non-finite gradient would poison the weights: skip this step, count it
-            self.skipped_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics.setdefault("train/grad_norm", []).append(float(norm))
-
     # -- checkpoints ---------------------------------------------------------------------
 
-    def save(self, path: str, meta: dict) -> str | None:
+    def save(self, path: str, meta: dict, extra: dict | None = None) -> str | None:
+        """Rank 0 writes the checkpoint; ``extra``: other groups' state, saved alongside."""
         if self.rank != 0:
             return None
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "rng": rng_state()}
-        meta = {**meta, "version": self.version, "global_step": self.global_step, "skipped_steps": self.skipped_steps}
-        return str(save_checkpoint(path, self.policy.state_dict(), state, meta))
+        return str(self.engine.save(path, {**meta, "version": self.engine.step}, extra))
 
     def load(self, path: str) -> dict:
-        model_state, state, meta = load_checkpoint(path)
-        self.policy.load_state_dict(model_state)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        self.version, self.global_step = meta["version"], meta["global_step"]
-        self.skipped_steps = meta.get("skipped_steps", 0)
-        return meta
+        return self.engine.load(path)

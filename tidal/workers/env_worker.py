@@ -7,9 +7,11 @@ import math
 
 import torch
 
+from tidal.algorithms import advantage_spec
 from tidal.config import EmbodiedConfig
 from tidal.data import ChunkActions, EnvOutput, Trajectory
 from tidal.envs import ChunkedEnv, make_env
+from tidal.envs.checks import NonFiniteGuard
 from tidal.runtime import Channel, Outbox, Worker, async_recv_batch
 from tidal.workers.routes import TRAJECTORY_TAG, Topology, action_tag, obs_tag, reward_tags
 
@@ -21,6 +23,7 @@ class _StageRecorder:
         self.inputs, self.actions, self.logprobs, self.values, self.versions = [], [], [], [], []
         self.raw_obs, self.rewards = [], []
         self.terms, self.truncs, self.dones = [first_dones], [first_dones], [first_dones]
+        self.last_bad = torch.full((first_dones.shape[0],), -1)  # last step with a non-finite value
 
     def add_policy(self, act: ChunkActions, raw_obs: torch.Tensor) -> None:
         self.inputs.append(act.forward_inputs)
@@ -43,9 +46,14 @@ class _StageRecorder:
             position = self.dones[-1][rows].float().argmax(-1)
             self.rewards[-1][rows, position] += gamma * final_values[rows]
 
+    def mark_bad(self, bad: torch.Tensor, step: int) -> None:
+        """Mask these envs' samples up to ``step``: their advantages depend on the bad value."""
+        self.last_bad[bad] = step
+
     def trajectory(self) -> Trajectory:
         stack = lambda xs: torch.stack(xs, 1)  # noqa: E731  [B, T, ...]
         keys = self.inputs[0].keys()
+        valid = torch.arange(len(self.rewards))[None, :] > self.last_bad[:, None]
         return Trajectory(
             forward_inputs={k: stack([i[k] for i in self.inputs]) for k in keys},
             actions=stack(self.actions),
@@ -57,6 +65,7 @@ class _StageRecorder:
             dones=stack(self.dones),
             raw_obs=stack(self.raw_obs),
             versions=stack(self.versions),
+            valid=valid,
         )
 
 
@@ -68,13 +77,17 @@ class EnvWorker(Worker):
         self.stages = env.pipeline_stage_num
         self.stage_envs = env.total_num_envs // (self.world_size * self.stages)
         self.gamma = cfg.algorithm.gamma
-        self.bootstrap = cfg.algorithm.adv_type == "gae"
+        self.bootstrap = advantage_spec(cfg.algorithm.adv_type).needs_bootstrap
         self.bootstrap_on = "truncations" if cfg.algorithm.bootstrap_type == "truncated" else "dones"
         self.envs = [
             ChunkedEnv(self._make(self.stage_envs), env.auto_reset, self._seeds(s, self.stage_envs, env.group_size))
             for s in range(self.stages)
         ]
+        first_env = [(self.rank * self.stages + s) * self.stage_envs for s in range(self.stages)]
+        self._guards = [NonFiniteGuard(self.rank, first, self.stage_envs, env.max_nonfinite_steps)
+                        for first in first_env]
         eval_envs = env.eval_num_envs // self.world_size
+        self._eval_guard = NonFiniteGuard(self.rank, self.rank * eval_envs, eval_envs, limit=2**62)
         self._eval_obs = None  # where the running evaluation has got to
         self.eval_env = ChunkedEnv(self._make(eval_envs), False, [cfg.runner.seed + 10**6 + self.rank * eval_envs + i for i in range(eval_envs)])
         self.epoch = 0
@@ -117,8 +130,12 @@ class EnvWorker(Worker):
                     continue
                 rec.add_policy(act, self._obs[s])
                 out = await self._step(self.envs[s], act.env_actions.numpy())
+                where = f"training step {self.epoch + 1}, chunk step {t}"
+                bad = self._guards[s].check(out, ("obs", "final_obs", "rewards"), "env", where)
                 if reward_ch is not None:
                     out.rewards = await self._model_rewards(outbox, reward_ch, env_ch, out, s, timeout)
+                    bad |= self._guards[s].check(out, ("rewards",), "reward model", where)
+                self._restart_bad(s, out, bad, rec, t, where)
                 needs[s] = getattr(out, self.bootstrap_on).any(-1) if self.bootstrap else torch.zeros_like(needs[s])
                 rec.add_env(out)
                 self._obs[s] = out.obs
@@ -136,9 +153,21 @@ class EnvWorker(Worker):
         return {
             "returns": [r for ep in episodes for r in ep["returns"]],
             "lengths": [n for ep in episodes for n in ep["lengths"]],
+            # per finished episode, from adapters that report success (tidal.envs.success_metrics)
+            "successes": [x for ep in episodes for x in ep["successes"]],
+            "tasks": [x for ep in episodes for x in ep["tasks"]],
             "env_steps": steps * self.stage_envs * self.stages * self.cfg.env.num_action_chunks,
             "prefetched": prefetched,
+            "nonfinite": sum(g.drain() for g in self._guards),
         }
+
+    def _restart_bad(self, stage: int, out: EnvOutput, bad: torch.Tensor, rec: _StageRecorder,
+                     step: int, where: str) -> None:
+        """Copies that returned a non-finite value restart; their samples up to here are masked."""
+        if bad.any():
+            out.obs = self.envs[stage].restart(bad, out.obs)
+            rec.mark_bad(bad, step)
+        self._guards[stage].count(bad, where)
 
     async def _start_epoch(self, outbox: Outbox, rollout_ch: Channel) -> None:
         """Reset when every epoch starts fresh episodes (same seed per group), then send each
@@ -173,7 +202,10 @@ class EnvWorker(Worker):
         for _ in range(num_steps):
             await self._send_obs(outbox, rollout_ch, EnvOutput(obs=self._eval_obs), "eval", 0)
             act = await self._recv_actions(env_ch, "eval", 0, timeout)
-            self._eval_obs = self.eval_env.step(act.env_actions.numpy()).obs
+            out = self.eval_env.step(act.env_actions.numpy())
+            where = f"the evaluation after training step {self.epoch}"
+            self._eval_guard.check(out, ("obs",), "eval env", where)
+            self._eval_obs = out.obs
         await outbox.flush()
         return {"finished": self.eval_env.all_reported(), **self.eval_env.stats.drain()}
 
@@ -200,6 +232,32 @@ class EnvWorker(Worker):
         rewards = await async_recv_batch(env_ch, self.rank, self.topo.reward, self.world_size,
                                          self.topo.stage_batch("train"), tag=tag_out, timeout=timeout)
         return rewards["rewards"]
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Where the training envs are: each stage's observations, dones and env state, and
+        the epoch (it also offsets the reset and evaluation seeds). The eval envs restart at
+        every evaluation, so they have nothing to keep. A prefetched epoch start (``prefetched``)
+        is for the runner to redo on resume: its resets are seeded, so it sends the same
+        observations."""
+        envs, missed = zip(*(e.state_dict() for e in self.envs))
+        return {"epoch": self.epoch, "obs": list(self._obs), "last_dones": list(self._last_dones),
+                "envs": list(envs), "missed": sorted({m for ms in missed for m in ms}),
+                "prefetched": self._prefetched}
+
+    def load_state_dict(self, state: dict) -> list[str]:
+        """Restore what ``state_dict`` saved; returns what it could not capture or restore."""
+        self.epoch = state["epoch"]
+        saved = (len(state["envs"]), state["obs"][0].shape[0])
+        if saved != (self.stages, self.stage_envs):  # another layout: keep the fresh envs
+            return [f"the checkpoint has {saved[0]} stages of {saved[1]} envs, this run "
+                    f"{self.stages} of {self.stage_envs}; the envs restart from their seeds"]
+        for env, env_state in zip(self.envs, state["envs"]):
+            env.load_state_dict(env_state)
+        self._prefetched = False
+        self._obs, self._last_dones = list(state["obs"]), list(state["last_dones"])
+        return state["missed"]
 
     def close(self) -> None:
         for e in [*self.envs, self.eval_env]:

@@ -6,14 +6,18 @@ from __future__ import annotations
 import torch
 
 from tidal.inference import GenerationEngine, InferenceServer
+from tidal.models.lm import DTYPES
 from tidal.runtime import Channel, Worker, recv_weights
 
 
 class InferenceServerWorker(Worker):
     def __init__(self, model_dir: str, host: str = "127.0.0.1", api_key: str | None = None,
-                 max_batch_size: int = 64, allowed_dirs: list[str] | None = None, torch_threads: int = 1):
+                 max_batch_size: int = 64, allowed_dirs: list[str] | None = None, torch_threads: int = 1,
+                 dtype: str = "float32", attn_implementation: str | None = None):
         torch.set_num_threads(torch_threads)
-        engine = GenerationEngine(model_dir, max_batch_size=max_batch_size)
+        engine = GenerationEngine(model_dir, max_batch_size=max_batch_size, dtype=DTYPES[dtype])
+        if attn_implementation is not None:  # model.attn_implementation, as the trainer loads it
+            engine.model.set_attn_implementation(attn_implementation)
         self.server = InferenceServer(engine, host=host, port=0, api_key=api_key,
                                       allowed_dirs=allowed_dirs or [model_dir]).start()
 

@@ -3,12 +3,11 @@ decoupled or standard PPO over micro-batches packed by token budget."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import functools
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
 
 from tidal.algorithms import (
     decoupled_ppo_loss,
@@ -17,10 +16,11 @@ from tidal.algorithms import (
     loglinear_prox_logp,
     ppo_policy_loss,
 )
-from tidal.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from tidal.config.llm import LLMConfig
+from tidal.data import LMBatch
+from tidal.engine import TrainEngine
+from tidal.models.lm import load_causal_lm
 from tidal.runtime import Channel, Worker, send_weights
-from tidal.workers.actor_worker import lr_lambda
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -61,22 +61,23 @@ class LMActor(Worker):
         self.cfg = cfg
         torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.runner.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
-        self.ref = copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.actor.kl_coef > 0 else None
-        self.ddp = self.model  # what the loss runs through: DDP over the ranks on the ray backend
+        m = cfg.model
+        self.model, _ = load_causal_lm(m.path, m.dtype, m.attn_implementation, m.gradient_checkpointing)
+        self.ref = copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.algorithm.kl_coef > 0 else None
         if self.world_size > 1:
             self.init_distributed()
-            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
-        a = cfg.actor
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(a.lr_schedule, a.warmup_steps, cfg.runner.max_steps))
-        self.version = 0
+        self.engine = TrainEngine(self.model, cfg.actor, cfg.runner.max_steps, distributed=self.world_size > 1)
         self.temperature = cfg.rollout.temperature
 
     def send_weights(self, weights_ch: Channel, num_servers: int) -> int:
         if self.rank == 0:
             send_weights(weights_ch, self.model.state_dict(), self.version, num_servers)
         return self.version
+
+    @property
+    def version(self) -> int:
+        """The policy version: training steps applied to the weights."""
+        return self.engine.step
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()
@@ -87,70 +88,61 @@ class LMActor(Worker):
         return minibatch[self.rank * per_rank:(self.rank + 1) * per_rank]
 
     @torch.no_grad()
-    def compute_logp(self, batch: dict[str, torch.Tensor], model=None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logp(self, batch: LMBatch, model=None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Token log-probs of ``rows`` (default all) under ``model``; other rows stay 0."""
         model = model or self.model
         model.eval()
-        out = torch.zeros(batch["input_ids"].shape)
+        out = torch.zeros(batch.input_ids.shape)
         rows = torch.arange(out.shape[0]) if rows is None else rows
-        for i, w in length_grouped_micro_batches(batch["attention_mask"], rows, self.cfg.actor.max_tokens_per_mb):
-            out[i, :w] = token_logprobs(model, batch["input_ids"][i, :w], batch["attention_mask"][i, :w], self.temperature)
+        for i, w in length_grouped_micro_batches(batch.attention_mask, rows, self.cfg.actor.max_tokens_per_mb):
+            out[i, :w] = token_logprobs(model, batch.input_ids[i, :w], batch.attention_mask[i, :w], self.temperature)
         return out
 
-    def advantages(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def advantages(self, batch: LMBatch, ref_logp: torch.Tensor | None) -> torch.Tensor:
         """Per-token advantages ``[B, L]``: the sequence reward sits on its last generated token."""
-        mask = batch["loss_mask"]
+        mask = batch.loss_mask
         last = mask.shape[1] - 1 - torch.flip(mask.long(), [1]).argmax(1)
         token_rewards = torch.zeros(mask.shape)
-        token_rewards[torch.arange(mask.shape[0]), last] = batch["rewards"]
+        token_rewards[torch.arange(mask.shape[0]), last] = batch.rewards
         kl = None
-        if self.ref is not None and self.cfg.actor.kl_in == "reward":
-            kl = kl_estimate(batch["logprobs"], batch["ref_logp"], self.cfg.actor.kl_kind)
-            token_rewards = token_rewards - self.cfg.actor.kl_coef * torch.where(mask, kl, 0.0)
-        adv, _ = get_advantage(self.cfg.actor.adv_type)(
-            rewards=token_rewards.T, mask=mask.T, group_size=self.cfg.rollout.group_size, kl=None)
+        alg = self.cfg.algorithm
+        if self.ref is not None and alg.kl_in == "reward":
+            kl = kl_estimate(batch.logprobs, ref_logp, alg.kl_kind)
+            token_rewards = token_rewards - alg.kl_coef * torch.where(mask, kl, 0.0)
+        adv, _ = get_advantage(alg.adv_type)(rewards=token_rewards.T, mask=mask.T, group_size=self.cfg.rollout.group_size,
+                                             gamma=alg.gamma)
         return adv.T.float()
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def train_step(self, batch: LMBatch) -> dict[str, float]:
         """One PPO step on the whole batch (every rank receives it): advantages over all of it,
         then each global minibatch is split over the ranks, DDP averages the gradients, and each
         loss is weighted by the tokens (or sequences) of the global minibatch."""
-        a = self.cfg.actor
+        a, alg = self.cfg.actor, self.cfg.algorithm
         metrics: dict[str, list[float]] = {}
-        mask = batch["loss_mask"]
+        mask = batch.loss_mask
         minibatches = torch.arange(mask.shape[0]).chunk(a.ppo_minibatches)
         mine = torch.cat([self.my_rows(mb) for mb in minibatches])
-        stale = (self.version - batch["versions"])[mask].float()
+        stale = (self.version - batch.versions)[mask].float()
+        ref_logp = None
         if self.ref is not None:
             # KL in the reward shapes the advantages, which every rank computes over all rows
-            batch["ref_logp"] = self.compute_logp(batch, self.ref, None if a.kl_in == "reward" else mine)
-        need_forward = (a.use_decoupled_loss and a.prox_logp_method in ("recompute", "metrics")) or (
-            not a.use_decoupled_loss and a.recompute_logprob)
+            ref_logp = self.compute_logp(batch, self.ref, None if alg.kl_in == "reward" else mine)
+        need_forward = (alg.use_decoupled_loss and alg.prox_logp_method in ("recompute", "metrics")) or (
+            not alg.use_decoupled_loss and alg.recompute_logprob)
         prox = self.compute_logp(batch, rows=mine) if need_forward else None
-        adv = self.advantages(batch)
-        self.model.train()
+        adv = self.advantages(batch, ref_logp)
         for minibatch in minibatches:
-            self.optimizer.zero_grad(set_to_none=True)
             # DDP averages gradients over ranks: weigh by the global minibatch, times world size
             mb_tokens = mask[minibatch].sum().clamp(min=1) / self.world_size
             minibatch = self.my_rows(minibatch)
-            groups = length_grouped_micro_batches(batch["attention_mask"], minibatch, a.max_tokens_per_mb)
-            for g, (i, w) in enumerate(groups):
-                last = g == len(groups) - 1  # gradients are all-reduced once, on the last backward
-                sync = contextlib.nullcontext() if last or self.world_size == 1 else self.ddp.no_sync()
-                with sync:
-                    info = self._backward_micro_batch(batch, i, w, prox, adv, mb_tokens, len(minibatch))
-                for k, v in info.items():
-                    metrics.setdefault(k, []).append(float(v))
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm or float("inf"))
-            if torch.isfinite(norm):
-                self.optimizer.step()
-            metrics.setdefault("grad_norm", []).append(float(norm))
-        self.scheduler.step()
-        self.version += 1
+            micro_batches = length_grouped_micro_batches(batch.attention_mask, minibatch, a.max_tokens_per_mb)
+            loss_fn = functools.partial(self._micro_batch_loss, batch=batch, prox=prox, ref_logp=ref_logp, adv=adv,
+                                        mb_tokens=mb_tokens, mb_rows=len(minibatch))
+            for k, v in self.engine.train_batch(micro_batches, loss_fn).items():
+                metrics.setdefault(k, []).extend(v)
         out = {f"train/{k}": float(np.mean(v)) for k, v in metrics.items()}
         out.update({
-            "train/lr": self.optimizer.param_groups[0]["lr"],
+            **self.engine.end_step(),
             "staleness/mean": float(stale.mean()) if len(stale) else 0.0,
             "staleness/max": float(stale.max()) if len(stale) else 0.0,
             **{f"staleness/frac_{k}": float((stale == k).float().mean()) if len(stale) else 0.0 for k in range(1, 5)},
@@ -159,43 +151,36 @@ class LMActor(Worker):
         out["train/tokens"] = float(mask.sum())
         return out
 
-    def _backward_micro_batch(self, batch, i, w, prox, adv, mb_tokens, mb_rows) -> dict:
-        """Backpropagate the loss of rows ``i`` (trimmed to width ``w``), weighted as their
-        share of the minibatch; returns the loss terms."""
-        a, mask, behave = self.cfg.actor, batch["loss_mask"], batch["logprobs"]
-        logp = token_logprobs(self.ddp, batch["input_ids"][i, :w], batch["attention_mask"][i, :w], self.temperature)
+    def _micro_batch_loss(self, model, micro, *, batch, prox, ref_logp, adv, mb_tokens, mb_rows) -> tuple[torch.Tensor, dict]:
+        """The loss of a micro-batch's rows ``i`` (trimmed to width ``w``), weighted as their
+        share of the minibatch, and its terms. The version is the weights' before this step."""
+        i, w = micro
+        alg, mask, behave = self.cfg.algorithm, batch.loss_mask, batch.logprobs
+        logp = token_logprobs(model, batch.input_ids[i, :w], batch.attention_mask[i, :w], self.temperature)
         m, b, ad = mask[i, :w], behave[i, :w], adv[i, :w]
-        if a.use_decoupled_loss:
-            approx = loglinear_prox_logp(b, logp, batch["versions"][i, :w], self.version)
-            p = approx if a.prox_logp_method == "loglinear" else prox[i, :w]
-            loss, info = decoupled_ppo_loss(logp, p, b, ad, m, a.clip_ratio_low, a.clip_ratio_high,
-                                            behav_weight_cap=a.behav_weight_cap, cap_mode=a.cap_mode, agg=a.loss_agg)
-            if a.prox_logp_method == "metrics":
+        if alg.use_decoupled_loss:
+            approx = loglinear_prox_logp(b, logp, batch.versions[i, :w], self.version)
+            p = approx if alg.prox_logp_method == "loglinear" else prox[i, :w]
+            loss, info = decoupled_ppo_loss(logp, p, b, ad, m, alg.clip_ratio_low, alg.clip_ratio_high,
+                                            behav_weight_cap=alg.behav_weight_cap, cap_mode=alg.cap_mode, agg=alg.loss_agg)
+            if alg.prox_logp_method == "metrics":
                 info["prox_approx_abs_err"] = (approx - prox[i, :w])[m].abs().mean() if m.any() else torch.zeros(())
         else:
-            old = prox[i, :w] if a.recompute_logprob else b
-            loss, info = ppo_policy_loss(logp, old, ad, m, a.clip_ratio_low, a.clip_ratio_high, agg=a.loss_agg)
-        if self.ref is not None and a.kl_in == "loss":
-            kl = torch.where(m, kl_estimate(logp, batch["ref_logp"][i, :w], a.kl_kind), 0.0).sum() / m.sum().clamp(min=1)
-            loss = loss + a.kl_coef * kl
+            old = prox[i, :w] if alg.recompute_logprob else b
+            loss, info = ppo_policy_loss(logp, old, ad, m, alg.clip_ratio_low, alg.clip_ratio_high, agg=alg.loss_agg)
+        if self.ref is not None and alg.kl_in == "loss":
+            kl = torch.where(m, kl_estimate(logp, ref_logp[i, :w], alg.kl_kind), 0.0).sum() / m.sum().clamp(min=1)
+            loss = loss + alg.kl_coef * kl
             info["kl_ref"] = kl.detach()
         # the micro-batch's share of the minibatch, so the sum equals the loss over it
-        weight = m.sum() / mb_tokens if a.loss_agg == "token-mean" else len(i) / mb_rows
-        (loss * weight).backward()
+        weight = m.sum() / mb_tokens if alg.loss_agg == "token-mean" else len(i) / mb_rows
         info["policy_loss"] = loss.detach()
-        return info
+        return loss * weight, {k: float(v) for k, v in info.items()}
 
     def save(self, path: str, meta: dict) -> str | None:
         if self.rank != 0:
             return None
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "rng": rng_state()}
-        return str(save_checkpoint(path, self.model.state_dict(), state, {**meta, "version": self.version}))
+        return str(self.engine.save(path, {**meta, "version": self.version}))
 
     def load(self, path: str) -> dict:
-        model_state, state, meta = load_checkpoint(path)
-        self.model.load_state_dict(model_state, strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        self.version = meta["version"]
-        return meta
+        return self.engine.load(path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gymnasium as gym
 import torch
 
+from tidal.checkpoint import rng_state, set_rng_state
 from tidal.config import EmbodiedConfig
 from tidal.data import ChunkActions, EnvOutput
 from tidal.models import build_policy
@@ -51,6 +52,21 @@ class RolloutWorker(Worker):
                 await outbox.send(env_ch, answer, self.rank, self.world_size, self.topo.env, tag=action_tag(mode, s))
         await outbox.flush()
         return steps
+
+    def state_dict(self, with_weights: bool = False) -> dict:
+        """The sampling RNG of this process (on ``local`` every rank shares the process's) and
+        the policy version; ``with_weights``: also the weights (rank 0), when they are older than
+        the actor's (``runner.weight_sync_interval`` > 1)."""
+        weights = None
+        if with_weights and self.rank == 0:  # every rank holds the same weights
+            weights = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+        return {"rng": rng_state(), "version": self.version, "weights": weights}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_rng_state(state["rng"])
+        if state["weights"] is not None:
+            self.policy.load_state_dict(state["weights"])
+            self.version = state["version"]
 
     @torch.no_grad()
     def _act(self, out: EnvOutput, deterministic: bool, with_values: bool) -> ChunkActions:

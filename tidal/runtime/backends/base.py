@@ -23,6 +23,7 @@ class BackendOptions:
 
     namespace: str = "tidal"
     address: str | None = None
+    connect_timeout_s: float = 30.0
     devices_per_node: int | None = None
     ray_init_kwargs: dict = field(default_factory=dict)
     shared_event_loop: bool = True

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from tidal.runtime.backends.base import Backend, register_backend
 from tidal.runtime.backends.ray_channel import MAILBOX, RayTransport, create_channel_actor
-from tidal.runtime.errors import WorkerError
+from tidal.runtime.errors import ClusterUnreachable, WorkerError
 from tidal.runtime.handle import CallResult
 from tidal.runtime.placement import NodeInfo
 from tidal.runtime.rank import RankInfo, RankRunner
@@ -91,6 +91,7 @@ class RayBackend(Backend):
             init_kwargs.setdefault("log_to_driver", True)
             init_kwargs.setdefault("include_dashboard", False)
             if self.options.address is not None:
+                _check_reachable(self.options.address, self.options.connect_timeout_s)
                 init_kwargs["address"] = self.options.address
             ray.init(**init_kwargs)
             self._started_ray = True
@@ -163,3 +164,16 @@ def _kill_all(actors) -> None:
 
     for a in actors:
         ray.kill(a, no_restart=True)
+
+
+def _check_reachable(address: str, timeout: float) -> None:
+    """Fail fast, naming the address, when nothing answers there: ``ray.init`` itself retries
+    an unreachable address for minutes."""
+    if address in ("auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except (OSError, ValueError) as exc:
+        raise ClusterUnreachable(f"cluster.address: cannot reach a Ray cluster at {address!r} "
+                              f"within {timeout:g} s: {exc}") from None

@@ -1,0 +1,88 @@
+"""Demonstrations from MetaWorld's scripted expert policies.
+
+The executed action is the expert's plus Gaussian noise, while the recorded label is the
+expert's own action in the state reached (DART-style): the data covers states off the expert's
+path, each labelled with how the expert recovers, so it is not one degenerate trajectory per
+goal. Observations are recorded exactly as the adapter emits them (packed state / instruction /
+pixels), so a policy trained on them acts in the same env unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tidal.envs.metaworld_adapter import MetaWorldVectorEnv, resolve_tasks
+
+
+@dataclass
+class Demonstrations:
+    obs: np.ndarray  # [N, D] what the policy sees at each step
+    actions: np.ndarray  # [N, A] the expert's action there, clipped to the action bounds
+    episode: np.ndarray  # [N] the episode each step belongs to
+    tasks: list[str]  # per episode
+    instructions: list[str]  # per episode
+    successes: np.ndarray  # [E] the episode succeeded
+
+    @property
+    def num_episodes(self) -> int:
+        return len(self.tasks)
+
+    def action_chunks(self, chunk: int) -> np.ndarray:
+        """``[N, chunk, A]``: the actions from each step on, the episode's last action repeated
+        past its end (the expert holds still once done)."""
+        n = len(self.actions)
+        index = np.arange(n)[:, None] + np.arange(chunk)[None, :]
+        last = np.zeros(n, dtype=np.int64)  # the index of each step's episode's last step
+        ends = np.flatnonzero(np.diff(self.episode, append=-1) != 0)
+        starts = np.concatenate([[0], ends[:-1] + 1])
+        for s, e in zip(starts, ends):
+            last[s : e + 1] = e
+        return self.actions[np.minimum(index, last[:, None])]
+
+
+def collect_metaworld_demos(env_id: str, demos_per_task: int, action_noise: float = 0.1, seed: int = 0,
+                            max_episode_steps: int = 200, stop_at_success: bool = True,
+                            only_successful: bool = True, max_attempts_factor: int = 4,
+                            **adapter_kwargs) -> Demonstrations:
+    """``demos_per_task`` episodes of each task of ``env_id`` (``reach-v3``, ``MT10``, ...).
+    ``adapter_kwargs`` (``obs_mode``, ``image_size``, ...) shape the observations as in training."""
+    from metaworld.policies import ENV_POLICY_MAP
+
+    if demos_per_task < 1:
+        raise ValueError(f"sft.demos: must be >= 1, got {demos_per_task}")
+    rng = np.random.default_rng(seed)
+    obs, actions, episode, tasks, instructions, successes = [], [], [], [], [], []
+    for t, task in enumerate(resolve_tasks(env_id)):
+        env = MetaWorldVectorEnv(1, task, max_episode_steps=max_episode_steps, **adapter_kwargs)
+        expert, kept = ENV_POLICY_MAP[task](), 0
+        for attempt in range(demos_per_task * max_attempts_factor):
+            o = env.reset(seeds=[seed * 100_003 + t * 1009 + attempt])
+            steps_obs, steps_act = [], []
+            while True:
+                label = np.clip(expert.get_action(env.states[0]), -1.0, 1.0)
+                steps_obs.append(o[0])
+                steps_act.append(label)
+                o, _, term, trunc = env.step((label + rng.normal(0.0, action_noise, label.shape))[None])
+                if term[0] or trunc[0] or (stop_at_success and env.successes[0]):
+                    break
+            succeeded = bool(env.successes[0])
+            if only_successful and not succeeded:
+                continue
+            obs += steps_obs
+            actions += steps_act
+            episode += [len(tasks)] * len(steps_obs)
+            tasks.append(task)
+            instructions.append(env.instructions[0])
+            successes.append(succeeded)
+            kept += 1
+            if kept == demos_per_task:
+                break
+        env.close()
+        if kept < demos_per_task:
+            raise RuntimeError(f"the scripted expert for {task} succeeded in only {kept} of "
+                               f"{demos_per_task * max_attempts_factor} episodes (action noise {action_noise})")
+    return Demonstrations(obs=np.stack(obs).astype(np.float32), actions=np.stack(actions).astype(np.float32),
+                          episode=np.array(episode), tasks=tasks, instructions=instructions,
+                          successes=np.array(successes))

@@ -1,0 +1,36 @@
+"""Evaluation videos: frames ``[T, H, W, 3]`` (uint8) to a GIF (Pillow, always available) or an
+MP4 (imageio with an ffmpeg or PyAV plugin, when installed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def tile(frames: np.ndarray) -> np.ndarray:
+    """Frames of several envs ``[n, H, W, 3]`` side by side, ``[H, n * W, 3]``."""
+    return np.concatenate(list(frames), axis=1)
+
+
+def write_video(frames: list[np.ndarray] | np.ndarray, path: str | Path, fps: int = 20) -> Path:
+    path = Path(path)
+    frames = [np.asarray(f, dtype=np.uint8) for f in frames]
+    if not frames:
+        raise ValueError("write_video: no frames")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".gif":
+        from PIL import Image
+
+        images = [Image.fromarray(f) for f in frames]
+        images[0].save(path, save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0)
+    elif path.suffix == ".mp4":
+        import imageio.v3 as iio
+
+        try:
+            iio.imwrite(path, np.stack(frames), fps=fps)
+        except Exception as exc:  # imageio names the missing plugin in its message
+            raise RuntimeError(f"cannot write {path.name} ({exc}); pip install imageio-ffmpeg, or use .gif") from exc
+    else:
+        raise ValueError(f"write_video: expected a .gif or .mp4 path, got {path.name!r}")
+    return path

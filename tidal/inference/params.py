@@ -1,0 +1,87 @@
+"""Sampling parameters, defined once: the engine samples with them, the server parses and
+validates requests into them, and the client sends them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+# Below this temperature sampling is greedy: ``logits / 1e-45`` overflows to inf and the
+# log-probs to NaN, while any temperature this small is argmax in all but name.
+GREEDY_TEMPERATURE = 1e-5
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 16
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE: greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings (the engine needs a tokenizer)
+    seed: int | None = None
+    top_logprobs: int = 0  # also report this many most likely tokens (and log-probs) per step
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def validate(self, where: str = "sampling_params") -> GenerationConfig:
+        """Types and ranges of every field; the error names the field."""
+        _check_int(self.max_new_tokens, f"{where}.max_new_tokens", low=1)
+        _check_float(self.temperature, f"{where}.temperature", low=0.0)
+        _check_float(self.top_p, f"{where}.top_p")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"{where}.top_p: must be in (0, 1], got {self.top_p}")
+        _check_int(self.top_k, f"{where}.top_k", low=-1)
+        if not isinstance(self.stop_token_ids, list | tuple):
+            raise ValueError(f"{where}.stop_token_ids: must be a list of token ids")
+        for i, tok in enumerate(self.stop_token_ids):
+            _check_int(tok, f"{where}.stop_token_ids[{i}]", low=0)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, list | tuple) or not all(isinstance(x, str) and x for x in self.stop):
+            raise ValueError(f"{where}.stop: must be a list of non-empty strings, got {self.stop!r}")
+        if self.seed is not None:
+            _check_int(self.seed, f"{where}.seed", low=0)
+        _check_int(self.top_logprobs, f"{where}.top_logprobs", low=0)
+        if self.top_logprobs > MAX_TOP_LOGPROBS:
+            raise ValueError(f"{where}.top_logprobs: at most {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+        return self
+
+    def seeded(self, offset: int) -> GenerationConfig:
+        """Sample ``offset`` of a seeded ``n``-sample request is seeded ``seed + offset``."""
+        return self if self.seed is None else replace(self, seed=self.seed + offset)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "sampling_params",
+                  ignored: frozenset[str] = frozenset()) -> GenerationConfig:
+        """A validated config from a request's JSON object. Keys in ``ignored`` are dropped;
+        any other unknown key is an error naming it."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known - ignored)
+        if unknown:
+            raise ValueError(f"{where}.{unknown[0]}: not a supported sampling parameter "
+                             f"(supported: {', '.join(sorted(known))})")
+        return cls(**{k: v for k, v in data.items() if k in known}).validate(where)
+
+
+def _check_int(value: Any, name: str, low: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name}: must be >= {low}, got {value}")
+
+
+def _check_float(value: Any, name: str, low: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name}: must be a finite number, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name}: must be >= {low:g}, got {value}")

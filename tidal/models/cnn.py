@@ -1,0 +1,65 @@
+"""``cnn``: an actor-critic over pixels (plus the state and a bag of instruction words when the
+observation carries them), with the MLP actor-critic's heads and action distributions."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import torch
+from torch import nn
+
+from tidal.envs.layout import layout_of
+from tidal.models.policy import EmbodiedPolicy, LeadingNorm, MLPActorCritic, register_policy
+
+
+def conv_encoder(image_size: int, channels: tuple[int, ...], out_dim: int) -> tuple[nn.Module, int]:
+    """Stride-2 3x3 convolutions (the image halves at each), flattened into ``out_dim``
+    features: flattening keeps where things are, which reaching needs."""
+    layers, width, size = [], 3, image_size
+    for c in channels:
+        layers += [nn.Conv2d(width, c, 3, stride=2, padding=1), nn.ReLU()]
+        width, size = c, (size + 1) // 2
+    layers += [nn.Flatten(), nn.Linear(width * size * size, out_dim), nn.ReLU()]
+    return nn.Sequential(*layers), out_dim
+
+
+@register_policy("cnn")
+class CNNActorCritic(MLPActorCritic):
+    """A shared encoder (convolutions over the image; the state and the mean embedding of the
+    instruction words concatenated to its features) under the MLP actor-critic's heads."""
+
+    def __init__(
+        self,
+        observation_space: gym.Space,
+        action_space: gym.Space,
+        num_action_chunks: int = 1,
+        hidden_sizes: tuple[int, ...] = (256,),
+        activation: str = "relu",
+        critic: bool = True,
+        obs_norm: bool = False,
+        init_log_std: float = 0.0,
+        squash: bool = False,
+        channels: tuple[int, ...] = (32, 64, 64),
+        feature_dim: int = 256,
+        word_dim: int = 32,
+    ):
+        EmbodiedPolicy.__init__(self)
+        self.layout = layout_of(observation_space)
+        if not self.layout.image_size:
+            raise ValueError("model 'cnn': needs pixel observations (env.obs_mode pixels or state+pixels)")
+        self.encoder, width = conv_encoder(self.layout.image_size, tuple(channels), feature_dim)
+        self.words = None
+        if self.layout.num_tokens:
+            self.words = nn.EmbeddingBag(self.layout.vocab_size, word_dim, mode="mean", padding_idx=0)
+            width += word_dim
+        width += self.layout.state_dim
+        self._init_heads(width, action_space, num_action_chunks, hidden_sizes, activation, critic, init_log_std, squash)
+        self.obs_norm = LeadingNorm(self.layout.state_dim) if obs_norm and self.layout.state_dim else None
+
+    def features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        parts = self.layout.split(inputs["obs"])
+        out = [self.encoder(parts["image"])]
+        if self.words is not None:
+            out.append(self.words(parts["tokens"]))
+        if "state" in parts:
+            out.append(parts["state"])
+        return torch.cat(out, -1)

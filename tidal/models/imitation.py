@@ -1,0 +1,76 @@
+"""Behaviour cloning: the loss, a small training loop over demonstrations, and success
+evaluation in an env (what ``tidal sft`` reports before RL starts from the saved folder)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tidal.envs import ChunkedEnv, VectorEnvAdapter, success_metrics
+from tidal.envs.demos import Demonstrations
+from tidal.models.policy import EmbodiedPolicy
+
+
+def bc_loss(policy: EmbodiedPolicy, batch: dict[str, torch.Tensor],
+            action_error: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+    """Negative log-likelihood of the expert's actions. ``batch``: ``obs`` ``[N, D]`` raw
+    observations, ``actions`` ``[N, C, A]`` expert actions as the env takes them. For token
+    policies it is the cross-entropy of every action token (mean over tokens).
+    ``action_error`` adds the mean distance of the policy's mode action (one more forward)."""
+    for key in ("obs", "actions"):
+        if key not in batch:
+            raise ValueError(f"bc_loss: the batch has no {key!r} (it has {', '.join(batch)})")
+    inputs = policy.prepare(batch["obs"])
+    out = policy.evaluate(inputs, policy.policy_actions(batch["actions"]))
+    loss = -out["logprobs"].mean()
+    metrics = {"bc/loss": loss.item(), "bc/entropy": out["entropy"].mean().item()}
+    if action_error:
+        with torch.no_grad():
+            mode = policy.act(inputs, deterministic=True).actions
+        metrics["bc/action_error"] = float(np.abs(policy.env_actions(mode) - batch["actions"].numpy()).mean())
+    return loss, metrics
+
+
+def train_bc(policy: EmbodiedPolicy, demos: Demonstrations, steps: int, batch_size: int = 256,
+             lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0, num_action_chunks: int = 1,
+             log_every: int = 50) -> list[dict[str, float]]:
+    """``steps`` Adam steps on random minibatches; the observation normaliser (if any) is fitted
+    to the demonstrations first. Returns the logged metrics."""
+    obs = torch.from_numpy(demos.obs)
+    actions = torch.from_numpy(demos.action_chunks(num_action_chunks))
+    if policy.obs_norm is not None:
+        policy.obs_norm.update(obs)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay)
+    generator = torch.Generator().manual_seed(seed)
+    policy.train()
+    history = []
+    for step in range(1, steps + 1):
+        rows = torch.randint(len(obs), (min(batch_size, len(obs)),), generator=generator)
+        logging = step % log_every == 0 or step == steps
+        loss, metrics = bc_loss(policy, {"obs": obs[rows], "actions": actions[rows]}, action_error=logging)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        optimizer.step()
+        if logging:
+            history.append({"step": step, **metrics})
+    policy.eval()
+    return history
+
+
+@torch.no_grad()
+def evaluate_success(policy: EmbodiedPolicy, env: VectorEnvAdapter, seeds: list[int],
+                     deterministic: bool = True, prefix: str = "eval") -> dict[str, float]:
+    """One episode per env copy (``seeds``: one per copy); success rates (overall and per task)
+    and the mean return."""
+    chunked = ChunkedEnv(env, auto_reset=False, seeds=seeds)
+    obs = chunked.reset().obs
+    was_training = policy.training
+    policy.eval()
+    while not chunked.all_reported():
+        step = policy.act(policy.prepare(obs), deterministic=deterministic)
+        obs = chunked.step(policy.env_actions(step.actions)).obs
+    policy.train(was_training)
+    stats = chunked.stats.drain()
+    return {**success_metrics(stats["successes"], stats["tasks"], prefix),
+            f"{prefix}/return": float(np.mean(stats["returns"]))}

@@ -1,0 +1,334 @@
+"""The run loop both runners share. It owns what every run has: the run folder, the resolved
+``config.yaml``, ``train.log``, the metric loggers, timers, the evaluation and save cadence,
+the stop rules, resume, signals, the summary and closing.
+
+A runner supplies what is its own::
+
+    class MyRunner(RunLoop):
+        def build(self): ...                    # worker groups, channels, clients
+        def restore(self, checkpoint): ...      # load what the checkpoint holds; returns its meta
+        def train_step(self, step): ...         # one training step; returns its metrics
+        def evaluate(self, step): ...           # evaluation metrics
+        def save(self, path, meta): ...         # write a checkpoint; returns its path
+        def cleanup_steps(self, graceful): ...  # [(name, fn)] that shut down what build made
+
+Closing never hides the first error: cleanup failures are logged as secondary, and the
+original error is what propagates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tidal.checkpoint import (
+    clean_stale,
+    complete_checkpoints,
+    prune_checkpoints,
+    resolve_checkpoint,
+)
+from tidal.config import to_yaml
+from tidal.metrics import MetricLogger, Timer, attach_file_log, truncate_metrics
+from tidal.runtime.errors import ChannelTimeoutError, WorkerError, WorkerTimeoutError
+
+log = logging.getLogger("tidal.train")
+
+
+class Interrupted(RuntimeError):
+    """The run was stopped by a signal after saving a checkpoint."""
+
+    def __init__(self, signum: int, checkpoint: str | None):
+        self.signum, self.checkpoint = signum, checkpoint
+        super().__init__(f"stopped by {signal.Signals(signum).name}; checkpoint saved at {checkpoint}")
+
+
+class RunLoop(ABC):
+    initial_evaluation = False  # evaluate once before the first step of a fresh run
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+        r = cfg.runner
+        self.checkpoint_to_resume = find_resume_checkpoint(r)
+        self.run_dir = run_folder(r, self.checkpoint_to_resume)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        self._log_handler = attach_file_log(self.run_dir / "train.log")
+        self.timer = Timer()
+        self.start_step = 0
+        self.last_saved_step: int | None = None
+        self.evals: list[tuple[int, dict]] = []
+        self.logger: MetricLogger | None = None
+        self._signal: int | None = None
+        self._closed = False
+        try:
+            self.build()
+            if self.checkpoint_to_resume is not None:
+                meta = self.restore(self.checkpoint_to_resume)
+                self.start_step = self.last_saved_step = meta["step"]
+                dropped = truncate_metrics(self.run_dir, meta["step"] - 1)
+                log.info("resumed from %s at step %d (%d metric rows after it dropped)",
+                         self.checkpoint_to_resume, self.start_step, dropped)
+            self.logger = MetricLogger(self.run_dir, r.loggers, config=_plain(cfg),
+                                       settings={"wandb": dict(r.wandb), "mlflow": dict(r.mlflow)})
+        except BaseException:
+            self.close(graceful=False)
+            raise
+
+    # -- what a runner supplies ------------------------------------------------------------
+
+    @abstractmethod
+    def build(self) -> None: ...
+
+    @abstractmethod
+    def restore(self, checkpoint: Path) -> dict: ...
+
+    @abstractmethod
+    def train_step(self, step: int) -> dict: ...
+
+    @abstractmethod
+    def evaluate(self, step: int) -> dict: ...
+
+    @abstractmethod
+    def save(self, path: Path, meta: dict) -> str: ...
+
+    @abstractmethod
+    def cleanup_steps(self, graceful: bool) -> list[tuple[str, Callable[[], Any]]]:
+        """What closing does, in order; each step runs even when an earlier one failed."""
+
+    def checkpoint_meta(self) -> dict:
+        """Counters a checkpoint carries besides the step (env steps, data position, ...)."""
+        return {}
+
+    def should_stop(self, metrics: dict) -> bool:
+        """A runner's own stop rule (e.g. env steps), checked after every step."""
+        return False
+
+    def progress_info(self, metrics: dict) -> str:
+        return ""
+
+    def summarize(self) -> dict:
+        return {}
+
+    def start_cluster(self):
+        """The cluster ``cluster.*`` describes (the one place a runner makes it)."""
+        from tidal.runtime import Cluster
+
+        c = self.cfg.cluster
+        return Cluster(c.backend, address=c.address, connect_timeout_s=c.connect_timeout_s,
+                       devices_per_node=c.devices_per_node, gil_switch_interval=c.gil_switch_interval)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        r = self.cfg.runner
+        start = time.perf_counter()
+        progress = Progress(r.max_steps, self.start_step, enabled=r.progress)
+        best, solved_at, step = None, None, self.start_step - 1
+        restore_signals = self._catch_signals()
+        try:
+            if self.initial_evaluation and self.start_step == 0 and r.eval_interval:
+                first = self.evaluate(0)
+                self.evals.append((0, first))
+                self.logger.log(-1, first)
+            for step in range(self.start_step, r.max_steps):
+                metrics = self.train_step(step)
+                last = step + 1 == r.max_steps
+                if r.eval_interval and ((step + 1) % r.eval_interval == 0 or last):
+                    evaluation = self.evaluate(step + 1)
+                    metrics.update(evaluation)
+                    self.evals.append((step + 1, evaluation))
+                metrics["time/elapsed"] = time.perf_counter() - start
+                self.logger.log(step, metrics)
+                line = self.progress_info(metrics)
+                log.info("step %d %s", step + 1, line)
+                progress.update(step, line)
+                if r.save_interval and (step + 1) % r.save_interval == 0:
+                    self.checkpoint(step + 1)
+                value = metrics.get(r.target_metric)
+                if value is not None:
+                    best = value if best is None else max(best, value)
+                    if r.target_value is not None and value >= r.target_value:
+                        solved_at = step + 1
+                        break
+                if self.should_stop(metrics):
+                    break
+                if r.max_minutes is not None and time.perf_counter() - start > r.max_minutes * 60:
+                    break
+                if self._signal is not None:
+                    raise Interrupted(self._signal, self.checkpoint(step + 1))
+            checkpoint = self.checkpoint(step + 1) if step >= self.start_step else None
+        finally:
+            progress.close()
+            restore_signals()
+        summary = {
+            "steps": step + 1, "wall_time": time.perf_counter() - start, "run_dir": str(self.run_dir),
+            "checkpoint": checkpoint, "target_metric": r.target_metric, "best_value": best,
+            "solved_at_step": solved_at, "evals": self.evals, **self.summarize(),
+        }
+        self.logger.log_summary({k: v for k, v in summary.items() if k != "evals"})
+        return summary
+
+    def checkpoint(self, step: int) -> str:
+        """Save the state after ``step`` steps, once: a step already saved is not written again."""
+        folder = self.run_dir / "checkpoints"
+        if self.last_saved_step == step:
+            return str(resolve_checkpoint(folder))
+        with self.timer("save"):
+            path = self.save(folder / f"step_{step:06d}", {"step": step, **self.checkpoint_meta()})
+        self.last_saved_step = step
+        prune_checkpoints(folder, self.cfg.runner.keep_checkpoints)
+        return path
+
+    def _catch_signals(self):
+        """SIGINT/SIGTERM finish the current step, save, and stop with ``Interrupted``; a
+        second signal stops at once. Only the main thread can install handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def handler(signum, frame):
+            if self._signal is not None:
+                raise KeyboardInterrupt
+            self._signal = signum
+            log.warning("%s received: saving a checkpoint after this step, then stopping (again to stop now)",
+                        signal.Signals(signum).name)
+
+        for s in previous:
+            signal.signal(s, handler)
+        return lambda: [signal.signal(s, h) for s, h in previous.items()]
+
+    # -- closing ---------------------------------------------------------------------------
+
+    def close(self, graceful: bool = True) -> None:
+        """Shut everything down; a failure here is logged, never raised over an earlier error.
+        ``graceful=False`` (after an error) skips waits on workers that may be hung."""
+        if self._closed:
+            return
+        self._closed = True
+        steps = self.cleanup_steps(graceful)
+        if self.logger is not None:
+            steps.append(("metric loggers", self.logger.close))
+        for what, fn in steps:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - secondary to whatever ended the run
+                log.warning("closing %s failed (secondary): %s: %s", what, type(exc).__name__, exc)
+        logging.getLogger("tidal").removeHandler(self._log_handler)
+        self._log_handler.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(graceful=exc_type is None)
+
+
+def is_worker_fault(exc: BaseException) -> bool:
+    """A fault a restart can cure: a rank that died or stopped answering, a lost connection
+    (an inference server gone) — not a bug that would fail again the same way."""
+    if isinstance(exc, WorkerError):
+        return exc.error.startswith("rank died")
+    return isinstance(exc, WorkerTimeoutError | ChannelTimeoutError | ConnectionError)
+
+
+def run_with_restarts(make_runner: Callable[[Any], RunLoop], cfg: Any) -> dict:
+    """Run to the end; on a worker fault, restart every group and resume from the run's newest
+    checkpoint, up to ``runner.max_restarts`` times (each restart logged)."""
+    restarts = 0
+    while True:
+        runner = make_runner(cfg)
+        try:
+            with runner:
+                summary = runner.run()
+            return {**summary, "restarts": restarts}
+        except Exception as exc:
+            if restarts >= cfg.runner.max_restarts or not is_worker_fault(exc):
+                raise
+            restarts += 1
+            found = complete_checkpoints(runner.run_dir / "checkpoints")
+            resume = str(runner.run_dir / "checkpoints") if found else None
+            log.warning("restart %d of %d after a worker fault (%s: %s); resuming from %s", restarts,
+                        cfg.runner.max_restarts, type(exc).__name__, str(exc).splitlines()[0],
+                        resume or "nothing (no checkpoint yet): starting over")
+            cfg = dataclasses.replace(cfg, runner=dataclasses.replace(cfg.runner, resume_from=resume))
+
+
+def find_resume_checkpoint(runner) -> Path | None:
+    """``runner.resume_from``: a checkpoint, a ``checkpoints/`` folder, or ``auto`` (the newest
+    complete checkpoint among the experiment's run folders; None when there is none)."""
+    if runner.resume_from is None:
+        return None
+    if runner.resume_from != "auto":
+        return resolve_checkpoint(runner.resume_from)
+    base = Path(runner.run_dir)
+    found = []
+    for folder in base.glob(f"{runner.experiment}*"):
+        if folder.name == runner.experiment or _is_suffixed(folder.name, runner.experiment):
+            clean_stale(folder / "checkpoints")
+            found += complete_checkpoints(folder / "checkpoints")
+    if not found:
+        log.info("runner.resume_from=auto: no checkpoint of %r under %s; starting fresh", runner.experiment, base)
+        return None
+    return max(found, key=lambda p: p.stat().st_mtime)
+
+
+def _is_suffixed(name: str, experiment: str) -> bool:
+    rest = name[len(experiment):]
+    return rest.startswith("-") and rest[1:].isdigit()
+
+
+def run_folder(runner, checkpoint: Path | None) -> Path:
+    """A resumed run continues in the folder that holds its checkpoint; every other run gets a
+    new folder: ``run_dir/experiment``, suffixed ``-2``, ``-3``, ... when that exists."""
+    if checkpoint is not None:
+        clean_stale(checkpoint.parent)
+        return checkpoint.parent.parent
+    base = Path(runner.run_dir) / runner.experiment
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
+def _plain(cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+def fmt(v) -> str:
+    return "-" if v is None else f"{v:.3g}" if isinstance(v, float) and abs(v) < 10 else f"{v:.1f}" if isinstance(v, float) else str(v)
+
+
+class Progress:
+    """A live progress bar (step, the runner's line, ETA) when stderr is a terminal; elsewhere the
+    log line of each step says the same."""
+
+    def __init__(self, total: int, start: int, enabled: bool):
+        from rich.console import Console
+
+        self.live = None
+        console = Console(stderr=True)
+        if enabled and console.is_terminal:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.live = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console)
+            self.task = self.live.add_task("train", total=total, completed=start, info="")
+            self.live.start()
+
+    def update(self, step: int, info: str) -> None:
+        if self.live is not None:
+            self.live.update(self.task, completed=step + 1, info=info)
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
