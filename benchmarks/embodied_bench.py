@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -53,10 +52,20 @@ class CostlyCartPole(GymnasiumVectorEnv):
         return super().step(actions)
 
 
-def tidal_collection(overrides: list[str], rounds: int) -> float:
+class BoundRunner(EmbodiedRunner):
+    """The runner with each channel bound to the group that reads it (point to point on ray)."""
+
+    def build(self):
+        super().build()
+        readers = {"env": self.env, "rollout": self.rollout, "actor": self.actor, "weights": self.rollout}
+        for name, group in readers.items():
+            self.channels[name].bind(group)
+
+
+def tidal_collection(overrides: list[str], rounds: int, bound: bool = False) -> float:
     cfg = load_config(EmbodiedConfig, EXAMPLES / "cartpole_ppo.yaml",
                       [f"runner.run_dir={RUN_DIR}", "runner.progress=false", *overrides])
-    runner = EmbodiedRunner(cfg)
+    runner = (BoundRunner if bound else EmbodiedRunner)(cfg)
     try:
         runner.sync_weights()
         runner.generate_rollouts()  # warm-up
@@ -105,8 +114,8 @@ def hand_loop(num_envs: int, num_steps: int, rounds: int, env_kwargs: dict | Non
 def bench_collection(rounds: int, envs: int, repeats: int = 3, backends=("local", "ray"), stages=(1, 2)) -> dict:
     """Local runs alternate with the hand loop ``repeats`` times and report medians (this
     machine's speed drifts by tens of percent between minutes); ray runs once each, with the
-    hand loop measured again beside them. On ray, ``ray_actor_stages*`` routes every item
-    through the channel actor (``TIDAL_DIRECT_ROUTES=0``) for comparison with the direct path."""
+    hand loop measured again beside them. On ray, ``ray_stages*`` is the runner as it is (items
+    through the channel actor) and ``ray_p2p_stages*`` binds its channels (point to point)."""
     steps = 4096 // envs
     base = [f"env.total_num_envs={envs}", f"rollout.num_steps={steps}", "actor.global_batch_size=512",
             "actor.micro_batch_size=512", "env.eval_num_envs=8"]
@@ -121,17 +130,14 @@ def bench_collection(rounds: int, envs: int, repeats: int = 3, backends=("local"
     for n in stages if "ray" in backends else ():
         samples["hand_loop"].append(hand_loop(envs, steps, rounds))
         samples[f"ray_stages{n}"] = [tidal_collection(ray_base + [f"env.pipeline_stage_num={n}"], rounds)]
-        os.environ["TIDAL_DIRECT_ROUTES"] = "0"
-        try:
-            samples[f"ray_actor_stages{n}"] = [tidal_collection(ray_base + [f"env.pipeline_stage_num={n}"], rounds)]
-        finally:
-            del os.environ["TIDAL_DIRECT_ROUTES"]
+        samples[f"ray_p2p_stages{n}"] = [tidal_collection(ray_base + [f"env.pipeline_stage_num={n}"], rounds,
+                                                          bound=True)]
     out = {k: statistics.median(v) for k, v in samples.items()}
     out["samples"] = samples
     for key in [k for k in samples if k != "hand_loop"]:
         out[f"ratio_{key}"] = out[key] / out["hand_loop"]
     # the fixed cost tidal adds to each chunk step: 1/tidal - 1/hand, per env batch
-    for key in ("local_stages1", "ray_stages1", "ray_actor_stages1"):
+    for key in ("local_stages1", "ray_stages1", "ray_p2p_stages1"):
         if key in out:
             out[f"overhead_us_per_chunk_step_{key}"] = (1 / out[key] - 1 / out["hand_loop"]) * envs * 1e6
     return out

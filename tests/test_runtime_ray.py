@@ -105,11 +105,16 @@ def test_embodied_loop_across_nodes_on_the_fast_path(two_nodes, tmp_path):
         "cluster.placement={env: '0', rollout: '2', actor: '1'}", "runner.max_steps=2",
         "runner.eval_interval=2", "env.total_num_envs=8", "rollout.num_steps=16",
         "actor.global_batch_size=128", "actor.micro_batch_size=64"])
-    runner = EmbodiedRunner(cfg)
-    readers = {"env": runner.env, "rollout": runner.rollout, "actor": runner.actor, "weights": runner.rollout}
+
+    class BoundRunner(EmbodiedRunner):
+        def build(self):  # the runner makes its channels here; bind each to its reader
+            super().build()
+            readers = {"env": self.env, "rollout": self.rollout, "actor": self.actor, "weights": self.rollout}
+            for name, group in readers.items():
+                assert self.channels[name].bind(group).direct
+
+    runner = BoundRunner(cfg)
     try:
-        for name, group in readers.items():
-            assert runner.channels[name].bind(group).direct
         summary = runner.run()
     finally:
         runner.close()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import os
 import threading
 from collections import defaultdict, deque
 from collections.abc import Callable, Hashable
@@ -330,10 +329,8 @@ class Channel:
         (``CommMapper.build_channel_key(src, dst, tag)``: rank ``dst`` of ``consumer``). Where
         the backend can, those items then travel point to point to that rank (on ray: a direct
         call to its process instead of two through the channel actor). Semantics do not change:
-        keyed FIFO, back-pressure, timeouts that take nothing; anyone may still get any key.
-        ``TIDAL_DIRECT_ROUTES=0`` turns this off (to measure against the channel actor)."""
-        if os.environ.get("TIDAL_DIRECT_ROUTES", "1") != "0":
-            self.direct = self._transport.bind(consumer.rank_handles)
+        keyed FIFO, back-pressure, timeouts that take nothing; anyone may still get any key."""
+        self.direct = self._transport.bind(consumer.rank_handles)
         return self
 
     @property

@@ -5,7 +5,7 @@ producer puts a large item in the object store once and the consumer reads it fr
 payloads never pass through the channel actor.
 
 Every put is one call carrying an envelope (channel, key, producer, sequence number, item);
-without ``maxsize`` nothing waits for its answer (a blocking put's acknowledgement is read by
+without ``maxsize`` nobody waits for its answer (a blocking put's acknowledgement is read by
 the process's next get or qsize, so its own writes are seen and errors surface).
 
 Routed keys (``RouteKey``, ``"src->dst:tag"``) of a channel bound to its consumer group
@@ -142,8 +142,8 @@ class RayTransport(ChannelTransport):
     def _deliver(self, target, key, item, weight: float, async_op: bool, timeout: float | None):
         """One call to the actor holding the key (a rank's mailbox, or the channel actor), its
         arguments in one envelope (Ray serialises each argument on its own). Without
-        ``maxsize`` a put cannot wait, so nothing needs to come back: the call is sent without
-        a reply (a dead receiver is reported by its group, a dead channel actor by the get)."""
+        ``maxsize`` a put cannot wait, so nothing needs to come back: nobody waits
+        for its reply (a dead receiver is reported by its group, a dead channel actor by the get)."""
         limit = DEFAULT_TIMEOUT_S if timeout is None else timeout
         acked = self.maxsize > 0 or not async_op
         target_id = target._actor_id.hex()
@@ -175,11 +175,9 @@ class RayTransport(ChannelTransport):
             work.wait()
 
     def _deliver_method(self, target, target_id: str, acked: bool):
-        methods = self.__dict__.setdefault("_methods", {})
-        if (target_id, acked) not in methods:
-            deliver = target.deliver
-            methods[(target_id, acked)] = deliver if acked else deliver.options(num_returns=0)
-        return methods[(target_id, acked)]
+        # never ``num_returns=0``: Ray drops such calls made before the actor is up (measured);
+        # an unread reply costs little, and Ray runs the call whether or not it is read
+        return target.deliver
 
     def __getstate__(self):
         state = dict(self.__dict__)
