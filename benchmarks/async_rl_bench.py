@@ -23,32 +23,57 @@ from tidal.runners.reasoning import ReasoningRunner
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "llm" / "reverse_grpo.yaml"
 
 
-def run(config: str, model: str, steps: int, staleness: int, decoupled: bool, extra: list[str]) -> dict:
+def run(
+    config: str, model: str, steps: int, staleness: int, decoupled: bool, extra: list[str]
+) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         local_model = Path(tmp) / "model"
         shutil.copytree(model, local_model)
-        cfg = load_config(LLMConfig, config, [
-            f"model.path={local_model}", f"runner.run_dir={tmp}", "runner.progress=false", f"runner.max_steps={steps}",
-            f"runner.eval_interval={steps}", "runner.max_minutes=null", f"rollout.max_staleness={staleness}",
-            f"algorithm.use_decoupled_loss={str(decoupled).lower()}", *extra])
+        cfg = load_config(
+            LLMConfig,
+            config,
+            [
+                f"model.path={local_model}",
+                f"runner.run_dir={tmp}",
+                "runner.progress=false",
+                f"runner.max_steps={steps}",
+                f"runner.eval_interval={steps}",
+                "runner.max_minutes=null",
+                f"rollout.max_staleness={staleness}",
+                f"algorithm.use_decoupled_loss={str(decoupled).lower()}",
+                *extra,
+            ],
+        )
         runner = ReasoningRunner(cfg)
         try:
             summary = runner.run()
-            rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+            rows = [
+                json.loads(x)
+                for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+            ]
         finally:
             runner.close()
     steps_rows = [r for r in rows if r["step"] >= 0]
     train_tokens = sum(r["train/tokens"] for r in steps_rows)
     wall = sum(r["time/step"] for r in steps_rows)
-    return {"max_staleness": staleness, "decoupled": decoupled, "overrides": extra, "train_tokens": train_tokens,
-            "wall_s": wall, "generated_tokens_per_s": sum(r["rollout/generated_tokens_per_s"] * r["time/step"]
-                                                         for r in steps_rows) / wall,
-            "time_prepare_s": sum(r["time/prepare_batch"] for r in steps_rows),
-            "time_train_s": sum(r["time/train"] for r in steps_rows),
-            "time_update_weights_s": sum(r["time/update_weights"] for r in steps_rows),
-            "train_tokens_per_s": train_tokens / wall, "final_accuracy": summary["evals"][-1][1]["eval/accuracy"],
-            "initial_accuracy": summary["evals"][0][1]["eval/accuracy"],
-            "mean_staleness": sum(r["staleness/mean"] for r in steps_rows) / len(steps_rows)}
+    return {
+        "max_staleness": staleness,
+        "decoupled": decoupled,
+        "overrides": extra,
+        "train_tokens": train_tokens,
+        "wall_s": wall,
+        "generated_tokens_per_s": sum(
+            r["rollout/generated_tokens_per_s"] * r["time/step"] for r in steps_rows
+        )
+        / wall,
+        "time_prepare_s": sum(r["time/prepare_batch"] for r in steps_rows),
+        "time_train_s": sum(r["time/train"] for r in steps_rows),
+        "time_update_weights_s": sum(r["time/update_weights"] for r in steps_rows),
+        "train_tokens_per_s": train_tokens / wall,
+        "final_accuracy": summary["evals"][-1][1]["eval/accuracy"],
+        "initial_accuracy": summary["evals"][0][1]["eval/accuracy"],
+        "mean_staleness": sum(r["staleness/mean"] for r in steps_rows) / len(steps_rows),
+    }
 
 
 def main() -> None:
@@ -56,18 +81,38 @@ def main() -> None:
     parser.add_argument("--config", default=str(EXAMPLE))
     parser.add_argument("--model", required=True)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--pause-mode", default="in_place", help="the asynchronous run's rollout.pause_mode")
-    parser.add_argument("--async-prox", default="recompute", help="the asynchronous run's algorithm.prox_logp_method")
+    parser.add_argument(
+        "--pause-mode", default="in_place", help="the asynchronous run's rollout.pause_mode"
+    )
+    parser.add_argument(
+        "--async-prox",
+        default="recompute",
+        help="the asynchronous run's algorithm.prox_logp_method",
+    )
     parser.add_argument("--out", default="benchmarks/results/async_rl_bench.json")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     sync = run(args.config, args.model, args.steps, 0, False, args.overrides)
     print("sync:", json.dumps(sync), flush=True)
-    asyn = run(args.config, args.model, args.steps, 4, True, [f"rollout.pause_mode={args.pause_mode}",
-                                                              f"algorithm.prox_logp_method={args.async_prox}", *args.overrides])
+    asyn = run(
+        args.config,
+        args.model,
+        args.steps,
+        4,
+        True,
+        [
+            f"rollout.pause_mode={args.pause_mode}",
+            f"algorithm.prox_logp_method={args.async_prox}",
+            *args.overrides,
+        ],
+    )
     print("async:", json.dumps(asyn), flush=True)
-    result = {"sync": sync, "async": asyn, "tokens_per_s_ratio": asyn["train_tokens_per_s"] / sync["train_tokens_per_s"],
-              "accuracy_gap_points": 100 * (asyn["final_accuracy"] - sync["final_accuracy"])}
+    result = {
+        "sync": sync,
+        "async": asyn,
+        "tokens_per_s_ratio": asyn["train_tokens_per_s"] / sync["train_tokens_per_s"],
+        "accuracy_gap_points": 100 * (asyn["final_accuracy"] - sync["final_accuracy"]),
+    }
     print(json.dumps(result, indent=2))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

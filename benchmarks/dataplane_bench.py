@@ -33,10 +33,16 @@ def tidal_round_trip(cluster: Cluster, n: int, batch: int, width: int, bound: bo
     ping = Bouncer.create_group().launch(cluster, placement=1, name=f"ping-{uuid.uuid4().hex[:4]}")
     pong = Bouncer.create_group().launch(cluster, placement=1, name=f"pong-{uuid.uuid4().hex[:4]}")
     try:
-        to_pong = Channel.create(f"to-pong-{uuid.uuid4().hex[:6]}", cluster, consumer=pong if bound else None)
-        to_ping = Channel.create(f"to-ping-{uuid.uuid4().hex[:6]}", cluster, consumer=ping if bound else None)
-        seconds, _ = wait_all([ping.ping(to_pong, to_ping, n, batch, width), pong.pong(to_pong, to_ping, n, batch)],
-                              timeout=600)
+        to_pong = Channel.create(
+            f"to-pong-{uuid.uuid4().hex[:6]}", cluster, consumer=pong if bound else None
+        )
+        to_ping = Channel.create(
+            f"to-ping-{uuid.uuid4().hex[:6]}", cluster, consumer=ping if bound else None
+        )
+        seconds, _ = wait_all(
+            [ping.ping(to_pong, to_ping, n, batch, width), pong.pong(to_pong, to_ping, n, batch)],
+            timeout=600,
+        )
         to_pong.close()
         to_ping.close()
         return seconds[0]
@@ -83,7 +89,9 @@ def gloo_round_trip(n: int, batch: int, width: int) -> float:
     a, b = cls.remote(), cls.remote()
     address = ray.get(a.node_address.remote())
     ray.get([a.setup.remote(0, address), b.setup.remote(1, address)], timeout=120)
-    seconds, _ = ray.get([a.ping.remote(n, batch, width), b.pong.remote(n, batch, width)], timeout=600)
+    seconds, _ = ray.get(
+        [a.ping.remote(n, batch, width), b.pong.remote(n, batch, width)], timeout=600
+    )
     for actor in (a, b):
         ray.kill(actor)
     return seconds
@@ -98,23 +106,31 @@ def main() -> None:
     args = parser.parse_args()
     n, b, w = args.n, args.batch, args.width
     local = Cluster("local", devices_per_node=2)
-    local_ms = {"hand_asyncio": hand_asyncio_round_trip(n, b, w) * 1e3,
-                "tidal_local": tidal_round_trip(local, n, b, w, bound=False) * 1e3}
+    local_ms = {
+        "hand_asyncio": hand_asyncio_round_trip(n, b, w) * 1e3,
+        "tidal_local": tidal_round_trip(local, n, b, w, bound=False) * 1e3,
+    }
     local.shutdown()
     ray_cluster = Cluster("ray", devices_per_node=2, ray_init_kwargs={"num_cpus": 2})
-    ray_ms = {"hand_ray_actors": hand_ray_round_trip(n, b, w) * 1e3,
-              "tidal_ray_channel_actor": tidal_round_trip(ray_cluster, n, b, w, bound=False) * 1e3,
-              "tidal_ray_point_to_point": tidal_round_trip(ray_cluster, n, b, w, bound=True) * 1e3,
-              "gloo_send_recv": gloo_round_trip(n, b, w) * 1e3}
+    ray_ms = {
+        "hand_ray_actors": hand_ray_round_trip(n, b, w) * 1e3,
+        "tidal_ray_channel_actor": tidal_round_trip(ray_cluster, n, b, w, bound=False) * 1e3,
+        "tidal_ray_point_to_point": tidal_round_trip(ray_cluster, n, b, w, bound=True) * 1e3,
+        "gloo_send_recv": gloo_round_trip(n, b, w) * 1e3,
+    }
     ray_cluster.shutdown()
     result = {
         "round_trip_ms": {"local": local_ms, "ray": ray_ms},
         "ratios_vs_hand": {
             "tidal_local": local_ms["hand_asyncio"] / local_ms["tidal_local"],
-            "tidal_ray_channel_actor": ray_ms["hand_ray_actors"] / ray_ms["tidal_ray_channel_actor"],
-            "tidal_ray_point_to_point": ray_ms["hand_ray_actors"] / ray_ms["tidal_ray_point_to_point"],
+            "tidal_ray_channel_actor": ray_ms["hand_ray_actors"]
+            / ray_ms["tidal_ray_channel_actor"],
+            "tidal_ray_point_to_point": ray_ms["hand_ray_actors"]
+            / ray_ms["tidal_ray_point_to_point"],
         },
-        "n": n, "batch": b, "width": w,
+        "n": n,
+        "batch": b,
+        "width": w,
     }
     print(json.dumps(result, indent=2))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

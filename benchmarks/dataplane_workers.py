@@ -79,8 +79,13 @@ class GlooPeer:
 
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo",
+            init_method=address,
+            rank=rank,
+            world_size=2,
+            timeout=datetime.timedelta(seconds=60),
+        )
 
     def node_address(self) -> str:
         import socket

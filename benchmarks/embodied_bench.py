@@ -1,15 +1,15 @@
 """Embodied benchmarks, each measured side by side in one run:
 
-  collection  env steps/s of tidal's rollout collection (local and ray; pipeline stages 1
-              and 2) against a hand-written loop stepping the same vector env with the same
-              policy in one process.
-  pipeline    an env that costs about as much per step as policy inference: 2 pipeline
-              stages against 1, beside the ideal speedup.
-  solve       wall time to solve CartPole-v1 (deterministic eval >= 475) with tidal's demo
-              config against the single-file PPO with the published defaults.
+collection  env steps/s of tidal's rollout collection (local and ray; pipeline stages 1
+            and 2) against a hand-written loop stepping the same vector env with the same
+            policy in one process.
+pipeline    an env that costs about as much per step as policy inference: 2 pipeline
+            stages against 1, beside the ideal speedup.
+solve       wall time to solve CartPole-v1 (deterministic eval >= 475) with tidal's demo
+            config against the single-file PPO with the published defaults.
 
-    python benchmarks/embodied_bench.py [collection pipeline solve] [--seeds 3] [--envs 32 128]
-        [--backends local ray] [--stages 1 2] [--repeats 3]
+  python benchmarks/embodied_bench.py [collection pipeline solve] [--seeds 3] [--envs 32 128]
+      [--backends local ray] [--stages 1 2] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -57,14 +57,22 @@ class BoundRunner(EmbodiedRunner):
 
     def build(self):
         super().build()
-        readers = {"env": self.env, "rollout": self.rollout, "actor": self.actor, "weights": self.rollout}
+        readers = {
+            "env": self.env,
+            "rollout": self.rollout,
+            "actor": self.actor,
+            "weights": self.rollout,
+        }
         for name, group in readers.items():
             self.channels[name].bind(group)
 
 
 def tidal_collection(overrides: list[str], rounds: int, bound: bool = False) -> float:
-    cfg = load_config(EmbodiedConfig, EXAMPLES / "cartpole_ppo.yaml",
-                      [f"runner.run_dir={RUN_DIR}", "runner.progress=false", *overrides])
+    cfg = load_config(
+        EmbodiedConfig,
+        EXAMPLES / "cartpole_ppo.yaml",
+        [f"runner.run_dir={RUN_DIR}", "runner.progress=false", *overrides],
+    )
     runner = (BoundRunner if bound else EmbodiedRunner)(cfg)
     try:
         runner.sync_weights()
@@ -77,7 +85,9 @@ def tidal_collection(overrides: list[str], rounds: int, bound: bool = False) -> 
         runner.close()
 
 
-def hand_loop(num_envs: int, num_steps: int, rounds: int, env_kwargs: dict | None = None, hidden=(64, 64)) -> float:
+def hand_loop(
+    num_envs: int, num_steps: int, rounds: int, env_kwargs: dict | None = None, hidden=(64, 64)
+) -> float:
     """The same vector env and policy in one process: the loop a user would write by hand."""
     cfg = load_config(EmbodiedConfig, None, [f"model.hidden_sizes=[{','.join(map(str, hidden))}]"])
     if env_kwargs:
@@ -111,27 +121,42 @@ def hand_loop(num_envs: int, num_steps: int, rounds: int, env_kwargs: dict | Non
     return rounds * num_envs * num_steps / (time.perf_counter() - start)
 
 
-def bench_collection(rounds: int, envs: int, repeats: int = 3, backends=("local", "ray"), stages=(1, 2)) -> dict:
+def bench_collection(
+    rounds: int, envs: int, repeats: int = 3, backends=("local", "ray"), stages=(1, 2)
+) -> dict:
     """Local runs alternate with the hand loop ``repeats`` times and report medians (this
     machine's speed drifts by tens of percent between minutes); ray runs once each, with the
     hand loop measured again beside them. On ray, ``ray_stages*`` is the runner as it is (items
     through the channel actor) and ``ray_p2p_stages*`` binds its channels (point to point)."""
     steps = 4096 // envs
-    base = [f"env.total_num_envs={envs}", f"rollout.num_steps={steps}", "actor.global_batch_size=512",
-            "actor.micro_batch_size=512", "env.eval_num_envs=8"]
+    base = [
+        f"env.total_num_envs={envs}",
+        f"rollout.num_steps={steps}",
+        "actor.global_batch_size=512",
+        "actor.micro_batch_size=512",
+        "env.eval_num_envs=8",
+    ]
     samples: dict[str, list[float]] = {"hand_loop": []}
     for _ in range(repeats if "local" in backends else 0):
         samples["hand_loop"].append(hand_loop(envs, steps, rounds))
         for n in stages:
-            rate = tidal_collection(base + ["cluster.backend=local", f"env.pipeline_stage_num={n}"], rounds)
+            rate = tidal_collection(
+                base + ["cluster.backend=local", f"env.pipeline_stage_num={n}"], rounds
+            )
             samples.setdefault(f"local_stages{n}", []).append(rate)
-    ray_base = base + ["cluster.backend=ray", "cluster.devices_per_node=3",
-                       "cluster.placement={env: '0', rollout: '1', actor: '2'}"]
+    ray_base = base + [
+        "cluster.backend=ray",
+        "cluster.devices_per_node=3",
+        "cluster.placement={env: '0', rollout: '1', actor: '2'}",
+    ]
     for n in stages if "ray" in backends else ():
         samples["hand_loop"].append(hand_loop(envs, steps, rounds))
-        samples[f"ray_stages{n}"] = [tidal_collection(ray_base + [f"env.pipeline_stage_num={n}"], rounds)]
-        samples[f"ray_p2p_stages{n}"] = [tidal_collection(ray_base + [f"env.pipeline_stage_num={n}"], rounds,
-                                                          bound=True)]
+        samples[f"ray_stages{n}"] = [
+            tidal_collection(ray_base + [f"env.pipeline_stage_num={n}"], rounds)
+        ]
+        samples[f"ray_p2p_stages{n}"] = [
+            tidal_collection(ray_base + [f"env.pipeline_stage_num={n}"], rounds, bound=True)
+        ]
     out = {k: statistics.median(v) for k, v in samples.items()}
     out["samples"] = samples
     for key in [k for k in samples if k != "hand_loop"]:
@@ -139,7 +164,9 @@ def bench_collection(rounds: int, envs: int, repeats: int = 3, backends=("local"
     # the fixed cost tidal adds to each chunk step: 1/tidal - 1/hand, per env batch
     for key in ("local_stages1", "ray_stages1", "ray_p2p_stages1"):
         if key in out:
-            out[f"overhead_us_per_chunk_step_{key}"] = (1 / out[key] - 1 / out["hand_loop"]) * envs * 1e6
+            out[f"overhead_us_per_chunk_step_{key}"] = (
+                (1 / out[key] - 1 / out["hand_loop"]) * envs * 1e6
+            )
     return out
 
 
@@ -155,23 +182,45 @@ def bench_pipeline(rounds: int) -> dict:
         for _ in range(50):
             policy.act(policy.prepare(x))
     infer_half = (time.perf_counter() - start) / 50
-    per_env_cost = infer_half / (envs // 2)  # the env step of a stage costs what its inference costs
-    base = [f"env.total_num_envs={envs}", f"rollout.num_steps={steps}", "env.adapter=costly_cartpole",
-            f"env.adapter_kwargs={{step_cost_s: {per_env_cost}}}", f"model.hidden_sizes={hidden}",
-            f"actor.global_batch_size={envs * steps}", f"actor.micro_batch_size={envs * steps}"]
+    per_env_cost = infer_half / (
+        envs // 2
+    )  # the env step of a stage costs what its inference costs
+    base = [
+        f"env.total_num_envs={envs}",
+        f"rollout.num_steps={steps}",
+        "env.adapter=costly_cartpole",
+        f"env.adapter_kwargs={{step_cost_s: {per_env_cost}}}",
+        f"model.hidden_sizes={hidden}",
+        f"actor.global_batch_size={envs * steps}",
+        f"actor.micro_batch_size={envs * steps}",
+    ]
     one = tidal_collection(base + ["env.pipeline_stage_num=1"], rounds)
     two = tidal_collection(base + ["env.pipeline_stage_num=2"], rounds)
-    return {"inference_s_per_stage_batch": infer_half, "env_s_per_stage_batch": per_env_cost * (envs // 2),
-            "stages1_steps_per_s": one, "stages2_steps_per_s": two, "speedup": two / one, "ideal_speedup": 2.0}
+    return {
+        "inference_s_per_stage_batch": infer_half,
+        "env_s_per_stage_batch": per_env_cost * (envs // 2),
+        "stages1_steps_per_s": one,
+        "stages2_steps_per_s": two,
+        "speedup": two / one,
+        "ideal_speedup": 2.0,
+    }
 
 
 def bench_solve(seeds: int) -> dict:
     import torch._dynamo  # noqa: F401  both sides build an Adam, which imports it lazily: not timed
+
     rows = []
     for seed in range(1, seeds + 1):
-        cfg = load_config(EmbodiedConfig, EXAMPLES / "cartpole_ppo.yaml",
-                          [f"runner.run_dir={RUN_DIR}", "runner.progress=false", f"runner.seed={seed}",
-                           f"runner.seed={seed}"])
+        cfg = load_config(
+            EmbodiedConfig,
+            EXAMPLES / "cartpole_ppo.yaml",
+            [
+                f"runner.run_dir={RUN_DIR}",
+                "runner.progress=false",
+                f"runner.seed={seed}",
+                f"runner.seed={seed}",
+            ],
+        )
         start = time.perf_counter()
         runner = EmbodiedRunner(cfg)
         try:
@@ -180,11 +229,20 @@ def bench_solve(seeds: int) -> dict:
             runner.close()
         tidal_time = time.perf_counter() - start  # includes starting the workers
         base = single_file_ppo.train(seed=seed)
-        rows.append({"seed": seed, "tidal_wall_s": tidal_time, "tidal_env_steps": summary["solved_at_env_steps"],
-                     "baseline_wall_s": base["wall_time"], "baseline_env_steps": base["env_steps"],
-                     "baseline_solved": base["solved"]})
+        rows.append(
+            {
+                "seed": seed,
+                "tidal_wall_s": tidal_time,
+                "tidal_env_steps": summary["solved_at_env_steps"],
+                "baseline_wall_s": base["wall_time"],
+                "baseline_env_steps": base["env_steps"],
+                "baseline_solved": base["solved"],
+            }
+        )
         print(rows[-1], flush=True)
-    ratio = statistics.median(r["tidal_wall_s"] for r in rows) / statistics.median(r["baseline_wall_s"] for r in rows)
+    ratio = statistics.median(r["tidal_wall_s"] for r in rows) / statistics.median(
+        r["baseline_wall_s"] for r in rows
+    )
     return {"runs": rows, "median_time_ratio_tidal_over_baseline": ratio}
 
 
@@ -193,17 +251,29 @@ def main() -> None:
     parser.add_argument("which", nargs="*", default=["collection", "pipeline", "solve"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--envs", type=int, nargs="+", default=[32, 128], help="collection: env counts")
-    parser.add_argument("--backends", nargs="+", default=["local", "ray"], help="collection: backends to run")
-    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2], help="collection: pipeline stages")
-    parser.add_argument("--repeats", type=int, default=3, help="collection: local repeats (medians)")
+    parser.add_argument(
+        "--envs", type=int, nargs="+", default=[32, 128], help="collection: env counts"
+    )
+    parser.add_argument(
+        "--backends", nargs="+", default=["local", "ray"], help="collection: backends to run"
+    )
+    parser.add_argument(
+        "--stages", type=int, nargs="+", default=[1, 2], help="collection: pipeline stages"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="collection: local repeats (medians)"
+    )
     parser.add_argument("--out", default="benchmarks/results/embodied_bench.json")
     args = parser.parse_args()
-    torch.set_num_threads(1)  # the same intra-op setting tidal's workers use (cluster.torch_threads)
+    torch.set_num_threads(
+        1
+    )  # the same intra-op setting tidal's workers use (cluster.torch_threads)
     result = {}
     if "collection" in args.which:
-        result["collection"] = {envs: bench_collection(args.rounds, envs, args.repeats, args.backends, args.stages)
-                                for envs in args.envs}
+        result["collection"] = {
+            envs: bench_collection(args.rounds, envs, args.repeats, args.backends, args.stages)
+            for envs in args.envs
+        }
         print("collection (env steps/s):", json.dumps(result["collection"], indent=2), flush=True)
     if "pipeline" in args.which:
         result["pipeline"] = bench_pipeline(args.rounds)

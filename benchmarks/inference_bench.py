@@ -43,12 +43,16 @@ def run_engine(engine: GenerationEngine, jobs, concurrent: bool) -> float:
     start = time.perf_counter()
     if concurrent:
         for i, (prompt, n) in enumerate(jobs):
-            engine.submit(prompt, GenerationConfig(max_new_tokens=n, seed=i), lambda r: done.release())
+            engine.submit(
+                prompt, GenerationConfig(max_new_tokens=n, seed=i), lambda r: done.release()
+            )
         for _ in jobs:
             done.acquire()
     else:
         for i, (prompt, n) in enumerate(jobs):
-            engine.submit(prompt, GenerationConfig(max_new_tokens=n, seed=i), lambda r: done.release())
+            engine.submit(
+                prompt, GenerationConfig(max_new_tokens=n, seed=i), lambda r: done.release()
+            )
             done.acquire()
     return sum(n for _, n in jobs) / (time.perf_counter() - start)
 
@@ -56,13 +60,22 @@ def run_engine(engine: GenerationEngine, jobs, concurrent: bool) -> float:
 def run_static(model, jobs, batch_size: int) -> float:
     start = time.perf_counter()
     for b in range(0, len(jobs), batch_size):
-        chunk = jobs[b:b + batch_size]
+        chunk = jobs[b : b + batch_size]
         width = max(len(p) for p, _ in chunk)
         ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk])
-        mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p, _ in chunk])[:, None]).long()
+        mask = (
+            torch.arange(width)[None, :]
+            >= torch.tensor([width - len(p) for p, _ in chunk])[:, None]
+        ).long()
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(n for _, n in chunk), min_new_tokens=max(n for _, n in chunk),
-                           do_sample=True, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max(n for _, n in chunk),
+                min_new_tokens=max(n for _, n in chunk),
+                do_sample=True,
+                pad_token_id=0,
+            )
     return sum(n for _, n in jobs) / (time.perf_counter() - start)
 
 
@@ -74,8 +87,14 @@ def run_http(address: str, jobs, protocol=None) -> float:
         client = InferenceClient([address], protocol=protocol)
         try:
             start = time.perf_counter()
-            outs = await asyncio.gather(*(client.agenerate(ModelRequest(prompt, GenerationConfig(max_new_tokens=n, seed=i)))
-                                          for i, (prompt, n) in enumerate(jobs)))
+            outs = await asyncio.gather(
+                *(
+                    client.agenerate(
+                        ModelRequest(prompt, GenerationConfig(max_new_tokens=n, seed=i))
+                    )
+                    for i, (prompt, n) in enumerate(jobs)
+                )
+            )
             return sum(o.output_len for o in outs) / (time.perf_counter() - start)
         finally:
             await client.aclose()
@@ -97,7 +116,11 @@ def compare_with_vllm(path: Path, jobs) -> dict:
         run_http(vllm.address, jobs[:4], VLLMProtocol())  # warm-up (vLLM's first batches are slow)
         run_http(vllm.address, jobs[:4], VLLMProtocol())
         vllm_http = run_http(vllm.address, jobs, VLLMProtocol())
-    return {"tidal_http_tok_s": tidal_http, "vllm_http_tok_s": vllm_http, "ratio_tidal_vs_vllm": tidal_http / vllm_http}
+    return {
+        "tidal_http_tok_s": tidal_http,
+        "vllm_http_tok_s": vllm_http,
+        "ratio_tidal_vs_vllm": tidal_http / vllm_http,
+    }
 
 
 def main() -> None:
@@ -110,7 +133,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
-        path = save_tiny_model(Path(tmp) / "m", hidden=args.hidden, layers=args.layers, heads=4, max_positions=512)
+        path = save_tiny_model(
+            Path(tmp) / "m", hidden=args.hidden, layers=args.layers, heads=4, max_positions=512
+        )
         model = AutoModelForCausalLM.from_pretrained(path).eval()
         jobs = workload(args.requests, model.config.vocab_size)
         engine = GenerationEngine(path, max_batch_size=args.requests)
@@ -121,10 +146,17 @@ def main() -> None:
         engine.close()
         versus_vllm = compare_with_vllm(path, jobs) if args.vllm else {}
     params = sum(p.numel() for p in model.parameters())
-    result = {"requests": args.requests, "params": params, "output_tokens": sum(n for _, n in jobs),
-              "continuous_tok_s": continuous, "static_batch16_tok_s": static, "one_at_a_time_tok_s": one_at_a_time,
-              "ratio_continuous_vs_static": continuous / static, "ratio_continuous_vs_one_at_a_time": continuous / one_at_a_time,
-              **versus_vllm}
+    result = {
+        "requests": args.requests,
+        "params": params,
+        "output_tokens": sum(n for _, n in jobs),
+        "continuous_tok_s": continuous,
+        "static_batch16_tok_s": static,
+        "one_at_a_time_tok_s": one_at_a_time,
+        "ratio_continuous_vs_static": continuous / static,
+        "ratio_continuous_vs_one_at_a_time": continuous / one_at_a_time,
+        **versus_vllm,
+    }
     print(json.dumps(result, indent=2))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

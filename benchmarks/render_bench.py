@@ -60,10 +60,16 @@ def main() -> None:
     env.close()
     state_env = make_env("metaworld", 1, env_id=args.task)
     state_steps = steps_per_second(state_env, args.frames * 5)
-    result = {"task": args.task, "image_size": args.size, "mujoco_gl": os.environ.get("MUJOCO_GL"),
-              "fast_camera_fps": round(fast, 1), "mujoco_default_fps": round(slow, 1),
-              "env_steps_per_s_pixels": round(pixel_steps, 1), "env_steps_per_s_state": round(state_steps, 1),
-              "load_average_1min": os.getloadavg()[0]}
+    result = {
+        "task": args.task,
+        "image_size": args.size,
+        "mujoco_gl": os.environ.get("MUJOCO_GL"),
+        "fast_camera_fps": round(fast, 1),
+        "mujoco_default_fps": round(slow, 1),
+        "env_steps_per_s_pixels": round(pixel_steps, 1),
+        "env_steps_per_s_state": round(state_steps, 1),
+        "load_average_1min": os.getloadavg()[0],
+    }
     print(json.dumps(result, indent=2))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -67,7 +67,11 @@ def cross_process_throughput(cluster: Cluster, payload, repeats: int) -> tuple[f
     def via_plain_ray():
         ray.get(actor.take.remote([ray.put(payload)]))
 
-    results = timed(via_channel, repeats), timed(via_bound_channel, repeats), timed(via_plain_ray, repeats)
+    results = (
+        timed(via_channel, repeats),
+        timed(via_bound_channel, repeats),
+        timed(via_plain_ray, repeats),
+    )
     ch.close()
     bound.close()
     sink.shutdown()
@@ -117,41 +121,51 @@ def main() -> None:
         chan_ray = channel_throughput(ray_cluster, tensor, args.repeats)
         chan_local = channel_throughput(local, tensor, args.repeats)
         x_chan, x_bound, x_plain = cross_process_throughput(ray_cluster, tensor, args.repeats)
-        rows.append({
-            "payload_mb": mb,
-            "ray_put_get_tensor_ms": plain_tensor * 1e3,
-            "ray_put_get_numpy_ms": plain_numpy * 1e3,
-            "channel_ray_put_get_ms": chan_ray * 1e3,
-            "channel_local_put_get_ms": chan_local * 1e3,
-            "channel_ray_MBps": mb / chan_ray,
-            "ratio_channel_vs_ray_put_get_tensor": plain_tensor / chan_ray,
-            "ratio_channel_vs_ray_put_get_numpy": plain_numpy / chan_ray,
-            "driver_to_worker_channel_ms": x_chan * 1e3,
-            "driver_to_worker_bound_channel_ms": x_bound * 1e3,
-            "driver_to_worker_plain_ray_ms": x_plain * 1e3,
-            "ratio_driver_to_worker_channel_vs_plain": x_plain / x_chan,
-            "ratio_driver_to_worker_bound_channel_vs_plain": x_plain / x_bound,
-        })
+        rows.append(
+            {
+                "payload_mb": mb,
+                "ray_put_get_tensor_ms": plain_tensor * 1e3,
+                "ray_put_get_numpy_ms": plain_numpy * 1e3,
+                "channel_ray_put_get_ms": chan_ray * 1e3,
+                "channel_local_put_get_ms": chan_local * 1e3,
+                "channel_ray_MBps": mb / chan_ray,
+                "ratio_channel_vs_ray_put_get_tensor": plain_tensor / chan_ray,
+                "ratio_channel_vs_ray_put_get_numpy": plain_numpy / chan_ray,
+                "driver_to_worker_channel_ms": x_chan * 1e3,
+                "driver_to_worker_bound_channel_ms": x_bound * 1e3,
+                "driver_to_worker_plain_ray_ms": x_plain * 1e3,
+                "ratio_driver_to_worker_channel_vs_plain": x_plain / x_chan,
+                "ratio_driver_to_worker_bound_channel_vs_plain": x_plain / x_bound,
+            }
+        )
     latency = {
         "local_call_round_trip_ms": call_latency(local, args.repeats * 10) * 1e3,
         "ray_call_round_trip_ms": call_latency(ray_cluster, args.repeats * 10) * 1e3,
         "plain_ray_actor_call_ms": plain_ray_call_latency(args.repeats * 10) * 1e3,
     }
-    latency["ratio_ray_call_vs_plain"] = latency["plain_ray_actor_call_ms"] / latency["ray_call_round_trip_ms"]
+    latency["ratio_ray_call_vs_plain"] = (
+        latency["plain_ray_actor_call_ms"] / latency["ray_call_round_trip_ms"]
+    )
     result = {"channel": rows, "latency": latency, "repeats": args.repeats, "cpus": os.cpu_count()}
     ray_cluster.shutdown()
 
-    print(f"{'MB':>4} {'ray.put/get tensor':>19} {'ray.put/get numpy':>18} {'channel ray':>12} "
-          f"{'ratio(tensor)':>14} {'channel local':>14} {'drv→worker chan':>16} {'drv→worker p2p':>15} "
-          f"{'drv→worker ray':>15}")
+    print(
+        f"{'MB':>4} {'ray.put/get tensor':>19} {'ray.put/get numpy':>18} {'channel ray':>12} "
+        f"{'ratio(tensor)':>14} {'channel local':>14} {'drv→worker chan':>16} {'drv→worker p2p':>15} "
+        f"{'drv→worker ray':>15}"
+    )
     for r in rows:
-        print(f"{r['payload_mb']:>4} {r['ray_put_get_tensor_ms']:>16.2f} ms {r['ray_put_get_numpy_ms']:>15.2f} ms "
-              f"{r['channel_ray_put_get_ms']:>9.2f} ms {r['ratio_channel_vs_ray_put_get_tensor']:>13.2f}x "
-              f"{r['channel_local_put_get_ms']:>11.3f} ms {r['driver_to_worker_channel_ms']:>13.2f} ms "
-              f"{r['driver_to_worker_bound_channel_ms']:>12.2f} ms {r['driver_to_worker_plain_ray_ms']:>12.2f} ms")
-    print(f"group call round trip: local {latency['local_call_round_trip_ms']:.3f} ms, "
-          f"ray {latency['ray_call_round_trip_ms']:.3f} ms, plain Ray actor call "
-          f"{latency['plain_ray_actor_call_ms']:.3f} ms")
+        print(
+            f"{r['payload_mb']:>4} {r['ray_put_get_tensor_ms']:>16.2f} ms {r['ray_put_get_numpy_ms']:>15.2f} ms "
+            f"{r['channel_ray_put_get_ms']:>9.2f} ms {r['ratio_channel_vs_ray_put_get_tensor']:>13.2f}x "
+            f"{r['channel_local_put_get_ms']:>11.3f} ms {r['driver_to_worker_channel_ms']:>13.2f} ms "
+            f"{r['driver_to_worker_bound_channel_ms']:>12.2f} ms {r['driver_to_worker_plain_ray_ms']:>12.2f} ms"
+        )
+    print(
+        f"group call round trip: local {latency['local_call_round_trip_ms']:.3f} ms, "
+        f"ray {latency['ray_call_round_trip_ms']:.3f} ms, plain Ray actor call "
+        f"{latency['plain_ray_actor_call_ms']:.3f} ms"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

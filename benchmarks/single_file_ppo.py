@@ -26,8 +26,12 @@ def layer(n_in, n_out, std=2**0.5):
 class Agent(nn.Module):
     def __init__(self, obs_dim, n_actions):
         super().__init__()
-        self.critic = nn.Sequential(layer(obs_dim, 64), nn.Tanh(), layer(64, 64), nn.Tanh(), layer(64, 1, 1.0))
-        self.actor = nn.Sequential(layer(obs_dim, 64), nn.Tanh(), layer(64, 64), nn.Tanh(), layer(64, n_actions, 0.01))
+        self.critic = nn.Sequential(
+            layer(obs_dim, 64), nn.Tanh(), layer(64, 64), nn.Tanh(), layer(64, 1, 1.0)
+        )
+        self.actor = nn.Sequential(
+            layer(obs_dim, 64), nn.Tanh(), layer(64, 64), nn.Tanh(), layer(64, n_actions, 0.01)
+        )
 
     def act(self, x, action=None):
         dist = Categorical(logits=self.actor(x))
@@ -37,8 +41,12 @@ class Agent(nn.Module):
 
 
 def evaluate(agent, seed, num_envs=8):
-    envs = gym.make_vec("CartPole-v1", num_envs=num_envs, vectorization_mode="sync",
-                        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.DISABLED})
+    envs = gym.make_vec(
+        "CartPole-v1",
+        num_envs=num_envs,
+        vectorization_mode="sync",
+        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.DISABLED},
+    )
     obs, _ = envs.reset(seed=[seed + i for i in range(num_envs)])
     returns, alive = np.zeros(num_envs), np.ones(num_envs, dtype=bool)
     while alive.any():
@@ -53,9 +61,23 @@ def evaluate(agent, seed, num_envs=8):
     return returns.mean()
 
 
-def train(seed=1, total_timesteps=500_000, num_envs=4, num_steps=128, lr=2.5e-4, epochs=4, minibatches=4,
-          gamma=0.99, lam=0.95, clip=0.2, ent_coef=0.01, vf_coef=0.5, max_grad_norm=0.5, eval_every=2,
-          target=475.0):
+def train(
+    seed=1,
+    total_timesteps=500_000,
+    num_envs=4,
+    num_steps=128,
+    lr=2.5e-4,
+    epochs=4,
+    minibatches=4,
+    gamma=0.99,
+    lam=0.95,
+    clip=0.2,
+    ent_coef=0.01,
+    vf_coef=0.5,
+    max_grad_norm=0.5,
+    eval_every=2,
+    target=475.0,
+):
     torch.manual_seed(seed)
     np.random.seed(seed)
     start = time.perf_counter()
@@ -79,7 +101,10 @@ def train(seed=1, total_timesteps=500_000, num_envs=4, num_steps=128, lr=2.5e-4,
             act_buf[t], logp_buf[t], val_buf[t] = action, logp, value
             next_obs, reward, term, trunc, _ = envs.step(action.numpy())
             rew_buf[t] = torch.as_tensor(reward)
-            obs, done = torch.as_tensor(next_obs), torch.as_tensor(term | trunc, dtype=torch.float32)
+            obs, done = (
+                torch.as_tensor(next_obs),
+                torch.as_tensor(term | trunc, dtype=torch.float32),
+            )
         steps += batch
         with torch.no_grad():
             next_value = agent.critic(obs).squeeze(-1)
@@ -97,7 +122,7 @@ def train(seed=1, total_timesteps=500_000, num_envs=4, num_steps=128, lr=2.5e-4,
         for _ in range(epochs):
             perm = torch.randperm(batch)
             for s in range(0, batch, mb):
-                i = perm[s:s + mb]
+                i = perm[s : s + mb]
                 _, logp, ent, v = agent.act(b_obs[i], b_act[i])
                 ratio = (logp - b_logp[i]).exp()
                 a = b_adv[i]

@@ -15,8 +15,14 @@ class EchoWorker(Worker):
         self.counter = 0
 
     def info(self):
-        return {"rank": self.rank, "world_size": self.world_size, "group": self.group_name,
-                "device": self.device, "local_rank": self.local_rank, "pid": os.getpid()}
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "group": self.group_name,
+            "device": self.device,
+            "local_rank": self.local_rank,
+            "pid": os.getpid(),
+        }
 
     def add(self, x):
         return x + self.rank + self.offset
@@ -77,16 +83,23 @@ class EchoWorker(Worker):
 
     def send_shard(self, channel, src_world, dst_world, per_rank):
         base = self.rank * per_rank
-        batch = {"x": torch.arange(base, base + per_rank), "meta": {"y": torch.arange(base, base + per_rank) * 2.0}}
+        batch = {
+            "x": torch.arange(base, base + per_rank),
+            "meta": {"y": torch.arange(base, base + per_rank) * 2.0},
+        }
         send_batch(channel, batch, self.rank, src_world, dst_world, tag="t")
         return per_rank
 
     def recv_shard(self, channel, src_world, dst_world, global_batch):
-        out = recv_batch(channel, self.rank, src_world, dst_world, global_batch, tag="t", timeout=60)
+        out = recv_batch(
+            channel, self.rank, src_world, dst_world, global_batch, tag="t", timeout=60
+        )
         return out["x"].tolist(), out["meta"]["y"].tolist()
 
     async def async_recv_shard(self, channel, src_world, dst_world, global_batch):
-        out = await async_recv_batch(channel, self.rank, src_world, dst_world, global_batch, tag="t", timeout=60)
+        out = await async_recv_batch(
+            channel, self.rank, src_world, dst_world, global_batch, tag="t", timeout=60
+        )
         return out["x"].tolist()
 
     def load_weights(self, channel):

@@ -98,7 +98,9 @@ def test_gae_matches_reference(T, B, dtype):
     d = random_dones(T, B)
     adv, ret = compute_gae(r.to(dtype), v.to(dtype), d, gamma=0.97, lam=0.9)
     # the reference sees the inputs at the precision the function received them
-    ra, rr = ref_gae(r.to(dtype).double().numpy(), v.to(dtype).double().numpy(), d.numpy(), 0.97, 0.9)
+    ra, rr = ref_gae(
+        r.to(dtype).double().numpy(), v.to(dtype).double().numpy(), d.numpy(), 0.97, 0.9
+    )
     tol = 1e-10 if dtype == torch.float64 else 1e-4
     np.testing.assert_allclose(adv.double().numpy(), ra, atol=tol, rtol=tol)
     np.testing.assert_allclose(ret.double().numpy(), rr, atol=tol, rtol=tol)
@@ -155,7 +157,16 @@ def test_gae_bad_shapes_name_the_argument():
 
 
 @pytest.mark.parametrize("g", [1, 2, 4, 8])
-@pytest.mark.parametrize("std,loo,unbiased", [(True, False, True), (False, False, True), (False, True, True), (True, True, False), (True, False, False)])
+@pytest.mark.parametrize(
+    "std,loo,unbiased",
+    [
+        (True, False, True),
+        (False, False, True),
+        (False, True, True),
+        (True, True, False),
+        (True, False, False),
+    ],
+)
 def test_group_normalize_matches_reference(g, std, loo, unbiased):
     s = torch.randn(32, dtype=torch.float64)
     out = group_normalize(s, g, std=std, leave_one_out=loo, unbiased=unbiased)
@@ -172,7 +183,9 @@ def test_group_normalize_degenerate_groups_give_zero_not_nan():
 
 
 def test_group_normalize_rejects_non_dividing_group():
-    with pytest.raises(ValueError, match="group_size: expected a positive divisor of the batch size 10, got 4"):
+    with pytest.raises(
+        ValueError, match="group_size: expected a positive divisor of the batch size 10, got 4"
+    ):
         group_normalize(torch.zeros(10), 4)
 
 
@@ -189,7 +202,10 @@ def test_masked_whiten_uses_masked_elements_only():
     ref = (vals - vals.mean()) / np.sqrt(vals.var() + 1e-8)
     np.testing.assert_allclose(out.numpy()[mask.numpy()], ref, atol=1e-9)
     assert torch.all(out[~mask] == 0)
-    assert torch.equal(masked_whiten(x, torch.zeros(6, 5, dtype=torch.bool)), torch.zeros(6, 5, dtype=torch.float64))
+    assert torch.equal(
+        masked_whiten(x, torch.zeros(6, 5, dtype=torch.bool)),
+        torch.zeros(6, 5, dtype=torch.float64),
+    )
 
 
 def test_masked_whiten_without_shift_keeps_mean():
@@ -260,7 +276,9 @@ def test_registry_gae_equals_compute_gae():
     torch.testing.assert_close(r1, r2)
 
 
-@pytest.mark.parametrize("name,std,loo", [("grpo", True, False), ("dr_grpo", False, False), ("rloo", False, True)])
+@pytest.mark.parametrize(
+    "name,std,loo", [("grpo", True, False), ("dr_grpo", False, False), ("rloo", False, True)]
+)
 def test_group_estimators_broadcast_over_valid_steps(name, std, loo):
     T, B, g = 9, 8, 4
     r = torch.randn(T, B, dtype=torch.float64)
@@ -309,7 +327,9 @@ def test_reinforce_plus_plus(baseline):
     r_bl[torch.arange(B), lengths - 1] = torch.randn(B, dtype=torch.float64)
     name = "reinpp_baseline" if baseline else "reinpp"
     adv, ret = get_advantage(name)(rewards=r_bl.T, mask=mask_bl.T, gamma=0.99, group_size=4)
-    ra, rr = ref_reinpp(r_bl.T.numpy(), mask_bl.T.numpy().astype(float), 0.99, 4 if baseline else None)
+    ra, rr = ref_reinpp(
+        r_bl.T.numpy(), mask_bl.T.numpy().astype(float), 0.99, 4 if baseline else None
+    )
     np.testing.assert_allclose(adv.numpy(), ra, atol=1e-9)
     np.testing.assert_allclose(ret.numpy(), rr, atol=1e-9)
 
@@ -323,7 +343,9 @@ def test_estimators_survive_edge_cases():
             (torch.randn(5, 4), torch.zeros(5, 4, dtype=torch.bool)),
             (torch.zeros(3, 4), torch.ones(3, 4, dtype=torch.bool)),
         ]:
-            adv, ret = fn(rewards=r, mask=m, group_size=2, dones=torch.zeros(r.shape[0] + 1, 4), values=None)
+            adv, ret = fn(
+                rewards=r, mask=m, group_size=2, dones=torch.zeros(r.shape[0] + 1, 4), values=None
+            )
             assert torch.isfinite(adv).all() and torch.isfinite(ret).all(), name
 
 
@@ -332,9 +354,15 @@ def test_estimators_declare_their_needs():
     from tidal.algorithms import advantage_spec
 
     assert advantage_spec("gae").needs_critic and advantage_spec("gae").needs_bootstrap
-    assert all(advantage_spec(n).needs_groups for n in ("grpo", "dr_grpo", "rloo", "reinpp_baseline"))
+    assert all(
+        advantage_spec(n).needs_groups for n in ("grpo", "dr_grpo", "rloo", "reinpp_baseline")
+    )
     assert "gae" not in list_advantages(needs_critic=False)
     ungrouped = set(list_advantages(needs_groups=False))
-    assert {"gae", "raw", "reinpp"} <= ungrouped and not ungrouped & {"grpo", "rloo", "reinpp_baseline"}
+    assert {"gae", "raw", "reinpp"} <= ungrouped and not ungrouped & {
+        "grpo",
+        "rloo",
+        "reinpp_baseline",
+    }
     with pytest.raises(ValueError, match="algorithm.adv_type: unknown advantage estimator 'ppo'"):
         advantage_spec("ppo")

@@ -15,8 +15,10 @@ from tidal.inference.agent_client import RecordingOpenAI  # noqa: E402
 from tidal.rollout.agent_workflow import AgentWorkflow  # noqa: E402
 from tidal.rollout.workflows import RLVRWorkflow  # noqa: E402
 
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }}{% if m['role'] == 'assistant' %}"
-            "{{ eos_token }}{% endif %} {% endfor %}{% if add_generation_prompt %}assistant {% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }}{% if m['role'] == 'assistant' %}"
+    "{{ eos_token }}{% endif %} {% endfor %}{% if add_generation_prompt %}assistant {% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +46,10 @@ async def calculator_agent(client: openai.AsyncOpenAI, data: dict) -> float:
     """Ask, 'run' the calculator on the model's call, reply with its result, ask again."""
     messages = [{"role": "user", "content": data["question"]}]
     first = await client.chat.completions.create(model="tidal", messages=messages, max_tokens=6)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "tool", "content": str(eval(data["question"]))}]
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "tool", "content": str(eval(data["question"]))},
+    ]
     second = await client.chat.completions.create(model="tidal", messages=messages, max_tokens=5)
     return 1.0 if second.choices[0].message.content.strip() == data["answer"] else 0.25
 
@@ -60,7 +64,9 @@ def test_a_multi_turn_agent_becomes_one_sequence_per_run(server, model_dir, tok)
     async def main():
         inference = InferenceClient([server.address])
         try:
-            flow = AgentWorkflow(calculator_agent, inference, tok, gconfig, group_size=3, mode="concat")
+            flow = AgentWorkflow(
+                calculator_agent, inference, tok, gconfig, group_size=3, mode="concat"
+            )
             rlvr = RLVRWorkflow(inference, tok, lambda **_: 1.0, gconfig, group_size=2)
             return await flow({"question": "3+4", "answer": "7"}), await rlvr({"prompt": "3+4"})
         finally:
@@ -79,7 +85,7 @@ def test_a_multi_turn_agent_becomes_one_sequence_per_run(server, model_dir, tok)
         assert (versions[mask] == 0).all() and (versions[~mask] == -1).all()
         spans = _spans(mask)
         assert len(spans) == 2  # two answers, with the tool turn between them as context
-        assert "tool 7 assistant" in tok.decode(ids[spans[0][1]:spans[1][0]])
+        assert "tool 7 assistant" in tok.decode(ids[spans[0][1] : spans[1][0]])
         with torch.no_grad():  # behaviour log-probs are the model's, on exactly these tokens
             logp = torch.log_softmax(model(ids[None]).logits[0, :-1].float(), -1)
         ref = logp.gather(1, ids[1:, None]).squeeze(1)
@@ -103,7 +109,9 @@ def test_individual_mode_discounts_the_episode_reward_per_turn(server, tok):
     async def main():
         inference = InferenceClient([server.address])
         try:
-            flow = AgentWorkflow(calculator_agent, inference, tok, gconfig, mode="individual", turn_discount=0.5)
+            flow = AgentWorkflow(
+                calculator_agent, inference, tok, gconfig, mode="individual", turn_discount=0.5
+            )
             return await flow({"question": "2*3", "answer": "6"})
         finally:
             await inference.aclose()
@@ -113,21 +121,30 @@ def test_individual_mode_discounts_the_episode_reward_per_turn(server, tok):
     answers = episode.loss_mask.sum(1)
     assert ((answers >= 1) & (answers <= 8)).all()
     # the second row's context holds the first call's prompt and answer, then the tool turn
-    first = episode.input_ids[0, :int(episode.attention_mask[0].sum())]
-    assert torch.equal(episode.input_ids[1, :len(first)], first)
+    first = episode.input_ids[0, : int(episode.attention_mask[0].sum())]
+    assert torch.equal(episode.input_ids[1, : len(first)], first)
 
 
 def test_rewards_per_completion_and_unsupported_arguments(server, tok):
     async def main():
         inference = InferenceClient([server.address])
-        client = RecordingOpenAI(inference, tok, GenerationConfig(max_new_tokens=4, stop_token_ids=[2]))
+        client = RecordingOpenAI(
+            inference, tok, GenerationConfig(max_new_tokens=4, stop_token_ids=[2])
+        )
         try:
-            out = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
-                                                       logprobs=True, temperature=0)
+            out = await client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "hi"}],
+                logprobs=True,
+                temperature=0,
+            )
             client.set_reward(out.id, 0.7)
             with pytest.raises(ValueError, match="tools"):
-                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
-                                                     tools=[{"type": "function", "function": {"name": "calc"}}])
+                await client.chat.completions.create(
+                    model="m",
+                    messages=[{"role": "user", "content": "x"}],
+                    tools=[{"type": "function", "function": {"name": "calc"}}],
+                )
             with pytest.raises(KeyError, match="completion_id"):
                 client.set_reward("chatcmpl-nope", 1.0)
             return out, client.completions_made
@@ -144,13 +161,17 @@ def test_rewards_per_completion_and_unsupported_arguments(server, tok):
 
 def test_an_agent_that_gives_no_reward_is_rejected(server, tok):
     async def silent(client, data):
-        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1"}], max_tokens=2)
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "1"}], max_tokens=2
+        )
         return None
 
     async def main():
         inference = InferenceClient([server.address])
         try:
-            return await AgentWorkflow(silent, inference, tok, GenerationConfig(max_new_tokens=2))({})
+            return await AgentWorkflow(silent, inference, tok, GenerationConfig(max_new_tokens=2))(
+                {}
+            )
         finally:
             await inference.aclose()
 

@@ -81,7 +81,9 @@ def test_counters_are_thread_safe():
 
 
 def test_dispatcher_respects_the_staleness_bound_and_keeps_the_stream():
-    staleness = StalenessManager(max_staleness=1, consumer_batch_size=4, max_concurrent_rollouts=100)
+    staleness = StalenessManager(
+        max_staleness=1, consumer_batch_size=4, max_concurrent_rollouts=100
+    )
     peak = {"admitted": 0}
 
     async def episode(x):
@@ -119,7 +121,9 @@ def test_rejections_are_counted_and_failures_name_the_episode():
         assert d.prepare_batch(iter([0, 1, 2]), 2, timeout=30) == [0, 2]
         assert staleness.snapshot()["rejected"] == 1
         staleness.set_version(1)
-        with pytest.raises(EpisodeError, match=r"episode 4 failed:(.|\n)*ZeroDivisionError: bad episode"):
+        with pytest.raises(
+            EpisodeError, match=r"episode 4 failed:(.|\n)*ZeroDivisionError: bad episode"
+        ):
             d.prepare_batch(iter([3, 4, 5, 6]), 2, timeout=30)
     finally:
         d.shutdown()
@@ -156,7 +160,10 @@ def test_padded_episodes_and_merging():
     from tidal.inference import ModelResponse
     from tidal.rollout.workflows import add_response
 
-    add_response(s1, ModelResponse(output_tokens=[7, 8], output_logprobs=[-0.1, -0.2], output_versions=[3, 4]))
+    add_response(
+        s1,
+        ModelResponse(output_tokens=[7, 8], output_logprobs=[-0.1, -0.2], output_versions=[3, 4]),
+    )
     ep = LMBatch.from_sequences([s1, s2], [1.0, 0.0])
     assert ep.input_ids.tolist() == [[1, 2, 7, 8], [1, 2, 3, 0]]
     assert ep.versions.tolist() == [[-1, -1, 3, 4], [-1, -1, -1, -1]]
@@ -171,7 +178,11 @@ def test_tasks_and_rewards():
     assert exact_match_reward(completion="122", answer="122") == 1.0
     assert exact_match_reward(completion="12", answer="122") == 0.0
     env = GuessNumberEnv(42)
-    assert env.step("10") == (" >", 0.0, False) and env.step("50") == (" <", 0.0, False) and env.step("42")[1:] == (1.0, True)
+    assert (
+        env.step("10") == (" >", 0.0, False)
+        and env.step("50") == (" <", 0.0, False)
+        and env.step("42")[1:] == (1.0, True)
+    )
 
 
 def test_reverse_task_has_long_tailed_lengths():
@@ -179,7 +190,9 @@ def test_reverse_task_has_long_tailed_lengths():
     assert all(x["prompt"] == f"r{x['answer'][::-1]}=" for x in p)
     lengths = sorted(len(x["answer"]) for x in p)
     assert lengths[0] == 1 and lengths[-1] == 24
-    assert lengths[len(lengths) // 2] <= 5 < 15 <= lengths[int(0.97 * len(lengths))]  # median short, tail long
+    assert (
+        lengths[len(lengths) // 2] <= 5 < 15 <= lengths[int(0.97 * len(lengths))]
+    )  # median short, tail long
 
 
 def test_token_packing():
@@ -212,15 +225,33 @@ def test_llm_config_rules():
         validate_llm(load_config(LLMConfig, None, ["algorithm.adv_type=gae"]))
     with pytest.raises(ConfigError, match="algorithm.prox_logp_method"):
         validate_llm(load_config(LLMConfig, None, ["algorithm.prox_logp_method=guess"]))
-    with pytest.raises(ConfigError, match="rollout.workflow: task 'arithmetic' runs the 'rlvr' workflow"):
+    with pytest.raises(
+        ConfigError, match="rollout.workflow: task 'arithmetic' runs the 'rlvr' workflow"
+    ):
         validate_llm(load_config(LLMConfig, None, ["rollout.workflow=multi_turn"]))
-    with pytest.raises(ConfigError, match="data.task: expected one of arithmetic, guess_number, reverse"):
+    with pytest.raises(
+        ConfigError, match="data.task: expected one of arithmetic, guess_number, reverse"
+    ):
         validate_llm(load_config(LLMConfig, None, ["data.task=chess"]))
     with pytest.raises(ConfigError, match="cluster.placement: a data-parallel trainer"):
-        validate_llm(load_config(LLMConfig, None, ["cluster.placement={rollout: '0', actor: '1-2'}"]))
-    with pytest.raises(ConfigError, match="rollout.batch_size: 9 sequences per step do not split evenly"):
-        validate_llm(load_config(LLMConfig, None, ["cluster.backend=ray", "cluster.placement={rollout: '0', actor: '1-2'}",
-                                                  "rollout.batch_size=3", "rollout.group_size=3"]))
+        validate_llm(
+            load_config(LLMConfig, None, ["cluster.placement={rollout: '0', actor: '1-2'}"])
+        )
+    with pytest.raises(
+        ConfigError, match="rollout.batch_size: 9 sequences per step do not split evenly"
+    ):
+        validate_llm(
+            load_config(
+                LLMConfig,
+                None,
+                [
+                    "cluster.backend=ray",
+                    "cluster.placement={rollout: '0', actor: '1-2'}",
+                    "rollout.batch_size=3",
+                    "rollout.group_size=3",
+                ],
+            )
+        )
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -231,7 +262,17 @@ def arith_model(tmp_path_factory):
     from tidal.runners.sft import run_sft
 
     path = tmp_path_factory.mktemp("m") / "arith"
-    cfg = load_config(LLMConfig, None, [f"model.path={path}", "model.hidden=32", "model.layers=1", "sft.steps=20", "sft.eval_size=16"])
+    cfg = load_config(
+        LLMConfig,
+        None,
+        [
+            f"model.path={path}",
+            "model.hidden=32",
+            "model.layers=1",
+            "sft.steps=20",
+            "sft.eval_size=16",
+        ],
+    )
     summary = run_sft(cfg)
     # 20 steps must already beat guessing uniformly over the vocabulary
     assert summary["final_loss"] < math.log(len(AutoTokenizer.from_pretrained(path))), summary
@@ -243,9 +284,18 @@ def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
     from tidal.runners.reasoning import ReasoningRunner
 
     presets = Path(__file__).parent.parent / "examples" / "llm" / "presets"
-    overrides = [f"model.path={arith_model}", f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.max_steps=3",
-                 "runner.eval_interval=3", "data.eval_size=8", "rollout.batch_size=4", "rollout.group_size=2",
-                 "rollout.max_concurrent_rollouts=8", "runner.experiment=e"]
+    overrides = [
+        f"model.path={arith_model}",
+        f"runner.run_dir={tmp_path}",
+        "runner.progress=false",
+        "runner.max_steps=3",
+        "runner.eval_interval=3",
+        "data.eval_size=8",
+        "rollout.batch_size=4",
+        "rollout.group_size=2",
+        "rollout.max_concurrent_rollouts=8",
+        "runner.experiment=e",
+    ]
     extra = ["algorithm.loss_agg=seq-mean-token-mean"] if preset == "stable" else []
     cfg = load_config(LLMConfig, presets / f"{preset}.yaml", overrides + extra)
     runner = ReasoningRunner(cfg)
@@ -253,14 +303,19 @@ def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
         summary = runner.run()
     finally:
         runner.close()
-    rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    ]
     steps = [r for r in rows if r["step"] >= 0]
     assert [r["version"] for r in steps] == [1, 2, 3]
     assert all(r["staleness/max"] <= cfg.rollout.max_staleness + 1 for r in steps)
     assert "eval/accuracy" in steps[-1] and "train/tokens_per_s" in steps[-1]
     if preset == "sync":
-        cfg = load_config(LLMConfig, presets / f"{preset}.yaml",
-                          overrides + ["runner.max_steps=4", f"runner.resume_from={summary['checkpoint']}"])
+        cfg = load_config(
+            LLMConfig,
+            presets / f"{preset}.yaml",
+            overrides + ["runner.max_steps=4", f"runner.resume_from={summary['checkpoint']}"],
+        )
         runner = ReasoningRunner(cfg)
         try:
             assert runner.staleness.snapshot()["accepted"] == 3 * 4 and runner.version == 3
@@ -274,8 +329,16 @@ def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
 def test_the_same_experiment_twice_makes_two_run_folders(arith_model, tmp_path):
     from tidal.runners.reasoning import ReasoningRunner
 
-    overrides = [f"model.path={arith_model}", f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.max_steps=1",
-                 "runner.eval_interval=0", "rollout.batch_size=2", "rollout.group_size=2", "runner.experiment=twice"]
+    overrides = [
+        f"model.path={arith_model}",
+        f"runner.run_dir={tmp_path}",
+        "runner.progress=false",
+        "runner.max_steps=1",
+        "runner.eval_interval=0",
+        "rollout.batch_size=2",
+        "rollout.group_size=2",
+        "runner.experiment=twice",
+    ]
     folders = []
     for _ in range(2):
         with ReasoningRunner(load_config(LLMConfig, None, overrides)) as runner:
@@ -290,10 +353,22 @@ def test_ray_servers_and_a_data_parallel_trainer_run_the_loop_and_resume(arith_m
     weights and writes the checkpoint), in-place pauses, then a resume on the same layout."""
     from tidal.runners.reasoning import ReasoningRunner
 
-    overrides = [f"model.path={arith_model}", f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.max_steps=2",
-                 "runner.eval_interval=2", "data.eval_size=8", "rollout.batch_size=4", "rollout.group_size=2",
-                 "rollout.max_staleness=1", "algorithm.use_decoupled_loss=true", "rollout.pause_mode=in_place",
-                 "cluster.backend=ray", "cluster.devices_per_node=3", "cluster.placement={rollout: '0', actor: '1-2'}"]
+    overrides = [
+        f"model.path={arith_model}",
+        f"runner.run_dir={tmp_path}",
+        "runner.progress=false",
+        "runner.max_steps=2",
+        "runner.eval_interval=2",
+        "data.eval_size=8",
+        "rollout.batch_size=4",
+        "rollout.group_size=2",
+        "rollout.max_staleness=1",
+        "algorithm.use_decoupled_loss=true",
+        "rollout.pause_mode=in_place",
+        "cluster.backend=ray",
+        "cluster.devices_per_node=3",
+        "cluster.placement={rollout: '0', actor: '1-2'}",
+    ]
     summaries = []
     for extra in ([], ["runner.max_steps=3"]):
         if summaries:
@@ -303,7 +378,10 @@ def test_ray_servers_and_a_data_parallel_trainer_run_the_loop_and_resume(arith_m
             summaries.append(runner.run())
         finally:
             runner.close()
-    rows = [json.loads(x) for x in (Path(summaries[-1]["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(x)
+        for x in (Path(summaries[-1]["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["version"] for r in rows if r["step"] >= 0] == [1, 2, 3]
     assert summaries[-1]["steps"] == 3 and Path(summaries[-1]["checkpoint"]).is_dir()
 
@@ -320,10 +398,21 @@ def test_multi_turn_workflow_appends_feedback_with_loss_mask_zero():
     class FakeClient:
         async def agenerate(self, req):
             out = tok.encode(next(guesses), add_special_tokens=False)
-            return ModelResponse(input_tokens=req.input_ids, output_tokens=out, output_logprobs=[-0.5] * len(out),
-                                 output_versions=[7] * len(out))
+            return ModelResponse(
+                input_tokens=req.input_ids,
+                output_tokens=out,
+                output_logprobs=[-0.5] * len(out),
+                output_versions=[7] * len(out),
+            )
 
-    wf = MultiTurnWorkflow(FakeClient(), tok, lambda d: GuessNumberEnv(d["target"]), None, max_turns=5, turn_discount=0.5)
+    wf = MultiTurnWorkflow(
+        FakeClient(),
+        tok,
+        lambda d: GuessNumberEnv(d["target"]),
+        None,
+        max_turns=5,
+        turn_discount=0.5,
+    )
     ep = asyncio.run(wf({"prompt": "guess?", "target": 42}))
     text = tok.decode(ep.input_ids[0].tolist(), skip_special_tokens=True)
     assert text == "guess?10 >60 <42"
@@ -355,14 +444,18 @@ def test_sft_demonstrations_match_the_multi_turn_episode_layout():
     class Replay:
         async def agenerate(self, req):
             out = tok.encode(next(turns), add_special_tokens=False) + [tok.eos_token_id]
-            return ModelResponse(input_tokens=req.input_ids, output_tokens=out, output_logprobs=[0.0] * len(out),
-                                 output_versions=[0] * len(out))
+            return ModelResponse(
+                input_tokens=req.input_ids,
+                output_tokens=out,
+                output_logprobs=[0.0] * len(out),
+                output_versions=[0] * len(out),
+            )
 
     wf = MultiTurnWorkflow(Replay(), tok, lambda d: GuessNumberEnv(d["target"]), None, max_turns=6)
     ep = asyncio.run(wf(record))
     ids, learned = encode(tok, segments)
-    assert ep.input_ids[0].tolist()[:len(ids)] == ids
-    assert ep.loss_mask[0].tolist()[:len(ids)] == learned
+    assert ep.input_ids[0].tolist()[: len(ids)] == ids
+    assert ep.loss_mask[0].tolist()[: len(ids)] == learned
     # every guess is consistent with the feedback before it
     lo, hi = 0, 99
     for text, is_guess in segments[1:]:
@@ -378,10 +471,14 @@ def _synthetic_batch(rows: int, width: int, vocab: int, seed: int = 0) -> LMBatc
     lengths = torch.randint(4, width + 1, (rows,), generator=g)
     attention = torch.arange(width)[None, :] < lengths[:, None]
     loss_mask = attention & (torch.arange(width)[None, :] >= 3)
-    return LMBatch(input_ids=torch.randint(3, vocab, (rows, width), generator=g) * attention,
-                   attention_mask=attention, loss_mask=loss_mask,
-                   logprobs=torch.where(loss_mask, -torch.rand(rows, width, generator=g) - 0.5, 0.0),
-                   versions=torch.where(loss_mask, 0, -1), rewards=torch.randint(0, 2, (rows,), generator=g).float())
+    return LMBatch(
+        input_ids=torch.randint(3, vocab, (rows, width), generator=g) * attention,
+        attention_mask=attention,
+        loss_mask=loss_mask,
+        logprobs=torch.where(loss_mask, -torch.rand(rows, width, generator=g) - 0.5, 0.0),
+        versions=torch.where(loss_mask, 0, -1),
+        rewards=torch.randint(0, 2, (rows,), generator=g).float(),
+    )
 
 
 @pytest.mark.ray
@@ -396,14 +493,33 @@ def test_data_parallel_trainer_takes_the_same_step_as_one_rank(arith_model):
     cluster = Cluster("ray", devices_per_node=3, ray_init_kwargs={"num_cpus": 2})
     try:
         # and KL to a reference model shaping the reward, with groups that straddle the ranks
-        cases = {"token-mean": [], "seq-mean-token-mean": [],
-                 "kl-in-reward": ["algorithm.kl_coef=0.5", "algorithm.kl_in=reward", "rollout.group_size=8", "rollout.batch_size=2"]}
+        cases = {
+            "token-mean": [],
+            "seq-mean-token-mean": [],
+            "kl-in-reward": [
+                "algorithm.kl_coef=0.5",
+                "algorithm.kl_in=reward",
+                "rollout.group_size=8",
+                "rollout.batch_size=2",
+            ],
+        }
         for agg, extra in cases.items():
             loss_agg = "token-mean" if agg == "kl-in-reward" else agg
-            cfg = load_config(LLMConfig, None, [f"model.path={arith_model}", "rollout.group_size=4", "rollout.batch_size=4",
-                                                "actor.ppo_minibatches=2", "actor.max_tokens_per_mb=40",
-                                                f"algorithm.loss_agg={loss_agg}", "algorithm.use_decoupled_loss=true", "actor.lr=1e-3",
-                                                *extra])
+            cfg = load_config(
+                LLMConfig,
+                None,
+                [
+                    f"model.path={arith_model}",
+                    "rollout.group_size=4",
+                    "rollout.batch_size=4",
+                    "actor.ppo_minibatches=2",
+                    "actor.max_tokens_per_mb=40",
+                    f"algorithm.loss_agg={loss_agg}",
+                    "algorithm.use_decoupled_loss=true",
+                    "actor.lr=1e-3",
+                    *extra,
+                ],
+            )
             one = LMActor.create_group(cfg).launch(cluster, "0", name=f"one-{agg}")
             two = LMActor.create_group(cfg).launch(cluster, "1-2", name=f"two-{agg}")
             m1 = one.train_step(batch).wait(120)[0]
@@ -414,7 +530,10 @@ def test_data_parallel_trainer_takes_the_same_step_as_one_rank(arith_model):
             two.shutdown()
             assert m2[0] == m2[1] and m1["train/tokens"] == m2[0]["train/tokens"], agg
             for name, value in w1.items():
-                assert torch.equal(w2[0][name], w2[1][name]), (agg, name)  # the ranks stay in lockstep
+                assert torch.equal(w2[0][name], w2[1][name]), (
+                    agg,
+                    name,
+                )  # the ranks stay in lockstep
                 assert torch.allclose(value, w2[0][name], atol=2e-6), (agg, name)
     finally:
         cluster.shutdown()

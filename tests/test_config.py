@@ -21,35 +21,82 @@ def test_examples_load_and_validate(path):
 
 
 def test_overrides_apply_with_types():
-    cfg = load_config(EmbodiedConfig, EXAMPLES[0], ["env.total_num_envs=16", "algorithm.dual_clip=3.0", "model.hidden_sizes=[32,32]"])
-    assert cfg.env.total_num_envs == 16 and cfg.algorithm.dual_clip == 3.0 and cfg.model.hidden_sizes == [32, 32]
+    cfg = load_config(
+        EmbodiedConfig,
+        EXAMPLES[0],
+        ["env.total_num_envs=16", "algorithm.dual_clip=3.0", "model.hidden_sizes=[32,32]"],
+    )
+    assert (
+        cfg.env.total_num_envs == 16
+        and cfg.algorithm.dual_clip == 3.0
+        and cfg.model.hidden_sizes == [32, 32]
+    )
 
 
 @pytest.mark.parametrize(
     "overrides,message",
     [
         (["env.nope=1"], r"env.nope: Key 'nope' not in 'EnvConfig'"),
-        (["env.total_num_envs=many"], r"env.total_num_envs: Value 'many' of type 'str' could not be converted to Integer"),
+        (
+            ["env.total_num_envs=many"],
+            r"env.total_num_envs: Value 'many' of type 'str' could not be converted to Integer",
+        ),
         (["algorithm.adv_type=ppo"], r"algorithm.adv_type: expected one of .*gae.*got 'ppo'"),
-        (["actor.global_batch_size=300"], r"actor.global_batch_size: the 1024 samples of a step .* batches of 300"),
-        (["actor.micro_batch_size=48"], r"actor.global_batch_size: 256 must be a multiple of micro_batch_size x actor ranks = 48 x 1"),
-        (["env.total_num_envs=6", "env.pipeline_stage_num=4"], r"env.total_num_envs: 6 must divide evenly over 1 env ranks x 4 pipeline stages"),
-        (["algorithm.adv_type=grpo", "env.group_size=4"], r"env.auto_reset: adv_type grpo scores whole episodes"),
-        (["algorithm.adv_type=grpo", "env.group_size=3", "env.auto_reset=false"], r"env.group_size: groups of 3 must not straddle"),
-        (["algorithm.reward_type=action"], r"algorithm.reward_type: 'action' needs a value per action"),
-        (["cluster.placement={env: '0', rollout: '0'}"], r"cluster.placement: component 'actor' is not placed"),
-        (["cluster.placement={env: '0', rollout: '0', actor: '0-1'}"], r"cluster.placement: a data-parallel actor .* needs cluster.backend=ray"),
+        (
+            ["actor.global_batch_size=300"],
+            r"actor.global_batch_size: the 1024 samples of a step .* batches of 300",
+        ),
+        (
+            ["actor.micro_batch_size=48"],
+            r"actor.global_batch_size: 256 must be a multiple of micro_batch_size x actor ranks = 48 x 1",
+        ),
+        (
+            ["env.total_num_envs=6", "env.pipeline_stage_num=4"],
+            r"env.total_num_envs: 6 must divide evenly over 1 env ranks x 4 pipeline stages",
+        ),
+        (
+            ["algorithm.adv_type=grpo", "env.group_size=4"],
+            r"env.auto_reset: adv_type grpo scores whole episodes",
+        ),
+        (
+            ["algorithm.adv_type=grpo", "env.group_size=3", "env.auto_reset=false"],
+            r"env.group_size: groups of 3 must not straddle",
+        ),
+        (
+            ["algorithm.reward_type=action"],
+            r"algorithm.reward_type: 'action' needs a value per action",
+        ),
+        (
+            ["cluster.placement={env: '0', rollout: '0'}"],
+            r"cluster.placement: component 'actor' is not placed",
+        ),
+        (
+            ["cluster.placement={env: '0', rollout: '0', actor: '0-1'}"],
+            r"cluster.placement: a data-parallel actor .* needs cluster.backend=ray",
+        ),
         (["cluster.backend=slurm"], r"cluster.backend: expected one of local, ray, got 'slurm'"),
         (["algorithm.dual_clip=0.5"], r"algorithm.dual_clip: must be > 1"),
         (["rollout.num_steps=0"], r"rollout.num_steps: must be >= 1, got 0"),
         (["env.nope"], r"override 'env.nope': expected key.sub=value"),
         (["model.name=transformer"], r"model.name: expected one of .*mlp.*got 'transformer'"),
-        (["model.activation=swish"], r"model.activation: expected one of tanh, relu, gelu, got 'swish'"),
-        (["env.vectorization_mode=threads"], r"env.vectorization_mode: expected one of sync, async"),
+        (
+            ["model.activation=swish"],
+            r"model.activation: expected one of tanh, relu, gelu, got 'swish'",
+        ),
+        (
+            ["env.vectorization_mode=threads"],
+            r"env.vectorization_mode: expected one of sync, async",
+        ),
         (["actor.lr=-0.1"], r"actor.lr: must be > 0, got -0.1"),
         (["runner.timeout_s=-5"], r"runner.timeout_s: must be > 0, got -5.0"),
-        (["actor.max_grad_norm=-0.5"], r"actor.max_grad_norm: must be > 0 \(or null for no clipping\), got -0.5"),
-        (["runner.loggers=[jsonl,neptune]"], r"runner.loggers: expected one of jsonl, tensorboard, wandb, mlflow"),
+        (
+            ["actor.max_grad_norm=-0.5"],
+            r"actor.max_grad_norm: must be > 0 \(or null for no clipping\), got -0.5",
+        ),
+        (
+            ["runner.loggers=[jsonl,neptune]"],
+            r"runner.loggers: expected one of jsonl, tensorboard, wandb, mlflow",
+        ),
     ],
 )
 def test_bad_values_name_key_and_rule(overrides, message):
@@ -73,8 +120,10 @@ def test_missing_and_malformed_files(tmp_path):
 def test_unknown_env_id_and_kwargs_are_config_errors_before_any_worker(tmp_path):
     from tidal.runners import EmbodiedRunner
 
-    for overrides, message in ((["env.id=NoSuchEnv-v0"], r"env.id: cannot make 'NoSuchEnv-v0'"),
-                               (["env.kwargs={gravity: 3}"], r"env.kwargs: cannot make 'CartPole-v1'")):
+    for overrides, message in (
+        (["env.id=NoSuchEnv-v0"], r"env.id: cannot make 'NoSuchEnv-v0'"),
+        (["env.kwargs={gravity: 3}"], r"env.kwargs: cannot make 'CartPole-v1'"),
+    ):
         cfg = load_config(EmbodiedConfig, None, [f"runner.run_dir={tmp_path}", *overrides])
         with pytest.raises(ConfigError, match=message):
             EmbodiedRunner(cfg)
@@ -85,8 +134,14 @@ def test_unknown_env_id_and_kwargs_are_config_errors_before_any_worker(tmp_path)
     "overrides,message",
     [
         (["rollout.temperature=-1"], r"rollout.temperature: must be >= 0"),
-        (["rollout.workflow=no_such_module:factory"], r"rollout.workflow: cannot import 'no_such_module'"),
-        (["rollout.workflow=json:no_factory"], r"rollout.workflow: module 'json' has no 'no_factory'"),
+        (
+            ["rollout.workflow=no_such_module:factory"],
+            r"rollout.workflow: cannot import 'no_such_module'",
+        ),
+        (
+            ["rollout.workflow=json:no_factory"],
+            r"rollout.workflow: module 'json' has no 'no_factory'",
+        ),
         (["algorithm.adv_type=gae"], r"algorithm.adv_type: expected one of"),
     ],
 )
@@ -101,7 +156,17 @@ def test_llm_model_path_and_context_are_checked_before_anything_starts(tmp_path,
     from tidal.cli import main
 
     arith = Path(__file__).parent.parent / "examples" / "llm" / "arith_grpo.yaml"
-    assert main(["train", str(arith), f"model.path={tmp_path}/missing", f"runner.run_dir={tmp_path}/runs"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                str(arith),
+                f"model.path={tmp_path}/missing",
+                f"runner.run_dir={tmp_path}/runs",
+            ]
+        )
+        == 2
+    )
     assert "model.path: " in capsys.readouterr().err and not (tmp_path / "runs").exists()
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "config.json").write_text('{"max_position_embeddings": 64}')  # no model_type
@@ -110,8 +175,13 @@ def test_llm_model_path_and_context_are_checked_before_anything_starts(tmp_path,
     from tidal.inference.tiny import save_tiny_model
 
     save_tiny_model(tmp_path / "m", hidden=16, layers=1, heads=2, max_positions=64)
-    assert main(["train", str(arith), f"model.path={tmp_path}/m", "rollout.max_new_tokens=100"]) == 2
-    assert "rollout.max_new_tokens: 100 does not fit the model's context of 64 tokens" in capsys.readouterr().err
+    assert (
+        main(["train", str(arith), f"model.path={tmp_path}/m", "rollout.max_new_tokens=100"]) == 2
+    )
+    assert (
+        "rollout.max_new_tokens: 100 does not fit the model's context of 64 tokens"
+        in capsys.readouterr().err
+    )
     for bad in ("sft.steps=0", "sft.batch_size=0"):
         assert main(["sft", str(arith), bad]) == 2
         assert f"{bad.split('=')[0]}: must be >= 1" in capsys.readouterr().err
@@ -123,7 +193,15 @@ def test_an_unreachable_ray_address_is_named_within_the_connect_timeout(tmp_path
     from tidal.cli import main
 
     start = time.perf_counter()
-    code = main(["train", str(EXAMPLES[0]), f"runner.run_dir={tmp_path}", "cluster.backend=ray",
-                 "cluster.address=127.0.0.1:9", "cluster.connect_timeout_s=2"])
+    code = main(
+        [
+            "train",
+            str(EXAMPLES[0]),
+            f"runner.run_dir={tmp_path}",
+            "cluster.backend=ray",
+            "cluster.address=127.0.0.1:9",
+            "cluster.connect_timeout_s=2",
+        ]
+    )
     assert code == 2 and time.perf_counter() - start < 20
     assert "cluster.address: cannot reach a Ray cluster at '127.0.0.1:9'" in capsys.readouterr().err

@@ -36,7 +36,10 @@ def _mse(model, batch):
 
 def test_gradient_accumulation_equals_one_large_batch():
     x, y = torch.randn(32, 4), torch.randn(32, 1)
-    whole, split = TrainEngine(_model(), ActorConfig(lr=0.1), 10), TrainEngine(_model(), ActorConfig(lr=0.1), 10)
+    whole, split = (
+        TrainEngine(_model(), ActorConfig(lr=0.1), 10),
+        TrainEngine(_model(), ActorConfig(lr=0.1), 10),
+    )
     whole.train_batch([(x, y)], _mse)
 
     def quarter(model, batch):  # each micro-batch is a quarter of the minibatch loss
@@ -55,13 +58,17 @@ def test_non_finite_steps_are_skipped_counted_and_abort_the_run(caplog):
     with caplog.at_level(logging.WARNING, logger="tidal.engine"):
         for _ in range(2):
             engine.train_batch([bad], _mse)
-    assert engine.skipped_steps == 2 and "non-finite gradient norm at training step 1" in caplog.text
+    assert (
+        engine.skipped_steps == 2 and "non-finite gradient norm at training step 1" in caplog.text
+    )
     assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
     engine.train_batch([(torch.randn(4, 4), torch.zeros(4, 1))], _mse)  # a good step resets the run
     assert engine.consecutive_skips == 0
     for _ in range(2):
         engine.train_batch([bad], _mse)
-    with pytest.raises(NonFiniteError, match="3 consecutive optimizer steps .* actor.max_skipped_steps=3"):
+    with pytest.raises(
+        NonFiniteError, match="3 consecutive optimizer steps .* actor.max_skipped_steps=3"
+    ):
         engine.train_batch([bad], _mse)
 
 
@@ -86,7 +93,9 @@ def test_checkpoint_round_trip_is_exact_and_loading_is_strict(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(expected, resumed.model.parameters()))
 
     other = TrainEngine(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh()), cfg, 10)
-    with pytest.raises(ValueError, match=r"missing keys \[\].*unexpected keys \['2.bias', '2.weight'\]"):
+    with pytest.raises(
+        ValueError, match=r"missing keys \[\].*unexpected keys \['2.bias', '2.weight'\]"
+    ):
         other.load(tmp_path / "ck")
 
 
@@ -145,8 +154,11 @@ class FakeRunner(RunLoop):
 
 
 def fake(tmp_path, *overrides, **kwargs):
-    cfg = load_config(FakeConfig, None, [f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.experiment=x",
-                                         *overrides])
+    cfg = load_config(
+        FakeConfig,
+        None,
+        [f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.experiment=x", *overrides],
+    )
     return FakeRunner(cfg, **kwargs)
 
 
@@ -166,17 +178,31 @@ def test_every_run_gets_its_own_folder(tmp_path):
 
 
 def test_cadence_never_saves_a_step_twice_and_keeps_the_newest(tmp_path):
-    summary = run_to_end(fake(tmp_path, "runner.max_steps=6", "runner.save_interval=3", "runner.keep_checkpoints=2",
-                              "runner.eval_interval=4"))
+    summary = run_to_end(
+        fake(
+            tmp_path,
+            "runner.max_steps=6",
+            "runner.save_interval=3",
+            "runner.keep_checkpoints=2",
+            "runner.eval_interval=4",
+        )
+    )
     folder = Path(summary["run_dir"]) / "checkpoints"
     assert [p.name for p in complete_checkpoints(folder)] == ["step_000003", "step_000006"]
-    assert summary["checkpoint"].endswith("step_000006") and (folder / "latest").read_text() == "step_000006"
+    assert (
+        summary["checkpoint"].endswith("step_000006")
+        and (folder / "latest").read_text() == "step_000006"
+    )
     assert [s for s, _ in summary["evals"]] == [4, 6]
 
 
 def test_target_metric_stops_the_run(tmp_path):
-    summary = run_to_end(fake(tmp_path, "runner.max_steps=50", "runner.eval_interval=1", "runner.target_value=-3"))
-    assert summary["steps"] == 1 and summary["solved_at_step"] == 1 and summary["best_value"] == -1.0
+    summary = run_to_end(
+        fake(tmp_path, "runner.max_steps=50", "runner.eval_interval=1", "runner.target_value=-3")
+    )
+    assert (
+        summary["steps"] == 1 and summary["solved_at_step"] == 1 and summary["best_value"] == -1.0
+    )
 
 
 def test_resume_drops_rows_after_the_checkpoint_and_continues_exactly(tmp_path):
@@ -234,17 +260,32 @@ def test_every_config_key_has_help(schema):
 
 def test_shared_concepts_have_one_key_in_both_halves():
     embodied, llm = field_help(EmbodiedConfig), field_help(LLMConfig)
-    for key in ("algorithm.adv_type", "algorithm.clip_ratio_low", "algorithm.clip_ratio_high", "algorithm.loss_agg",
-                "actor.lr", "actor.lr_schedule", "actor.max_grad_norm", "runner.seed", "runner.eval_interval",
-                "runner.save_interval", "runner.timeout_s", "runner.loggers", "runner.target_metric"):
+    for key in (
+        "algorithm.adv_type",
+        "algorithm.clip_ratio_low",
+        "algorithm.clip_ratio_high",
+        "algorithm.loss_agg",
+        "actor.lr",
+        "actor.lr_schedule",
+        "actor.max_grad_norm",
+        "runner.seed",
+        "runner.eval_interval",
+        "runner.save_interval",
+        "runner.timeout_s",
+        "runner.loggers",
+        "runner.target_metric",
+    ):
         assert key in embodied and key in llm, key
 
 
-@pytest.mark.parametrize("schema,old,new", [
-    (LLMConfig, "actor.clip_ratio_low=0.1", "algorithm.clip_ratio_low"),
-    (EmbodiedConfig, "actor.seed=3", "runner.seed"),
-    (EmbodiedConfig, "runner.target_eval_return=400", "runner.target_value"),
-])
+@pytest.mark.parametrize(
+    "schema,old,new",
+    [
+        (LLMConfig, "actor.clip_ratio_low=0.1", "algorithm.clip_ratio_low"),
+        (EmbodiedConfig, "actor.seed=3", "runner.seed"),
+        (EmbodiedConfig, "runner.target_eval_return=400", "runner.target_value"),
+    ],
+)
 def test_old_keys_name_the_new_key(schema, old, new, tmp_path):
     with pytest.raises(ConfigError, match=f"this key moved; use {new}"):
         load_config(schema, None, [old])
@@ -260,15 +301,20 @@ def test_tidal_config_prints_help_and_honours_the_task_override(capsys):
     assert main(["config", str(ROOT / "examples/embodied/cartpole_ppo.yaml")]) == 0
     out = capsys.readouterr().out
     assert "target_value: 475.0  # stop once target_metric reaches this value" in out
-    assert main(["config", str(ROOT / "examples/embodied/cartpole_ppo.yaml"), "runner.task=llm"]) == 2
+    assert (
+        main(["config", str(ROOT / "examples/embodied/cartpole_ppo.yaml"), "runner.task=llm"]) == 2
+    )
     assert "env: Key 'env' not in 'LLMConfig'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text,message", [
-    ("env:\n\tid: CartPole-v1\n", "not valid YAML (YAML indents with spaces, not tabs)"),
-    ("- 1\n- 2\n", "expected a mapping of sections at the top level, got list"),
-    ("env: [1, 2\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("env:\n\tid: CartPole-v1\n", "not valid YAML (YAML indents with spaces, not tabs)"),
+        ("- 1\n- 2\n", "expected a mapping of sections at the top level, got list"),
+        ("env: [1, 2\n", "not valid YAML"),
+    ],
+)
 def test_malformed_files_are_named_without_a_traceback(tmp_path, capsys, text, message):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
@@ -285,13 +331,24 @@ def test_the_run_loop_feeds_every_logger_and_plots(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    summary = run_to_end(fake(tmp_path, "runner.max_steps=3", "runner.eval_interval=1",
-                              "runner.loggers=[jsonl,tensorboard,wandb,mlflow]", "runner.mlflow={experiment: core}"))
+    summary = run_to_end(
+        fake(
+            tmp_path,
+            "runner.max_steps=3",
+            "runner.eval_interval=1",
+            "runner.loggers=[jsonl,tensorboard,wandb,mlflow]",
+            "runner.mlflow={experiment: core}",
+        )
+    )
     run_dir = Path(summary["run_dir"])
     assert list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("core").experiment_id])
-    assert [m.value for m in client.get_metric_history(run.info.run_id, "eval/return_mean")] == [-1.0, -2.0, -3.0]
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "eval/return_mean")] == [
+        -1.0,
+        -2.0,
+        -3.0,
+    ]
     assert run.data.params["runner.max_steps"] == "3" and run.data.metrics["summary/steps"] == 3
     assert main(["plot", str(run_dir), "-x", "time", "-o", str(tmp_path / "curves.png")]) == 0
     assert (tmp_path / "curves.png").stat().st_size > 10_000
@@ -307,20 +364,45 @@ class DiesOnce(FakeRunner):
             DiesOnce.died = True
             from tidal.runtime import WorkerError
 
-            raise WorkerError("env", 1, "interact", "rank died: ActorDiedError: the actor died unexpectedly")
+            raise WorkerError(
+                "env", 1, "interact", "rank died: ActorDiedError: the actor died unexpectedly"
+            )
         return super().train_step(step)
 
 
 def test_a_dead_worker_restarts_the_run_from_its_newest_checkpoint(tmp_path, caplog):
     from tidal.runners.loop import run_with_restarts
 
-    cfg = load_config(FakeConfig, None, [f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.experiment=x",
-                                         "runner.max_steps=5", "runner.save_interval=2", "runner.max_restarts=1"])
+    cfg = load_config(
+        FakeConfig,
+        None,
+        [
+            f"runner.run_dir={tmp_path}",
+            "runner.progress=false",
+            "runner.experiment=x",
+            "runner.max_steps=5",
+            "runner.save_interval=2",
+            "runner.max_restarts=1",
+        ],
+    )
     with caplog.at_level(logging.WARNING, logger="tidal.train"):
         summary = run_with_restarts(DiesOnce, cfg)
-    assert summary["restarts"] == 1 and summary["steps"] == 5 and summary["run_dir"] == str(tmp_path / "x")
-    assert "restart 1 of 1 after a worker fault (WorkerError: env[rank 1].interact failed: rank died" in caplog.text
-    assert [r["step"] for r in rows(tmp_path / "x")] == [0, 1, 2, 3, 4]  # step 2 trained again, logged once
+    assert (
+        summary["restarts"] == 1
+        and summary["steps"] == 5
+        and summary["run_dir"] == str(tmp_path / "x")
+    )
+    assert (
+        "restart 1 of 1 after a worker fault (WorkerError: env[rank 1].interact failed: rank died"
+        in caplog.text
+    )
+    assert [r["step"] for r in rows(tmp_path / "x")] == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]  # step 2 trained again, logged once
     DiesOnce.died = False
     cfg.runner.max_restarts = 0
     with pytest.raises(Exception, match="rank died"):
@@ -330,7 +412,11 @@ def test_a_dead_worker_restarts_the_run_from_its_newest_checkpoint(tmp_path, cap
 def test_a_bug_is_not_restarted(tmp_path):
     from tidal.runners.loop import run_with_restarts
 
-    cfg = load_config(FakeConfig, None, [f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.max_restarts=3"])
+    cfg = load_config(
+        FakeConfig,
+        None,
+        [f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.max_restarts=3"],
+    )
     with pytest.raises(ValueError, match="step 1 exploded"):
         run_with_restarts(lambda c: FakeRunner(c, fail_at=1), cfg)
     assert len(list(tmp_path.iterdir())) == 1

@@ -17,12 +17,24 @@ from tidal.workers.env_worker import _StageRecorder
 from tidal.workers.reward_worker import register_reward_model
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "embodied"
-REQUIRED_KEYS = {"step", "env_steps", "time/step", "rollout/return_mean", "train/policy_loss", "train/value_loss",
-                 "train/entropy", "train/approx_kl", "train/clip_frac", "train/grad_norm"}
+REQUIRED_KEYS = {
+    "step",
+    "env_steps",
+    "time/step",
+    "rollout/return_mean",
+    "train/policy_loss",
+    "train/value_loss",
+    "train/entropy",
+    "train/approx_kl",
+    "train/clip_frac",
+    "train/grad_norm",
+}
 
 
 def run(config, tmp_path, *overrides):
-    cfg = load_config(EmbodiedConfig, config, [f"runner.run_dir={tmp_path}", "runner.progress=false", *overrides])
+    cfg = load_config(
+        EmbodiedConfig, config, [f"runner.run_dir={tmp_path}", "runner.progress=false", *overrides]
+    )
     runner = EmbodiedRunner(cfg)
     try:
         return runner.run()
@@ -48,15 +60,30 @@ def test_cartpole_ppo_solves_within_100k_steps(tmp_path):
 
 
 TINY = [
-    "env.total_num_envs=4", "env.pipeline_stage_num=2", "env.num_action_chunks=3", "env.eval_num_envs=2",
-    "rollout.num_steps=8", "actor.global_batch_size=16", "actor.micro_batch_size=8", "runner.max_steps=2",
-    "runner.eval_interval=1", "runner.save_interval=1", "runner.target_value=null",
+    "env.total_num_envs=4",
+    "env.pipeline_stage_num=2",
+    "env.num_action_chunks=3",
+    "env.eval_num_envs=2",
+    "rollout.num_steps=8",
+    "actor.global_batch_size=16",
+    "actor.micro_batch_size=8",
+    "runner.max_steps=2",
+    "runner.eval_interval=1",
+    "runner.save_interval=1",
+    "runner.target_value=null",
 ]
 
 
 def test_pipelined_chunked_run_without_auto_reset_with_reward_worker_and_resume(tmp_path):
-    overrides = [*TINY, "env.auto_reset=false", "reward.enabled=true", "reward.name=termination_penalty",
-                 "reward.mode=add", "runner.experiment=tiny", "algorithm.logprob_type=action"]
+    overrides = [
+        *TINY,
+        "env.auto_reset=false",
+        "reward.enabled=true",
+        "reward.name=termination_penalty",
+        "reward.mode=add",
+        "runner.experiment=tiny",
+        "algorithm.logprob_type=action",
+    ]
     summary = run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *overrides)
     rows = read_metrics(summary["run_dir"])
     assert [r["step"] for r in rows] == [0, 1]
@@ -66,8 +93,13 @@ def test_pipelined_chunked_run_without_auto_reset_with_reward_worker_and_resume(
     checkpoints = Path(summary["run_dir"]) / "checkpoints"
     assert (checkpoints / "latest").read_text() == "step_000002"
 
-    resumed = run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *overrides, "runner.max_steps=3",
-                  f"runner.resume_from={checkpoints}")
+    resumed = run(
+        EXAMPLES / "cartpole_ppo.yaml",
+        tmp_path,
+        *overrides,
+        "runner.max_steps=3",
+        f"runner.resume_from={checkpoints}",
+    )
     assert resumed["run_dir"] == summary["run_dir"]
     rows = read_metrics(summary["run_dir"])
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -84,9 +116,18 @@ def _explodes():
 
 
 def test_a_failing_worker_is_named_with_its_traceback(tmp_path):
-    with pytest.raises(WorkerError, match=r"reward\[rank 0\].compute_rewards failed: ArithmeticError: reward model exploded"):
-        run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *TINY, "reward.enabled=true", "reward.name=test_explodes",
-            "runner.timeout_s=60")
+    with pytest.raises(
+        WorkerError,
+        match=r"reward\[rank 0\].compute_rewards failed: ArithmeticError: reward model exploded",
+    ):
+        run(
+            EXAMPLES / "cartpole_ppo.yaml",
+            tmp_path,
+            *TINY,
+            "reward.enabled=true",
+            "reward.name=test_explodes",
+            "runner.timeout_s=60",
+        )
 
 
 def test_truncated_episode_is_bootstrapped_not_terminal():
@@ -94,8 +135,15 @@ def test_truncated_episode_is_bootstrapped_not_terminal():
     from tidal.data import EnvOutput
 
     dones = torch.tensor([[False, True], [False, False], [True, False]])
-    rec.add_env(EnvOutput(obs=torch.zeros(3, 1), rewards=torch.ones(3, 2), terminations=torch.tensor([[False, False], [False, False], [True, False]]),
-                          truncations=torch.tensor([[False, True], [False, False], [False, False]]), dones=dones))
+    rec.add_env(
+        EnvOutput(
+            obs=torch.zeros(3, 1),
+            rewards=torch.ones(3, 2),
+            terminations=torch.tensor([[False, False], [False, False], [True, False]]),
+            truncations=torch.tensor([[False, True], [False, False], [False, False]]),
+            dones=dones,
+        )
+    )
     needs = torch.tensor([True, False, False])  # only the truncated env
     rec.add_bootstrap(needs, torch.tensor([10.0, 20.0, 30.0]), gamma=0.5)
     assert rec.rewards[-1].tolist() == [[1.0, 6.0], [1.0, 1.0], [1.0, 1.0]]
@@ -103,10 +151,20 @@ def test_truncated_episode_is_bootstrapped_not_terminal():
 
 @pytest.mark.ray
 def test_ray_backend_disaggregated_with_data_parallel_actor(tmp_path):
-    summary = run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, "cluster.backend=ray", "cluster.devices_per_node=4",
-                  "cluster.placement={env: '0', rollout: '1', actor: '2-3'}", "runner.max_steps=3", "runner.eval_interval=3",
-                  "runner.target_value=null", "env.total_num_envs=8", "rollout.num_steps=32",
-                  "actor.global_batch_size=128", "actor.micro_batch_size=32")
+    summary = run(
+        EXAMPLES / "cartpole_ppo.yaml",
+        tmp_path,
+        "cluster.backend=ray",
+        "cluster.devices_per_node=4",
+        "cluster.placement={env: '0', rollout: '1', actor: '2-3'}",
+        "runner.max_steps=3",
+        "runner.eval_interval=3",
+        "runner.target_value=null",
+        "env.total_num_envs=8",
+        "rollout.num_steps=32",
+        "actor.global_batch_size=128",
+        "actor.micro_batch_size=32",
+    )
     rows = read_metrics(summary["run_dir"])
     assert len(rows) == 3 and rows[-1]["eval/return_mean"] is not None
     assert all(r["train/skipped_steps"] == 0 for r in rows)
@@ -116,22 +174,53 @@ def test_ray_backend_disaggregated_with_data_parallel_actor(tmp_path):
 def test_prefetched_bootstrap_changes_nothing_but_the_overlap(tmp_path, auto_reset):
     """``runner.overlap_env_bootstrap``: the envs start the next epoch while the actor trains;
     the run sees the same episodes and takes the same steps as without it."""
-    overrides = [*TINY, f"env.auto_reset={str(auto_reset).lower()}", "runner.max_steps=3", "runner.save_interval=0",
-                 "runner.eval_interval=2"]
+    overrides = [
+        *TINY,
+        f"env.auto_reset={str(auto_reset).lower()}",
+        "runner.max_steps=3",
+        "runner.save_interval=0",
+        "runner.eval_interval=2",
+    ]
     runs = []
     for overlap in (False, True):
-        summary = run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *overrides, f"runner.overlap_env_bootstrap={str(overlap).lower()}",
-                      f"runner.experiment=overlap-{overlap}")
+        summary = run(
+            EXAMPLES / "cartpole_ppo.yaml",
+            tmp_path,
+            *overrides,
+            f"runner.overlap_env_bootstrap={str(overlap).lower()}",
+            f"runner.experiment=overlap-{overlap}",
+        )
         runs.append(read_metrics(summary["run_dir"]))
-    keys = ["env_steps", "rollout/return_mean", "rollout/episodes", "train/policy_loss", "train/value_loss", "eval/return_mean"]
-    assert [[r.get(k) for k in keys] for r in runs[0]] == [[r.get(k) for k in keys] for r in runs[1]]
-    assert [r["rollout/bootstrap_prefetched"] for r in runs[1]] == [0.0, 1.0, 1.0]  # it did start epochs early
+    keys = [
+        "env_steps",
+        "rollout/return_mean",
+        "rollout/episodes",
+        "train/policy_loss",
+        "train/value_loss",
+        "eval/return_mean",
+    ]
+    assert [[r.get(k) for k in keys] for r in runs[0]] == [
+        [r.get(k) for k in keys] for r in runs[1]
+    ]
+    assert [r["rollout/bootstrap_prefetched"] for r in runs[1]] == [
+        0.0,
+        1.0,
+        1.0,
+    ]  # it did start epochs early
     assert [r["rollout/bootstrap_prefetched"] for r in runs[0]] == [0.0, 0.0, 0.0]
 
 
 def test_the_same_experiment_twice_makes_two_run_folders(tmp_path):
-    summaries = [run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *TINY, "runner.max_steps=1", "runner.experiment=twice")
-                 for _ in range(2)]
+    summaries = [
+        run(
+            EXAMPLES / "cartpole_ppo.yaml",
+            tmp_path,
+            *TINY,
+            "runner.max_steps=1",
+            "runner.experiment=twice",
+        )
+        for _ in range(2)
+    ]
     assert [Path(s["run_dir"]).name for s in summaries] == ["twice", "twice-2"]
     assert all(len(read_metrics(s["run_dir"])) == 1 for s in summaries)
 
@@ -147,15 +236,30 @@ def test_ray_run_restarts_after_a_killed_actor_and_resumes(tmp_path):
 
     from tidal.runners.loop import run_with_restarts
 
-    cfg = load_config(EmbodiedConfig, EXAMPLES / "cartpole_ppo.yaml", [
-        f"runner.run_dir={tmp_path}", "runner.progress=false", *TINY, "runner.max_steps=6", "runner.eval_interval=0",
-        "runner.max_restarts=1", "runner.timeout_s=180", "cluster.backend=ray", "cluster.devices_per_node=2",
-        "cluster.placement={env: '0', 'rollout,actor': '1'}", "env.pipeline_stage_num=1"])
+    cfg = load_config(
+        EmbodiedConfig,
+        EXAMPLES / "cartpole_ppo.yaml",
+        [
+            f"runner.run_dir={tmp_path}",
+            "runner.progress=false",
+            *TINY,
+            "runner.max_steps=6",
+            "runner.eval_interval=0",
+            "runner.max_restarts=1",
+            "runner.timeout_s=180",
+            "cluster.backend=ray",
+            "cluster.devices_per_node=2",
+            "cluster.placement={env: '0', 'rollout,actor': '1'}",
+            "env.pipeline_stage_num=1",
+        ],
+    )
     runners = []
 
     def kill_env_after_first_checkpoint():
         deadline = time.time() + 120
-        while time.time() < deadline and not (runners and list(runners[0].run_dir.glob("checkpoints/step_000002"))):
+        while time.time() < deadline and not (
+            runners and list(runners[0].run_dir.glob("checkpoints/step_000002"))
+        ):
             time.sleep(0.05)
         ray.kill(runners[0].env._ranks[0].actor, no_restart=True)
 
@@ -181,8 +285,12 @@ def assert_resume_is_exact(tmp_path, config, overrides, resume_at: int, max_step
     bitwise (only timings differ)."""
     from safetensors.torch import load_file
 
-    overrides = [*overrides, f"runner.max_steps={max_steps}", f"runner.save_interval={resume_at}",
-                 "runner.keep_checkpoints=0"]
+    overrides = [
+        *overrides,
+        f"runner.max_steps={max_steps}",
+        f"runner.save_interval={resume_at}",
+        "runner.keep_checkpoints=0",
+    ]
     straight = Path(run(config, tmp_path, *overrides, "runner.experiment=straight")["run_dir"])
     checkpoint = tmp_path / "resumed" / "checkpoints" / f"step_{resume_at:06d}"
     shutil.copytree(straight / "checkpoints" / checkpoint.name, checkpoint)
@@ -199,29 +307,46 @@ def assert_resume_is_exact(tmp_path, config, overrides, resume_at: int, max_step
 def test_resume_continues_exactly_as_the_uninterrupted_cartpole_run(tmp_path):
     """Envs mid-episode (chunks, two pipeline stages), running returns, the epoch (evaluation
     seeds) and the rollout's sampling RNG all come back; the prefetched epoch start is redone."""
-    assert_resume_is_exact(tmp_path, EXAMPLES / "cartpole_ppo.yaml",
-                           [*TINY, "runner.overlap_env_bootstrap=true"], resume_at=2, max_steps=4)
+    assert_resume_is_exact(
+        tmp_path,
+        EXAMPLES / "cartpole_ppo.yaml",
+        [*TINY, "runner.overlap_env_bootstrap=true"],
+        resume_at=2,
+        max_steps=4,
+    )
 
 
 def test_resume_with_async_vector_envs_is_exact(tmp_path):
     """The copies of an async vector env live in subprocesses: their state travels too."""
-    assert_resume_is_exact(tmp_path, EXAMPLES / "cartpole_ppo.yaml",
-                           [*TINY, "env.vectorization_mode=async", "env.pipeline_stage_num=1",
-                            "env.total_num_envs=2"], resume_at=1, max_steps=2)
+    assert_resume_is_exact(
+        tmp_path,
+        EXAMPLES / "cartpole_ppo.yaml",
+        [*TINY, "env.vectorization_mode=async", "env.pipeline_stage_num=1", "env.total_num_envs=2"],
+        resume_at=1,
+        max_steps=2,
+    )
 
 
 MUJOCO_TINY = [
-    "env.id=HalfCheetah-v5", "env.total_num_envs=2", "env.eval_num_envs=2",
-    "env.max_episode_steps=12", "rollout.num_steps=8", "actor.global_batch_size=8",
-    "actor.micro_batch_size=8", "algorithm.update_epochs=1", "runner.eval_interval=1",
-    "runner.target_value=null", "runner.max_env_steps=null",
+    "env.id=HalfCheetah-v5",
+    "env.total_num_envs=2",
+    "env.eval_num_envs=2",
+    "env.max_episode_steps=12",
+    "rollout.num_steps=8",
+    "actor.global_batch_size=8",
+    "actor.micro_batch_size=8",
+    "algorithm.update_epochs=1",
+    "runner.eval_interval=1",
+    "runner.target_value=null",
+    "runner.max_env_steps=null",
 ]
 
 
 def test_resume_continues_exactly_as_the_uninterrupted_mujoco_run(tmp_path):
     """MuJoCo: the simulator's state, warm start and time limit counters come back."""
-    assert_resume_is_exact(tmp_path, EXAMPLES / "halfcheetah_ppo.yaml", MUJOCO_TINY,
-                           resume_at=1, max_steps=3)
+    assert_resume_is_exact(
+        tmp_path, EXAMPLES / "halfcheetah_ppo.yaml", MUJOCO_TINY, resume_at=1, max_steps=3
+    )
 
 
 @pytest.mark.ray
@@ -232,11 +357,19 @@ def test_resume_on_ray_continues_exactly_as_the_uninterrupted_run(tmp_path):
     # one session of its own for both runs (they reuse it), never another process's cluster
     ray.init(address="local", num_cpus=2, include_dashboard=False)
     try:
-        ray_overrides = ["cluster.backend=ray", "cluster.devices_per_node=2", "runner.timeout_s=60",
-                         "cluster.placement={env: '0', 'rollout,actor': '1'}"]
-        assert_resume_is_exact(tmp_path, EXAMPLES / "cartpole_ppo.yaml",
-                               [*TINY, "env.pipeline_stage_num=1", *ray_overrides],
-                               resume_at=1, max_steps=3)
+        ray_overrides = [
+            "cluster.backend=ray",
+            "cluster.devices_per_node=2",
+            "runner.timeout_s=60",
+            "cluster.placement={env: '0', 'rollout,actor': '1'}",
+        ]
+        assert_resume_is_exact(
+            tmp_path,
+            EXAMPLES / "cartpole_ppo.yaml",
+            [*TINY, "env.pipeline_stage_num=1", *ray_overrides],
+            resume_at=1,
+            max_steps=3,
+        )
     finally:
         ray.shutdown()
 
@@ -290,20 +423,35 @@ def _inf_for_env_3_once():
     return model
 
 
-NONFINITE = [*TINY, "env.pipeline_stage_num=1", "env.num_action_chunks=1", "runner.seed=0",
-             "runner.eval_interval=0", "env.id=TidalTestNonFinite-v0"]
+NONFINITE = [
+    *TINY,
+    "env.pipeline_stage_num=1",
+    "env.num_action_chunks=1",
+    "runner.seed=0",
+    "runner.eval_interval=0",
+    "env.id=TidalTestNonFinite-v0",
+]
 
 
 def test_nonfinite_values_are_named_and_masked_and_training_goes_on(tmp_path, caplog):
     """env 1's observation turns NaN on its 3rd step (one run), env 2's reward on its 5th (another),
     the reward model answers inf for env 3 on its 6th call (both): each is named, that env's
     samples up to there are masked, and every optimizer step is taken."""
-    overrides = [*NONFINITE, "reward.enabled=true", "reward.name=test_inf_for_env_3_once",
-                 "reward.mode=add"]
+    overrides = [
+        *NONFINITE,
+        "reward.enabled=true",
+        "reward.name=test_inf_for_env_3_once",
+        "reward.mode=add",
+    ]
     for bad_seed, what, step in ((1, "obs", 3), (2, "reward", 5)):
         kwargs = f"env.kwargs={{bad_seed: {bad_seed}, what: {what}, first: {step}, last: {step}}}"
-        summary = run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *overrides, kwargs,
-                      f"runner.experiment={what}")
+        summary = run(
+            EXAMPLES / "cartpole_ppo.yaml",
+            tmp_path,
+            *overrides,
+            kwargs,
+            f"runner.experiment={what}",
+        )
         rows = read_metrics(summary["run_dir"])
         assert [r["train/skipped_steps"] for r in rows] == [0, 0]
         assert [r["rollout/nonfinite_env_steps"] for r in rows] == [2, 0]
@@ -313,20 +461,28 @@ def test_nonfinite_values_are_named_and_masked_and_training_goes_on(tmp_path, ca
         assert np.isfinite([[r[k] for k in keys] for r in rows]).all()
     messages = [r.getMessage() for r in caplog.records if r.name == "tidal.envs"]
     at = "at training step 1, chunk step"
-    for expected, count in ((f"env rank 0, env 1: non-finite observation from the env {at} 2", 1),
-                            (f"env rank 0, env 2: non-finite reward from the env {at} 4", 1),
-                            (f"env rank 0, env 3: non-finite reward from the reward model {at} 5",
-                             2)):
+    for expected, count in (
+        (f"env rank 0, env 1: non-finite observation from the env {at} 2", 1),
+        (f"env rank 0, env 2: non-finite reward from the env {at} 4", 1),
+        (f"env rank 0, env 3: non-finite reward from the reward model {at} 5", 2),
+    ):
         assert sum(m.startswith(expected) for m in messages) == count, (expected, messages)
     assert len(messages) == 4
 
 
 def test_an_env_that_keeps_returning_nan_ends_the_run_named(tmp_path):
-    named = (r"NonFiniteEnvError: env rank 0, env 2: non-finite observations or rewards 3 chunk "
-             r"steps in a row \(up to training step 1, chunk step 3;")
+    named = (
+        r"NonFiniteEnvError: env rank 0, env 2: non-finite observations or rewards 3 chunk "
+        r"steps in a row \(up to training step 1, chunk step 3;"
+    )
     with pytest.raises(WorkerError, match=named):
-        run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *NONFINITE, "env.max_nonfinite_steps=3",
-            "env.kwargs={bad_seed: 2, what: obs, first: 2}")
+        run(
+            EXAMPLES / "cartpole_ppo.yaml",
+            tmp_path,
+            *NONFINITE,
+            "env.max_nonfinite_steps=3",
+            "env.kwargs={bad_seed: 2, what: obs, first: 2}",
+        )
 
 
 @register_env("test_without_state")
@@ -335,11 +491,22 @@ class _AdapterWithoutState(GymnasiumVectorEnv):
 
 
 def test_a_resume_that_cannot_be_exact_says_so(tmp_path, caplog):
-    overrides = [*TINY, "env.adapter=test_without_state", "runner.eval_interval=0",
-                 "runner.max_steps=1"]
+    overrides = [
+        *TINY,
+        "env.adapter=test_without_state",
+        "runner.eval_interval=0",
+        "runner.max_steps=1",
+    ]
     first = Path(run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *overrides)["run_dir"])
-    run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *overrides, "runner.max_steps=2",
-        f"runner.resume_from={first / 'checkpoints'}")
+    run(
+        EXAMPLES / "cartpole_ppo.yaml",
+        tmp_path,
+        *overrides,
+        "runner.max_steps=2",
+        f"runner.resume_from={first / 'checkpoints'}",
+    )
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert ("resume is not exact: env rank 0 (CartPole-v1) has state that is not checkpointed: "
-            "_AdapterWithoutState has no state_dict") in warnings, warnings
+    assert (
+        "resume is not exact: env rank 0 (CartPole-v1) has state that is not checkpointed: "
+        "_AdapterWithoutState has no state_dict"
+    ) in warnings, warnings

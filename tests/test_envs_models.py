@@ -17,7 +17,9 @@ def cartpole(n, **kw):
 
 
 def test_unknown_adapter_and_env_id_are_clear_errors():
-    with pytest.raises(ValueError, match="env.adapter: unknown adapter 'maniskill'; registered: gymnasium"):
+    with pytest.raises(
+        ValueError, match="env.adapter: unknown adapter 'maniskill'; registered: gymnasium"
+    ):
         make_env("maniskill", 2)
     with pytest.raises(ValueError, match="env.id: gymnasium has no env 'NoSuchEnv-v0'"):
         make_env("gymnasium", 2, env_id="NoSuchEnv-v0")
@@ -26,7 +28,11 @@ def test_unknown_adapter_and_env_id_are_clear_errors():
 def test_envs_in_a_group_start_identically():
     env = ChunkedEnv(cartpole(4), auto_reset=True, seeds=[7, 7, 8, 8])
     obs = env.reset().obs
-    assert torch.equal(obs[0], obs[1]) and torch.equal(obs[2], obs[3]) and not torch.equal(obs[0], obs[2])
+    assert (
+        torch.equal(obs[0], obs[1])
+        and torch.equal(obs[2], obs[3])
+        and not torch.equal(obs[0], obs[2])
+    )
 
 
 def test_chunk_step_shapes_and_final_obs_with_auto_reset():
@@ -42,8 +48,10 @@ def test_chunk_step_shapes_and_final_obs_with_auto_reset():
             saw_done = True
             i = int(ended.nonzero()[0])
             c = int(out.dones[i].float().argmax())
-            assert torch.all(out.rewards[i, c + 1:] == 0)  # nothing counts after the done
-            assert abs(float(out.final_obs[i, 2])) > 0.2 or abs(float(out.final_obs[i, 0])) > 2.4  # ended by falling
+            assert torch.all(out.rewards[i, c + 1 :] == 0)  # nothing counts after the done
+            assert (
+                abs(float(out.final_obs[i, 2])) > 0.2 or abs(float(out.final_obs[i, 0])) > 2.4
+            )  # ended by falling
             assert abs(float(out.obs[i, 2])) < 0.05  # and the next observation is a fresh start
             break
     assert saw_done
@@ -61,7 +69,11 @@ def test_without_auto_reset_only_the_first_episode_counts():
 
 
 def test_truncation_is_reported_as_truncation():
-    env = ChunkedEnv(make_env("gymnasium", 2, env_id="Pendulum-v1", max_episode_steps=6), auto_reset=True, seeds=[0, 1])
+    env = ChunkedEnv(
+        make_env("gymnasium", 2, env_id="Pendulum-v1", max_episode_steps=6),
+        auto_reset=True,
+        seeds=[0, 1],
+    )
     env.reset()
     out = env.step(np.zeros((2, 6, 1), dtype=np.float32))
     assert out.truncations[:, -1].all() and not out.terminations.any()
@@ -74,7 +86,11 @@ def test_discrete_chunk_policy_shapes_and_consistency():
     pol = MLPActorCritic(gym.spaces.Box(-1, 1, (4,)), gym.spaces.Discrete(3), num_action_chunks=5)
     inputs = pol.prepare(torch.randn(7, 4))
     step = pol.act(inputs)
-    assert step.actions.shape == (7, 5) and step.logprobs.shape == (7, 5, 1) and step.values.shape == (7,)
+    assert (
+        step.actions.shape == (7, 5)
+        and step.logprobs.shape == (7, 5, 1)
+        and step.values.shape == (7,)
+    )
     again = pol.evaluate(inputs, step.actions)
     torch.testing.assert_close(again["logprobs"], step.logprobs)
     assert again["entropy"].shape == (7, 5, 1)
@@ -83,7 +99,13 @@ def test_discrete_chunk_policy_shapes_and_consistency():
 
 def test_squashed_gaussian_logprob_is_exact():
     low, high = np.array([-2.0, 0.0], dtype=np.float32), np.array([2.0, 1.0], dtype=np.float32)
-    pol = MLPActorCritic(gym.spaces.Box(-1, 1, (3,)), gym.spaces.Box(low, high), num_action_chunks=2, squash=True, init_log_std=-0.5)
+    pol = MLPActorCritic(
+        gym.spaces.Box(-1, 1, (3,)),
+        gym.spaces.Box(low, high),
+        num_action_chunks=2,
+        squash=True,
+        init_log_std=-0.5,
+    )
     inputs = pol.prepare(torch.randn(5, 3))
     step = pol.act(inputs)
     u = step.actions.double()
@@ -99,7 +121,9 @@ def test_squashed_gaussian_logprob_is_exact():
 
 
 def test_gaussian_clips_env_actions_to_bounds():
-    pol = MLPActorCritic(gym.spaces.Box(-1, 1, (2,)), gym.spaces.Box(-1.0, 1.0, (1,)), init_log_std=2.0)
+    pol = MLPActorCritic(
+        gym.spaces.Box(-1, 1, (2,)), gym.spaces.Box(-1.0, 1.0, (1,)), init_log_std=2.0
+    )
     step = pol.act(pol.prepare(torch.randn(64, 2)))
     a = pol.env_actions(step.actions)
     assert a.max() <= 1.0 and a.min() >= -1.0 and step.actions.abs().max() > 1.0
@@ -118,7 +142,9 @@ def test_running_norm_matches_numpy_over_batches():
 
 
 def test_policy_registry_errors():
-    with pytest.raises(ValueError, match="model.name: unknown policy 'nope'; registered: cnn, mlp, vla"):
+    with pytest.raises(
+        ValueError, match="model.name: unknown policy 'nope'; registered: cnn, mlp, vla"
+    ):
         build_policy("nope", gym.spaces.Box(-1, 1, (2,)), gym.spaces.Discrete(2), 1)
     with pytest.raises(ValueError, match="needs a flat Box observation space"):
         MLPActorCritic(gym.spaces.Discrete(3), gym.spaces.Discrete(2))
@@ -140,8 +166,10 @@ def test_a_restored_env_continues_bitwise_as_the_original(env_id):
     computed, so restoring qpos/qvel alone would not do."""
     import io
 
-    envs = [ChunkedEnv(make_env("gymnasium", 2, env_id=env_id), True, seeds)
-            for seeds in ([1, 2], [7, 8])]
+    envs = [
+        ChunkedEnv(make_env("gymnasium", 2, env_id=env_id), True, seeds)
+        for seeds in ([1, 2], [7, 8])
+    ]
     for env in envs:
         env.reset()
     space = envs[0].env.action_space

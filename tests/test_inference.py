@@ -37,8 +37,11 @@ def new_weights_dir(tmp_path_factory, model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir, new_weights_dir):
-    srv = InferenceServer(GenerationEngine(model_dir), api_key=KEY,
-                          allowed_dirs=[str(new_weights_dir.parent), str(model_dir.parent)]).start()
+    srv = InferenceServer(
+        GenerationEngine(model_dir),
+        api_key=KEY,
+        allowed_dirs=[str(new_weights_dir.parent), str(model_dir.parent)],
+    ).start()
     yield srv
     srv.stop()
 
@@ -49,7 +52,7 @@ def client(server, **kw):
 
 def teacher_forced_logprobs(model, prompt, output, temperature=1.0):
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].float()
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float()
     logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), -1)
     return logp.gather(1, torch.tensor(output)[:, None]).squeeze(1)
 
@@ -64,8 +67,17 @@ def test_logprobs_match_a_teacher_forced_pass(server, model_dir):
     async def main():
         c = client(server)
         try:
-            return await asyncio.gather(*(c.agenerate(ModelRequest([1, 5 + i, 7], GenerationConfig(max_new_tokens=20, temperature=t, seed=i)))
-                                          for i, t in enumerate([1.0, 0.7, 1.3, 0.0])))
+            return await asyncio.gather(
+                *(
+                    c.agenerate(
+                        ModelRequest(
+                            [1, 5 + i, 7],
+                            GenerationConfig(max_new_tokens=20, temperature=t, seed=i),
+                        )
+                    )
+                    for i, t in enumerate([1.0, 0.7, 1.3, 0.0])
+                )
+            )
         finally:
             await c.aclose()
 
@@ -82,16 +94,32 @@ def test_greedy_matches_model_generate_and_seeds_repeat(server, model_dir):
     async def main():
         c = client(server)
         try:
-            greedy = await asyncio.gather(*(c.agenerate(ModelRequest(p, GenerationConfig(max_new_tokens=15, temperature=0, stop_token_ids=[EOS])))
-                                            for p in prompts))
-            sampled = [await c.agenerate(ModelRequest([1, 5], GenerationConfig(max_new_tokens=30, seed=s))) for s in (7, 7, 8)]
+            greedy = await asyncio.gather(
+                *(
+                    c.agenerate(
+                        ModelRequest(
+                            p,
+                            GenerationConfig(
+                                max_new_tokens=15, temperature=0, stop_token_ids=[EOS]
+                            ),
+                        )
+                    )
+                    for p in prompts
+                )
+            )
+            sampled = [
+                await c.agenerate(ModelRequest([1, 5], GenerationConfig(max_new_tokens=30, seed=s)))
+                for s in (7, 7, 8)
+            ]
             return greedy, sampled
         finally:
             await c.aclose()
 
     greedy, sampled = run(main())
     for p, resp in zip(prompts, greedy):
-        ref = model.generate(torch.tensor([p]), max_new_tokens=15, do_sample=False, eos_token_id=EOS)[0, len(p):].tolist()
+        ref = model.generate(
+            torch.tensor([p]), max_new_tokens=15, do_sample=False, eos_token_id=EOS
+        )[0, len(p) :].tolist()
         assert resp.output_tokens == ref
     assert sampled[0].output_tokens == sampled[1].output_tokens != sampled[2].output_tokens
 
@@ -104,14 +132,26 @@ def test_pause_update_continue_mid_generation(server, model_dir, new_weights_dir
     async def main():
         c = client(server)
         try:
-            tasks = [asyncio.create_task(c.agenerate(ModelRequest([1, 4 + i % 20, 6], GenerationConfig(max_new_tokens=budget, seed=i))))
-                     for i in range(32)]
+            tasks = [
+                asyncio.create_task(
+                    c.agenerate(
+                        ModelRequest(
+                            [1, 4 + i % 20, 6], GenerationConfig(max_new_tokens=budget, seed=i)
+                        )
+                    )
+                )
+                for i in range(32)
+            ]
             start = server.engine.stats["generated_tokens"]
-            while server.engine.stats["generated_tokens"] < start + 32 * 8:  # every request is under way
+            while (
+                server.engine.stats["generated_tokens"] < start + 32 * 8
+            ):  # every request is under way
                 await asyncio.sleep(0.005)
             await c.update_weights(version=1, model_path=str(new_weights_dir))
             responses = await asyncio.gather(*tasks)
-            await c.update_weights(version=2, model_path=str(model_dir))  # restore for the other tests
+            await c.update_weights(
+                version=2, model_path=str(model_dir)
+            )  # restore for the other tests
             return responses
         finally:
             await c.aclose()
@@ -129,7 +169,9 @@ def test_pause_update_continue_mid_generation(server, model_dir, new_weights_dir
             ref = teacher_forced_logprobs(old, resp.input_tokens, resp.output_tokens[:cut])
             assert (ref - torch.tensor(resp.output_logprobs[:cut])).abs().max() <= 1e-4
         if cut < len(v):
-            ref = teacher_forced_logprobs(new, resp.input_tokens + resp.output_tokens[:cut], resp.output_tokens[cut:])
+            ref = teacher_forced_logprobs(
+                new, resp.input_tokens + resp.output_tokens[:cut], resp.output_tokens[cut:]
+            )
             assert (ref - torch.tensor(resp.output_logprobs[cut:])).abs().max() <= 1e-4
     assert switched >= 1  # the update really landed in the middle of requests
 
@@ -142,15 +184,32 @@ def test_in_place_pause_keeps_requests_and_their_cache(server, model_dir, new_we
     async def main():
         c = client(server)
         try:
-            tasks = [asyncio.create_task(c.agenerate(ModelRequest([1, 4 + i % 20, 6], GenerationConfig(max_new_tokens=budget, seed=i))))
-                     for i in range(16)]
-            start, aborted, prefilled = (server.engine.stats[k] for k in ("generated_tokens", "aborted", "requests"))
+            tasks = [
+                asyncio.create_task(
+                    c.agenerate(
+                        ModelRequest(
+                            [1, 4 + i % 20, 6], GenerationConfig(max_new_tokens=budget, seed=i)
+                        )
+                    )
+                )
+                for i in range(16)
+            ]
+            start, aborted, prefilled = (
+                server.engine.stats[k] for k in ("generated_tokens", "aborted", "requests")
+            )
             while server.engine.stats["generated_tokens"] < start + 16 * 8:
                 await asyncio.sleep(0.005)
-            await c.update_weights(version=v0 + 1, model_path=str(new_weights_dir), pause_mode="in_place")
+            await c.update_weights(
+                version=v0 + 1, model_path=str(new_weights_dir), pause_mode="in_place"
+            )
             responses = await asyncio.gather(*tasks)
-            counts = (server.engine.stats["aborted"] - aborted, server.engine.stats["requests"] - prefilled)
-            await c.update_weights(version=v0 + 2, model_path=str(model_dir))  # restore for the other tests
+            counts = (
+                server.engine.stats["aborted"] - aborted,
+                server.engine.stats["requests"] - prefilled,
+            )
+            await c.update_weights(
+                version=v0 + 2, model_path=str(model_dir)
+            )  # restore for the other tests
             return responses, counts
         finally:
             await c.aclose()
@@ -166,7 +225,9 @@ def test_in_place_pause_keeps_requests_and_their_cache(server, model_dir, new_we
     assert switched >= 1
 
 
-def test_n_samples_in_one_request_match_single_requests_and_survive_an_abort(server, model_dir, new_weights_dir):
+def test_n_samples_in_one_request_match_single_requests_and_survive_an_abort(
+    server, model_dir, new_weights_dir
+):
     """``sampling_params.n``: sample i of a seeded request equals a single request seeded
     seed + i; samples aborted by a weight update are resumed one by one to their full budget."""
     v0 = server.engine.weight_version
@@ -176,9 +237,15 @@ def test_n_samples_in_one_request_match_single_requests_and_survive_an_abort(ser
         try:
             g = GenerationConfig(max_new_tokens=12, seed=40)
             grouped = await c.agenerate_n(ModelRequest([1, 7, 9], g), 4)
-            singles = [await c.agenerate(ModelRequest([1, 7, 9], GenerationConfig(max_new_tokens=12, seed=40 + i)))
-                       for i in range(4)]
-            task = asyncio.create_task(c.agenerate_n(ModelRequest([1, 8], GenerationConfig(max_new_tokens=80)), 6))
+            singles = [
+                await c.agenerate(
+                    ModelRequest([1, 7, 9], GenerationConfig(max_new_tokens=12, seed=40 + i))
+                )
+                for i in range(4)
+            ]
+            task = asyncio.create_task(
+                c.agenerate_n(ModelRequest([1, 8], GenerationConfig(max_new_tokens=80)), 6)
+            )
             start = server.engine.stats["generated_tokens"]
             while server.engine.stats["generated_tokens"] < start + 6 * 8:
                 await asyncio.sleep(0.005)
@@ -212,7 +279,11 @@ def test_n_samples_in_one_request_match_single_requests_and_survive_an_abort(ser
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status):
     headers = {"Authorization": f"Bearer {KEY}"}
     if isinstance(body, bytes):
-        resp = httpx.post(server.address + "/generate", content=body, headers={**headers, "content-type": "application/json"})
+        resp = httpx.post(
+            server.address + "/generate",
+            content=body,
+            headers={**headers, "content-type": "application/json"},
+        )
     else:
         resp = httpx.post(server.address + "/generate", json=body, headers=headers)
     assert resp.status_code == status and "error" in resp.json(), resp.text
@@ -221,19 +292,36 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status)
 
 def test_api_key_guards_every_endpoint(server):
     assert httpx.get(server.address + "/health").status_code == 401
-    assert httpx.post(server.address + "/generate", json={"input_ids": [1]}, headers={"Authorization": "Bearer nope"}).status_code == 401
-    info = httpx.get(server.address + "/get_model_info", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert (
+        httpx.post(
+            server.address + "/generate",
+            json={"input_ids": [1]},
+            headers={"Authorization": "Bearer nope"},
+        ).status_code
+        == 401
+    )
+    info = httpx.get(
+        server.address + "/get_model_info", headers={"Authorization": f"Bearer {KEY}"}
+    ).json()
     assert info["vocab_size"] > 0 and "weight_version" in info
 
 
 def test_weight_updates_need_a_pause_and_an_allowed_folder(server, tmp_path):
     headers = {"Authorization": f"Bearer {KEY}"}
-    resp = httpx.post(server.address + "/update_weights_from_disk", json={"model_path": str(tmp_path)}, headers=headers)
+    resp = httpx.post(
+        server.address + "/update_weights_from_disk",
+        json={"model_path": str(tmp_path)},
+        headers=headers,
+    )
     assert resp.status_code == 403
-    bad_mode = httpx.post(server.address + "/pause_generation", json={"mode": "retract"}, headers=headers)
+    bad_mode = httpx.post(
+        server.address + "/pause_generation", json={"mode": "retract"}, headers=headers
+    )
     assert bad_mode.status_code == 400 and "mode" in bad_mode.text
     allowed = server.engine.model_dir
-    resp = httpx.post(server.address + "/update_weights_from_disk", json={"model_path": allowed}, headers=headers)
+    resp = httpx.post(
+        server.address + "/update_weights_from_disk", json={"model_path": allowed}, headers=headers
+    )
     assert resp.status_code == 409 and "paused" in resp.text
 
 
@@ -255,8 +343,16 @@ def test_two_hundred_concurrent_requests(server):
     async def main():
         c = client(server)
         try:
-            return await asyncio.gather(*(c.agenerate(ModelRequest([1, 3 + i % 30], GenerationConfig(max_new_tokens=1 + i % 12, seed=i)))
-                                          for i in range(200)))
+            return await asyncio.gather(
+                *(
+                    c.agenerate(
+                        ModelRequest(
+                            [1, 3 + i % 30], GenerationConfig(max_new_tokens=1 + i % 12, seed=i)
+                        )
+                    )
+                    for i in range(200)
+                )
+            )
         finally:
             await c.aclose()
 
@@ -273,7 +369,9 @@ def test_client_facing_a_dead_server_fails_within_its_bound():
             await c.aclose()
 
     start = time.monotonic()
-    with pytest.raises(InferenceError, match=r"server http://127.0.0.1:9/generate failed after 3 attempts"):
+    with pytest.raises(
+        InferenceError, match=r"server http://127.0.0.1:9/generate failed after 3 attempts"
+    ):
         run(main())
     assert time.monotonic() - start < 5
 
@@ -289,7 +387,9 @@ def test_server_worker_in_a_cluster_publishes_its_address_and_takes_weights(mode
     from tidal.workers.inference_worker import InferenceServerWorker
 
     cluster = Cluster("local", devices_per_node=2)
-    group = InferenceServerWorker.create_group(str(model_dir)).launch(cluster, placement=2, name="servers")
+    group = InferenceServerWorker.create_group(str(model_dir)).launch(
+        cluster, placement=2, name="servers"
+    )
     try:
         addresses = group.address().wait(timeout=60)
         assert len(set(addresses)) == 2
@@ -297,14 +397,24 @@ def test_server_worker_in_a_cluster_publishes_its_address_and_takes_weights(mode
         async def main(version):
             c = InferenceClient(addresses)
             try:
-                return await asyncio.gather(*(c.agenerate(ModelRequest([1, 4], GenerationConfig(max_new_tokens=4))) for _ in range(6)))
+                return await asyncio.gather(
+                    *(
+                        c.agenerate(ModelRequest([1, 4], GenerationConfig(max_new_tokens=4)))
+                        for _ in range(6)
+                    )
+                )
             finally:
                 await c.aclose()
 
         assert {v for r in run(main(0)) for v in r.output_versions} == {0}
         ch = Channel.create("weights", cluster)
         handle = group.update_weights(ch)
-        send_weights(ch, AutoModelForCausalLM.from_pretrained(model_dir).state_dict(), version=5, dst_world_size=2)
+        send_weights(
+            ch,
+            AutoModelForCausalLM.from_pretrained(model_dir).state_dict(),
+            version=5,
+            dst_world_size=2,
+        )
         assert handle.wait(timeout=60) == [5, 5]
         assert {v for r in run(main(5)) for v in r.output_versions} == {5}
     finally:

@@ -73,7 +73,9 @@ def test_ppo_policy_loss_matches_reference(shape, dual, lo, hi):
     ref = ref_surrogate(r, adv.numpy(), lo, hi, dual)
     m = mask.numpy()
     assert abs(loss.item() - ref_agg(ref, m, "token-mean")) < 1e-10
-    clipped = np.array([-a * min(max(x, 1 - lo), 1 + hi) > -a * x for x, a in zip(r.ravel(), adv.numpy().ravel())]).reshape(r.shape)
+    clipped = np.array(
+        [-a * min(max(x, 1 - lo), 1 + hi) > -a * x for x, a in zip(r.ravel(), adv.numpy().ravel())]
+    ).reshape(r.shape)
     assert abs(metrics["clip_frac"].item() - (clipped * m).sum() / max(m.sum(), 1)) < 1e-10
     if m.any():
         assert abs(metrics["ratio_max"].item() - r[m].max()) < 1e-10
@@ -95,7 +97,9 @@ def test_embodied_ratio_aggregation():
     mask = torch.rand(8, 4) > 0.3
     lms = mask.sum(0, keepdim=True).expand(8, 4).double()
     out = aggregate_loss(L, mask, "embodied-ratio", loss_mask_sum=lms, max_episode_steps=8)
-    assert abs(out.item() - ref_agg(L.numpy(), mask.numpy(), "embodied-ratio", lms.numpy(), 8)) < 1e-12
+    assert (
+        abs(out.item() - ref_agg(L.numpy(), mask.numpy(), "embodied-ratio", lms.numpy(), 8)) < 1e-12
+    )
     with pytest.raises(ValueError, match="loss_mask_sum and max_episode_steps"):
         aggregate_loss(L, mask, "embodied-ratio")
 
@@ -148,14 +152,18 @@ def test_dual_clip_caps_negative_advantage_loss():
 
 
 def test_bad_inputs_raise_clear_errors():
-    with pytest.raises(ValueError, match=r"old_logp: expected the shape of logp \(3,\), got \(4,\)"):
+    with pytest.raises(
+        ValueError, match=r"old_logp: expected the shape of logp \(3,\), got \(4,\)"
+    ):
         ppo_policy_loss(torch.zeros(3), torch.zeros(4), torch.zeros(3), None, 0.2, 0.2)
     with pytest.raises(ValueError, match="agg: expected one of token-mean"):
         ppo_policy_loss(torch.zeros(3), torch.zeros(3), torch.zeros(3), None, 0.2, 0.2, agg="mean")
     with pytest.raises(ValueError, match="kl kind"):
         kl_estimate(torch.zeros(3), torch.zeros(3), "k4")
     with pytest.raises(ValueError, match="cap_mode"):
-        decoupled_ppo_loss(*[torch.zeros(3)] * 4, None, 0.2, 0.2, behav_weight_cap=2.0, cap_mode="drop")
+        decoupled_ppo_loss(
+            *[torch.zeros(3)] * 4, None, 0.2, 0.2, behav_weight_cap=2.0, cap_mode="drop"
+        )
 
 
 # ----------------------------------------------------------------------------- decoupled PPO
@@ -165,7 +173,9 @@ def test_bad_inputs_raise_clear_errors():
 def test_decoupled_ppo_matches_reference(cap, mode):
     logp, prox, adv, mask = make_batch((6, 7), seed=5)
     behave = prox + torch.randn(6, 7, dtype=torch.float64) * 0.5
-    loss, metrics = decoupled_ppo_loss(logp, prox, behave, adv, mask, 0.2, 0.25, behav_weight_cap=cap, cap_mode=mode)
+    loss, metrics = decoupled_ppo_loss(
+        logp, prox, behave, adv, mask, 0.2, 0.25, behav_weight_cap=cap, cap_mode=mode
+    )
     r = np.exp(logp.numpy() - prox.numpy())
     w = np.exp(prox.numpy() - behave.numpy())
     m = mask.numpy().copy()
@@ -224,11 +234,15 @@ def test_value_clip_needs_old_values():
 @given(st.lists(st.floats(-8, 0), min_size=1, max_size=20), st.integers(0, 2**31 - 1))
 def test_kl_estimators(logps, seed):
     logp = torch.tensor(logps, dtype=torch.float64)
-    ref = logp + torch.randn(len(logps), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    ref = logp + torch.randn(
+        len(logps), generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+    )
     d = (logp - ref).numpy()
     np.testing.assert_allclose(kl_estimate(logp, ref, "k1").numpy(), d, atol=1e-12)
     np.testing.assert_allclose(kl_estimate(logp, ref, "k2").numpy(), 0.5 * d**2, atol=1e-12)
-    np.testing.assert_allclose(kl_estimate(logp, ref, "k3").numpy(), np.exp(-d) - 1 + d, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(
+        kl_estimate(logp, ref, "k3").numpy(), np.exp(-d) - 1 + d, rtol=1e-9, atol=1e-12
+    )
     np.testing.assert_allclose(kl_estimate(logp, ref, "abs").numpy(), np.abs(d), atol=1e-12)
     assert (kl_estimate(logp, ref, "k3") >= 0).all()
 
@@ -240,13 +254,17 @@ def test_k3_is_finite_for_extreme_ratios():
 
 def test_loglinear_prox_logp():
     behave = torch.tensor([-1.0, -1.0, -1.0, -1.0, -1.0, -2.0], dtype=torch.float64)
-    logp = torch.tensor([-3.0, -3.0, -3.0, -3.0, -3.0, -0.5], dtype=torch.float64, requires_grad=True)
+    logp = torch.tensor(
+        [-3.0, -3.0, -3.0, -3.0, -3.0, -0.5], dtype=torch.float64, requires_grad=True
+    )
     versions = torch.tensor([4, 2, 1, 5, -1, 0])
     prox = loglinear_prox_logp(behave, logp, versions, current_version=5)
     alphas = []
     for vb in versions.tolist():
         v = 5
-        alphas.append(min(max(((v - 1) - vb) / (v - vb), 0), 1) if (v - vb > 0 and vb >= 0) else 0.0)
+        alphas.append(
+            min(max(((v - 1) - vb) / (v - vb), 0), 1) if (v - vb > 0 and vb >= 0) else 0.0
+        )
     ref = behave.numpy() + np.array(alphas) * (logp.detach().numpy() - behave.numpy())
     np.testing.assert_allclose(prox.numpy(), ref, atol=1e-12)
     assert not prox.requires_grad

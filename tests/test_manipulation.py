@@ -14,10 +14,24 @@ from tidal.models import build_policy, save_policy
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "embodied"
 VLA = EXAMPLES / "metaworld_reach_vla.yaml"
-TINY = ["runner.progress=false", "runner.loggers=[jsonl]", "env.max_episode_steps=50", "env.total_num_envs=2",
-        "env.eval_num_envs=4", "rollout.num_steps=50", "actor.global_batch_size=100", "actor.micro_batch_size=100",
-        "algorithm.update_epochs=1", "algorithm.critic_warmup_steps=0", "runner.max_steps=2",
-        "runner.eval_interval=2", "sft.demos=2", "sft.steps=30", "sft.log_interval=10", "cluster.torch_threads=1"]
+TINY = [
+    "runner.progress=false",
+    "runner.loggers=[jsonl]",
+    "env.max_episode_steps=50",
+    "env.total_num_envs=2",
+    "env.eval_num_envs=4",
+    "rollout.num_steps=50",
+    "actor.global_batch_size=100",
+    "actor.micro_batch_size=100",
+    "algorithm.update_epochs=1",
+    "algorithm.critic_warmup_steps=0",
+    "runner.max_steps=2",
+    "runner.eval_interval=2",
+    "sft.demos=2",
+    "sft.steps=30",
+    "sft.log_interval=10",
+    "cluster.torch_threads=1",
+]
 
 
 def rows(path: Path) -> list[dict]:
@@ -39,11 +53,18 @@ def test_sft_then_train_from_the_saved_policy_reports_success(tmp_path, capsys):
     metrics = rows(Path(summary["run_dir"]) / "metrics.jsonl")
     first = metrics[0]  # the saved policy, evaluated before any RL step on sft's episodes
     assert first["eval/success_rate"] == sft["eval/success_rate"]
-    assert first["eval/return_mean"] == pytest.approx(sft["eval/return"], rel=1e-5)  # the same weights
+    assert first["eval/return_mean"] == pytest.approx(
+        sft["eval/return"], rel=1e-5
+    )  # the same weights
     steps = [r for r in metrics if "train/policy_loss" in r]
     assert len(steps) == 2 and all(0 <= r["rollout/success_rate"] <= 1 for r in steps)
-    assert "eval/success_rate/reach-v3" in steps[-1] and summary["target_metric"] == "eval/success_rate"
-    assert summary["best_value"] == steps[-1]["eval/success_rate"]  # the one evaluation after a step
+    assert (
+        "eval/success_rate/reach-v3" in steps[-1]
+        and summary["target_metric"] == "eval/success_rate"
+    )
+    assert (
+        summary["best_value"] == steps[-1]["eval/success_rate"]
+    )  # the one evaluation after a step
 
 
 def test_target_success_rate_stops_the_run(tmp_path, capsys):
@@ -63,14 +84,20 @@ def test_manipulation_examples_validate_for_sft(path):
     validate_sft(load_config(EmbodiedConfig, path))
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["env.obs_mode=rgb"], "env.obs_mode: expected one of state, pixels, state+pixels"),
-    (["env.image_size=4"], "env.image_size: must be >= 8"),
-    (["env.adapter_kwargs={obs_mode: pixels}"], "env.adapter_kwargs.obs_mode: set env.obs_mode instead"),
-    (["model.kwargs={depth: 3}"], "model.kwargs.depth: policy 'vla' takes no such argument"),
-    (["model.kwargs={critic: false}"], "model.kwargs.critic: set model.critic instead"),
-    (["model.hidden_sizes=[8]"], "model.hidden_sizes: policy 'vla' does not use it"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["env.obs_mode=rgb"], "env.obs_mode: expected one of state, pixels, state+pixels"),
+        (["env.image_size=4"], "env.image_size: must be >= 8"),
+        (
+            ["env.adapter_kwargs={obs_mode: pixels}"],
+            "env.adapter_kwargs.obs_mode: set env.obs_mode instead",
+        ),
+        (["model.kwargs={depth: 3}"], "model.kwargs.depth: policy 'vla' takes no such argument"),
+        (["model.kwargs={critic: false}"], "model.kwargs.critic: set model.critic instead"),
+        (["model.hidden_sizes=[8]"], "model.hidden_sizes: policy 'vla' does not use it"),
+    ],
+)
 def test_bad_manipulation_values_name_their_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("+", r"\+")):
         validate_embodied(load_config(EmbodiedConfig, VLA, overrides))
@@ -82,12 +109,23 @@ def test_pixels_need_an_adapter_that_renders():
         validate_embodied(cfg)
 
 
-@pytest.mark.parametrize("config, overrides, message", [
-    ("cartpole_ppo.yaml", ["model.path=p"], "env.adapter: tidal sft collects demonstrations from MetaWorld"),
-    ("metaworld_reach_vla.yaml", ["model.path=null"], "model.path: tidal sft saves the policy there"),
-    ("metaworld_reach_vla.yaml", ["sft.demos=0"], "sft.demos: must be >= 1"),
-    ("metaworld_reach_vla.yaml", ["sft.action_noise=-1"], "sft.action_noise: must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "config, overrides, message",
+    [
+        (
+            "cartpole_ppo.yaml",
+            ["model.path=p"],
+            "env.adapter: tidal sft collects demonstrations from MetaWorld",
+        ),
+        (
+            "metaworld_reach_vla.yaml",
+            ["model.path=null"],
+            "model.path: tidal sft saves the policy there",
+        ),
+        ("metaworld_reach_vla.yaml", ["sft.demos=0"], "sft.demos: must be >= 1"),
+        ("metaworld_reach_vla.yaml", ["sft.action_noise=-1"], "sft.action_noise: must be >= 0"),
+    ],
+)
 def test_bad_sft_values_name_their_key(config, overrides, message, capsys):
     assert main(["sft", str(EXAMPLES / config), *overrides]) == 2
     assert message in capsys.readouterr().err
@@ -96,13 +134,36 @@ def test_bad_sft_values_name_their_key(config, overrides, message, capsys):
 def test_a_missing_or_mismatched_saved_policy_is_a_config_error_before_workers(tmp_path, capsys):
     base = [f"runner.run_dir={tmp_path}", *TINY]
     assert main(["train", str(VLA), *base, f"model.path={tmp_path / 'nothing'}"]) == 2
-    assert "model.path:" in (err := capsys.readouterr().err) and "is not a saved policy folder" in err
+    assert (
+        "model.path:" in (err := capsys.readouterr().err) and "is not a saved policy folder" in err
+    )
     env = make_env("metaworld", 1, env_id="reach-v3")  # 16 instruction tokens, the example 4
-    save_policy(build_policy("vla", env.observation_space, env.action_space, 1, hidden_size=8, num_heads=2,
-                             num_layers=1), tmp_path / "other")
+    save_policy(
+        build_policy(
+            "vla",
+            env.observation_space,
+            env.action_space,
+            1,
+            hidden_size=8,
+            num_heads=2,
+            num_layers=1,
+        ),
+        tmp_path / "other",
+    )
     env.close()
     assert main(["train", str(VLA), *base, f"model.path={tmp_path / 'other'}"]) == 2
     assert "model.path:" in (err := capsys.readouterr().err) and "was saved for observations" in err
-    assert main(["train", str(VLA), *base, f"model.path={tmp_path / 'other'}", "env.num_action_chunks=2"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                str(VLA),
+                *base,
+                f"model.path={tmp_path / 'other'}",
+                "env.num_action_chunks=2",
+            ]
+        )
+        == 2
+    )
     assert "env.num_action_chunks:" in capsys.readouterr().err
     assert not (tmp_path / "metaworld_reach_vla").exists()  # stopped before the run folder

@@ -88,7 +88,11 @@ def test_mt10_spreads_envs_over_tasks_with_distinct_instructions():
 
 def test_success_metrics_per_task():
     out = success_metrics([1.0, 0.0, 1.0, 1.0], ["a", "a", "b", "b"], "eval")
-    assert out == {"eval/success_rate": 0.75, "eval/success_rate/a": 0.5, "eval/success_rate/b": 1.0}
+    assert out == {
+        "eval/success_rate": 0.75,
+        "eval/success_rate/a": 0.5,
+        "eval/success_rate/b": 1.0,
+    }
     assert success_metrics([], [], "eval") == {}
 
 
@@ -102,11 +106,13 @@ def test_bad_metaworld_options_name_their_key():
 
 
 def test_module_colon_env_id_imports_the_users_module(tmp_path, monkeypatch):
-    (tmp_path / "my_tidal_envs.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_tidal_envs.py").write_text(
+        textwrap.dedent("""
         import gymnasium as gym
         gym.register("MyCartPole-v0", entry_point="gymnasium.envs.classic_control:CartPoleEnv",
                      max_episode_steps=7)
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     env = make_env("gymnasium", 2, env_id="my_tidal_envs:MyCartPole-v0")
     assert "my_tidal_envs" in sys.modules and env.max_episode_steps == 7

@@ -117,7 +117,8 @@ def test_math_verify_bad_timeout():
 
 def test_unknown_names_and_modules_name_the_key():
     with pytest.raises(
-        ValueError, match=r"reward.name.*'nope'.*exact_match, math_verify, regex_match.*; or give module"
+        ValueError,
+        match=r"reward.name.*'nope'.*exact_match, math_verify, regex_match.*; or give module",
     ):
         resolve_reward("nope")
     with pytest.raises(ValueError, match="reward.name: cannot import module 'no_such_module_xyz'"):

@@ -37,7 +37,9 @@ def test_parse_devices():
     assert parse_devices("0-1,4", 8) == [0, 1, 4]
     assert parse_devices("all", 3) == [0, 1, 2]
     assert parse_devices(2, 4) == [2]
-    with pytest.raises(PlacementError, match="device 8 is out of range; the cluster has devices 0-7"):
+    with pytest.raises(
+        PlacementError, match="device 8 is out of range; the cluster has devices 0-7"
+    ):
         parse_devices("6-8", 8, "placement.env")
     with pytest.raises(PlacementError, match=r"listed more than once"):
         parse_devices("0,1,1", 4)
@@ -119,7 +121,9 @@ def test_remote_exception_names_group_rank_and_method(echo):
 
 def test_timeout_names_pending_ranks(echo):
     handle = echo.execute_on(0, 1).sleep(1.5)
-    with pytest.raises(WorkerTimeoutError, match=r"echo.sleep: ranks \[0, 1\] had not answered after 0.2 s"):
+    with pytest.raises(
+        WorkerTimeoutError, match=r"echo.sleep: ranks \[0, 1\] had not answered after 0.2 s"
+    ):
         handle.wait(timeout=0.2)
     assert not handle.done()
     assert handle.wait(timeout=30) == [0, 1]
@@ -141,7 +145,9 @@ def test_rank_serves_async_calls_while_a_long_method_runs(echo, cluster):
 
 
 def test_init_failure_is_reported(cluster):
-    with pytest.raises(WorkerError, match=r"broken\[rank 0\].__init__ failed: RuntimeError: cannot start"):
+    with pytest.raises(
+        WorkerError, match=r"broken\[rank 0\].__init__ failed: RuntimeError: cannot start"
+    ):
         BrokenWorker.create_group().launch(cluster, placement=1, name="broken")
 
 
@@ -167,7 +173,11 @@ class Sample:
 
 def test_channel_carries_tensors_dicts_dataclasses(cluster):
     ch = new_channel(cluster)
-    payload = {"obs": torch.randn(4, 3), "nested": {"mask": torch.ones(4, dtype=torch.bool)}, "bf": torch.randn(2).bfloat16()}
+    payload = {
+        "obs": torch.randn(4, 3),
+        "nested": {"mask": torch.ones(4, dtype=torch.bool)},
+        "bf": torch.randn(2).bfloat16(),
+    }
     ch.put(payload)
     ch.put(Sample(torch.arange(3), 1.5))
     ch.put(["plain", 1, None])
@@ -249,7 +259,9 @@ def test_concurrent_producers_and_consumers(cluster, echo):
         t.join(timeout=60)
     got = received[0] + received[1]
     assert sorted(got) == sorted((r, i) for r in range(3) for i in range(20))
-    for mine in received:  # per-producer order survives: each consumer sees every producer's items in order
+    for mine in (
+        received
+    ):  # per-producer order survives: each consumer sees every producer's items in order
         for r in range(3):
             seq = [i for rr, i in mine if rr == r]
             assert seq == sorted(seq), f"producer {r}'s items came out of order: {seq}"
@@ -295,9 +307,13 @@ def test_comm_mapper_matches_brute_force():
 
 
 def test_comm_mapper_errors():
-    with pytest.raises(ValueError, match="batch size 10 is not divisible by the destination group size 4"):
+    with pytest.raises(
+        ValueError, match="batch size 10 is not divisible by the destination group size 4"
+    ):
         CommMapper.get_dst_ranks(10, 2, 4, 0)
-    with pytest.raises(ValueError, match="batch size 9 is not divisible by the source group size 2"):
+    with pytest.raises(
+        ValueError, match="batch size 9 is not divisible by the source group size 2"
+    ):
         CommMapper.get_src_ranks(9, 2, 3, 0)
     with pytest.raises(ValueError, match="src_rank 3 is out of range 0-1"):
         CommMapper.get_dst_ranks(8, 2, 4, 3)
@@ -344,7 +360,9 @@ def test_send_recv_between_groups(cluster, four_and_four, S, D, bound):
 def test_shard_size_is_checked_on_receipt(cluster, echo):
     ch = new_channel(cluster)
     ch.put({"x": torch.arange(5)}, key=CommMapper.build_channel_key(0, 0, "t"))
-    with pytest.raises(WorkerError, match=r"route 0->0 \('t'\): expected a shard of 4 items, got 5"):
+    with pytest.raises(
+        WorkerError, match=r"route 0->0 \('t'\): expected a shard of 4 items, got 5"
+    ):
         echo.execute_on(0).recv_shard(ch, 1, 3, 12).wait(timeout=30)
 
 
@@ -380,7 +398,9 @@ def test_bound_channel_keeps_channel_semantics(cluster, four_and_four):
     got = consuming_order + rest
     assert sorted(got) == sorted((r, i) for r in range(3) for i in range(5))
     for r in range(3):
-        assert [i for rr, i in got if rr == r] == list(range(5)), f"producer {r} out of order: {got}"
+        assert [i for rr, i in got if rr == r] == list(range(5)), (
+            f"producer {r} out of order: {got}"
+        )
     with pytest.raises(ChannelTimeoutError, match=r"get\(key='0->2:k'\) timed out after 0.2 s"):
         ch.get(key=key, timeout=0.2)
     ch.put("late", key=key)
@@ -409,7 +429,9 @@ def test_backends_register_by_name():
     from tidal.runtime import Cluster, backend_names, register_backend
     from tidal.runtime.backends.local import LocalBackend
 
-    with pytest.raises(ValueError, match=r"cluster.backend: expected one of .*local, .*ray.*, got 'slurm'"):
+    with pytest.raises(
+        ValueError, match=r"cluster.backend: expected one of .*local, .*ray.*, got 'slurm'"
+    ):
         Cluster("slurm")
     name = f"local-{uuid.uuid4().hex[:6]}"
     register_backend(name)(type("ThreadsAgain", (LocalBackend,), {}))

@@ -35,7 +35,9 @@ def test_ranks_land_on_the_nodes_asked_for(two_nodes):
         assert node_ids == [two_nodes.nodes[0].node_id, two_nodes.nodes[1].node_id]
         infos = group.info().wait(timeout=60)
         assert [i["local_rank"] for i in infos] == [0, 0]  # one rank on each node
-        env = group.env("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT").wait(timeout=60)
+        env = group.env("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT").wait(
+            timeout=60
+        )
         assert [e["RANK"] for e in env] == ["0", "1"] and {e["WORLD_SIZE"] for e in env} == {"2"}
         assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in env}) == 1
         # torch.distributed initialises unchanged from that environment, across the two nodes
@@ -85,7 +87,9 @@ def test_rank_dying_mid_transfer_is_named_within_the_timeout(two_nodes):
         ch = Channel.create(f"fault-{time.monotonic_ns()}", two_nodes, consumer=dst)
         key = CommMapper.build_channel_key(0, 0, "k")
         start = time.monotonic()
-        with pytest.raises(WorkerError, match=r"dying_src\[rank 0\].produce_then_die failed: rank died"):
+        with pytest.raises(
+            WorkerError, match=r"dying_src\[rank 0\].produce_then_die failed: rank died"
+        ):
             wait_all([dst.consume(ch, key, 10), src.produce_then_die(ch, key, 3)], timeout=25)
         assert time.monotonic() - start < 25
     finally:
@@ -99,17 +103,34 @@ def test_embodied_loop_across_nodes_on_the_fast_path(two_nodes, tmp_path):
     from tidal.config import EmbodiedConfig, load_config
     from tidal.runners import EmbodiedRunner
 
-    cfg = load_config(EmbodiedConfig, EXAMPLES / "cartpole_ppo.yaml", [
-        f"runner.run_dir={tmp_path}", "runner.progress=false", "cluster.backend=ray",
-        f"cluster.address={ray.get_runtime_context().gcs_address}", "cluster.devices_per_node=null",
-        "cluster.placement={env: '0', rollout: '2', actor: '1'}", "runner.max_steps=2",
-        "runner.eval_interval=2", "env.total_num_envs=8", "rollout.num_steps=16",
-        "actor.global_batch_size=128", "actor.micro_batch_size=64"])
+    cfg = load_config(
+        EmbodiedConfig,
+        EXAMPLES / "cartpole_ppo.yaml",
+        [
+            f"runner.run_dir={tmp_path}",
+            "runner.progress=false",
+            "cluster.backend=ray",
+            f"cluster.address={ray.get_runtime_context().gcs_address}",
+            "cluster.devices_per_node=null",
+            "cluster.placement={env: '0', rollout: '2', actor: '1'}",
+            "runner.max_steps=2",
+            "runner.eval_interval=2",
+            "env.total_num_envs=8",
+            "rollout.num_steps=16",
+            "actor.global_batch_size=128",
+            "actor.micro_batch_size=64",
+        ],
+    )
 
     class BoundRunner(EmbodiedRunner):
         def build(self):  # the runner makes its channels here; bind each to its reader
             super().build()
-            readers = {"env": self.env, "rollout": self.rollout, "actor": self.actor, "weights": self.rollout}
+            readers = {
+                "env": self.env,
+                "rollout": self.rollout,
+                "actor": self.actor,
+                "weights": self.rollout,
+            }
             for name, group in readers.items():
                 assert self.channels[name].bind(group).direct
 
@@ -118,7 +139,10 @@ def test_embodied_loop_across_nodes_on_the_fast_path(two_nodes, tmp_path):
         summary = runner.run()
     finally:
         runner.close()
-    rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    ]
     assert len(rows) == 2 and rows[-1]["eval/return_mean"] is not None
     assert "time/generate_rollouts" in rows[-1]
 
@@ -126,14 +150,18 @@ def test_embodied_loop_across_nodes_on_the_fast_path(two_nodes, tmp_path):
 def test_unplaceable_group_is_a_clear_error(two_nodes):
     from tidal.runtime import PlacementError
 
-    with pytest.raises(PlacementError, match="device 4 is out of range; the cluster has devices 0-3"):
+    with pytest.raises(
+        PlacementError, match="device 4 is out of range; the cluster has devices 0-3"
+    ):
         EchoWorker.create_group().launch(two_nodes, placement="3-4", name="too_far")
 
 
 def test_local_backend_refuses_multi_rank_torch_distributed():
     cluster = Cluster("local", devices_per_node=2)
     group = EchoWorker.create_group().launch(cluster, placement=2, name="dp")
-    with pytest.raises(WorkerError, match="torch.distributed with world size 2 needs the 'ray' backend"):
+    with pytest.raises(
+        WorkerError, match="torch.distributed with world size 2 needs the 'ray' backend"
+    ):
         group.allreduce().wait(timeout=30)
     single = EchoWorker.create_group().launch(cluster, placement=1, name="solo")
     assert single.allreduce().wait(timeout=30) == [1.0]

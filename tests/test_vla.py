@@ -39,8 +39,12 @@ def test_vla_token_logprobs_are_consistent_and_start_uniform(chunks):
         step = policy.eval().act(inputs)
     policy.train()
     assert step.actions.shape == step.logprobs.shape == (5, chunks, 4) and step.values.shape == (5,)
-    assert step.actions.dtype == torch.int64 and 0 <= step.actions.min() and step.actions.max() < 256
-    torch.testing.assert_close(step.logprobs, torch.full_like(step.logprobs, -math.log(256)))  # zero-init head
+    assert (
+        step.actions.dtype == torch.int64 and 0 <= step.actions.min() and step.actions.max() < 256
+    )
+    torch.testing.assert_close(
+        step.logprobs, torch.full_like(step.logprobs, -math.log(256))
+    )  # zero-init head
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -55,21 +59,33 @@ def test_vla_token_logprobs_are_consistent_and_start_uniform(chunks):
 
 
 def test_vla_bins_follow_openvla_discretisation():
-    policy = build_policy("vla", STATE, gym.spaces.Box(np.array([-1, -1, 0, -2]), np.array([1, 1, 1, 2]), dtype=np.float32), 1,
-                          **SMALL)
+    policy = build_policy(
+        "vla",
+        STATE,
+        gym.spaces.Box(np.array([-1, -1, 0, -2]), np.array([1, 1, 1, 2]), dtype=np.float32),
+        1,
+        **SMALL,
+    )
     env = torch.tensor([[[-1.0, 1.0, 0.5, 0.0]]])
     bins = policy.policy_actions(env)
     assert bins.tolist() == [[[0, 255, 128, 128]]]
     centres = policy.env_actions(bins)
-    np.testing.assert_allclose(centres, [[[-1 + 1 / 256, 1 - 1 / 256, 0.5 + 0.5 / 256, 2 / 256]]], rtol=1e-6)
+    np.testing.assert_allclose(
+        centres, [[[-1 + 1 / 256, 1 - 1 / 256, 0.5 + 0.5 / 256, 2 / 256]]], rtol=1e-6
+    )
     any_action = torch.rand(100, 1, 4) * 2 - 1
     recovered = policy.env_actions(policy.policy_actions(any_action))[..., :2]
-    assert np.abs(recovered - any_action[..., :2].numpy()).max() <= 1 / 256 + 1e-6  # within half a bin
+    assert (
+        np.abs(recovered - any_action[..., :2].numpy()).max() <= 1 / 256 + 1e-6
+    )  # within half a bin
 
 
 def test_vla_and_cnn_see_pixels_and_learn_through_them():
     obs = packed(PIXELS, 4)
-    for name, kwargs, encoder in (("vla", SMALL, "patches"), ("cnn", {"channels": (8, 8)}, "encoder")):
+    for name, kwargs, encoder in (
+        ("vla", SMALL, "patches"),
+        ("cnn", {"channels": (8, 8)}, "encoder"),
+    ):
         policy = build_policy(name, PIXELS, ACTIONS, 2, **kwargs)
         step = policy.act(policy.prepare(obs))
         assert step.logprobs.shape == (4, 2, 4) and step.values.shape == (4,)
@@ -80,7 +96,9 @@ def test_vla_and_cnn_see_pixels_and_learn_through_them():
         other = obs.clone()
         other[:, 7:] = 255 - other[:, 7:]  # same state and words, other image
         with torch.no_grad():
-            assert not torch.allclose(policy.value(policy.prepare(other)), policy.value(policy.prepare(obs)))
+            assert not torch.allclose(
+                policy.value(policy.prepare(other)), policy.value(policy.prepare(obs))
+            )
 
 
 def test_bad_policy_options_name_their_key():
@@ -96,9 +114,14 @@ def test_bad_policy_options_name_their_key():
         bc_loss(build_policy("vla", STATE, ACTIONS, 1, **SMALL), {"obs": packed(STATE, 2)})
 
 
-@pytest.mark.parametrize("name,space,kwargs", [("vla", PIXELS, {**SMALL, "obs_norm": True}),
-                                               ("cnn", PIXELS, {"channels": (8,)}),
-                                               ("mlp", gym.spaces.Box(-1, 1, (5,)), {"squash": True})])
+@pytest.mark.parametrize(
+    "name,space,kwargs",
+    [
+        ("vla", PIXELS, {**SMALL, "obs_norm": True}),
+        ("cnn", PIXELS, {"channels": (8,)}),
+        ("mlp", gym.spaces.Box(-1, 1, (5,)), {"squash": True}),
+    ],
+)
 def test_saved_folder_rebuilds_the_same_policy(tmp_path, name, space, kwargs):
     policy = build_policy(name, space, ACTIONS, 2, **kwargs)
     obs = packed(space, 6) if isinstance(space, LayoutBox) else torch.randn(6, 5)
@@ -112,14 +135,27 @@ def test_saved_folder_rebuilds_the_same_policy(tmp_path, name, space, kwargs):
     loaded = load_policy(folder)
     assert type(loaded) is type(policy)
     step = policy.act(policy.prepare(obs))
-    torch.testing.assert_close(loaded.evaluate(loaded.prepare(obs), step.actions)["logprobs"], step.logprobs)
+    torch.testing.assert_close(
+        loaded.evaluate(loaded.prepare(obs), step.actions)["logprobs"], step.logprobs
+    )
 
 
 def test_action_chunks_hold_the_last_action_past_an_episode_end():
-    demos = Demonstrations(obs=np.zeros((5, 1), np.float32), actions=np.arange(5, dtype=np.float32)[:, None],
-                           episode=np.array([0, 0, 0, 1, 1]), tasks=["a", "a"], instructions=["x", "x"],
-                           successes=np.array([True, True]))
-    assert demos.action_chunks(3)[..., 0].tolist() == [[0, 1, 2], [1, 2, 2], [2, 2, 2], [3, 4, 4], [4, 4, 4]]
+    demos = Demonstrations(
+        obs=np.zeros((5, 1), np.float32),
+        actions=np.arange(5, dtype=np.float32)[:, None],
+        episode=np.array([0, 0, 0, 1, 1]),
+        tasks=["a", "a"],
+        instructions=["x", "x"],
+        successes=np.array([True, True]),
+    )
+    assert demos.action_chunks(3)[..., 0].tolist() == [
+        [0, 1, 2],
+        [1, 2, 2],
+        [2, 2, 2],
+        [3, 4, 4],
+        [4, 4, 4],
+    ]
 
 
 def test_mlp_policy_actions_invert_env_actions():
@@ -141,18 +177,40 @@ def one_thread():
 def test_behaviour_cloning_on_scripted_demos_raises_reach_success(one_thread):
     warnings.filterwarnings("ignore", message="Constant")
     torch.manual_seed(0)
-    demos = collect_metaworld_demos("reach-v3", 10, action_noise=0.2, max_episode_steps=100, instruction_tokens=4)
-    assert demos.num_episodes == 10 and demos.successes.all() and len(set(demos.obs[:, 36].tolist())) == 10
+    demos = collect_metaworld_demos(
+        "reach-v3", 10, action_noise=0.2, max_episode_steps=100, instruction_tokens=4
+    )
+    assert (
+        demos.num_episodes == 10
+        and demos.successes.all()
+        and len(set(demos.obs[:, 36].tolist())) == 10
+    )
     env = make_env("metaworld", 8, env_id="reach-v3", max_episode_steps=100, instruction_tokens=4)
-    policy = build_policy("vla", env.observation_space, env.action_space, 1, hidden_size=32, num_layers=1,
-                          num_heads=2, state_tokens=2, obs_norm=True)
+    policy = build_policy(
+        "vla",
+        env.observation_space,
+        env.action_space,
+        1,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        state_tokens=2,
+        obs_norm=True,
+    )
     seeds = list(range(1000, 1008))
     before = evaluate_success(policy, env, seeds)["eval/success_rate"]
-    engine = TrainEngine(policy, ActorConfig(lr=5e-3, optimizer="adamw", max_grad_norm=1.0), 300, name="bc")
+    engine = TrainEngine(
+        policy, ActorConfig(lr=5e-3, optimizer="adamw", max_grad_norm=1.0), 300, name="bc"
+    )
     history = train_bc(policy, demos, engine, steps=300, batch_size=64, log_every=150)
     after = evaluate_success(policy, env, seeds)
     assert [h["step"] for h in history] == [1, 150, 300]
-    assert history[-1]["bc/loss"] < history[1]["bc/loss"] < history[0]["bc/loss"] <= math.log(256) + 1e-4
+    assert (
+        history[-1]["bc/loss"]
+        < history[1]["bc/loss"]
+        < history[0]["bc/loss"]
+        <= math.log(256) + 1e-4
+    )
     # measured: 0/8 before, 4/8 after (2 cores, seed 0)
     assert before <= 0.125 and after["eval/success_rate"] >= 0.25, (before, after)
     env.close()

@@ -27,8 +27,12 @@ def rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
-        "numpy": {"key": np_state[1].tolist(), "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
-                  "cached_gaussian": float(np_state[4])},
+        "numpy": {
+            "key": np_state[1].tolist(),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
         "python": repr(random.getstate()),
     }
 
@@ -38,12 +42,25 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
-    np.random.set_state(("MT19937", np.array(n["key"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state(
+        (
+            "MT19937",
+            np.array(n["key"], dtype=np.uint32),
+            n["pos"],
+            n["has_gauss"],
+            n["cached_gaussian"],
+        )
+    )
     random.setstate(ast.literal_eval(state["python"]))
 
 
-def save_checkpoint(path: str | Path, model_state: dict[str, torch.Tensor], state: dict[str, Any],
-                    meta: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(
+    path: str | Path,
+    model_state: dict[str, torch.Tensor],
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> Path:
     """Write a checkpoint folder atomically; returns its path. ``extra``: more files
     ``{name: weights-only-loadable value}`` (e.g. the env and rollout workers' state)."""
     path = Path(path)
@@ -117,7 +134,9 @@ def complete_checkpoints(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    return sorted((p for p in folder.glob("step_*") if p.is_dir() and is_complete(p)), key=lambda p: p.name)
+    return sorted(
+        (p for p in folder.glob("step_*") if p.is_dir() and is_complete(p)), key=lambda p: p.name
+    )
 
 
 def clean_stale(folder: str | Path) -> list[Path]:
@@ -146,11 +165,15 @@ def resolve_checkpoint(path: str | Path) -> Path:
             return named
         candidates = complete_checkpoints(path)
         if not candidates:
-            raise FileNotFoundError(f"runner.resume_from: {str(path)!r} holds no complete checkpoint")
+            raise FileNotFoundError(
+                f"runner.resume_from: {str(path)!r} holds no complete checkpoint"
+            )
         return candidates[-1]
     missing = [f for f in (MODEL_FILE, STATE_FILE, META_FILE) if not (path / f).is_file()]
     if missing:
-        raise FileNotFoundError(f"runner.resume_from: {str(path)!r} is not a checkpoint (missing {', '.join(missing)})")
+        raise FileNotFoundError(
+            f"runner.resume_from: {str(path)!r} is not a checkpoint (missing {', '.join(missing)})"
+        )
     return path
 
 
@@ -160,7 +183,9 @@ def load_extra(path: str | Path, name: str) -> Any | None:
     return torch.load(file, weights_only=True) if file.is_file() else None
 
 
-def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+def load_checkpoint(
+    path: str | Path,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     path = resolve_checkpoint(path)
     model_state = load_file(str(path / MODEL_FILE))
     state = torch.load(path / STATE_FILE, weights_only=True)

@@ -6,8 +6,10 @@ import argparse
 import json
 import sys
 
-HALVES = {"embodied": ("tidal.config.embodied:EmbodiedConfig", "tidal.runners.embodied:EmbodiedRunner"),
-          "llm": ("tidal.config.llm:LLMConfig", "tidal.runners.reasoning:ReasoningRunner")}
+HALVES = {
+    "embodied": ("tidal.config.embodied:EmbodiedConfig", "tidal.runners.embodied:EmbodiedRunner"),
+    "llm": ("tidal.config.llm:LLMConfig", "tidal.runners.reasoning:ReasoningRunner"),
+}
 
 
 def _load(spec: str):
@@ -133,8 +135,13 @@ def serve(args: argparse.Namespace) -> int:
     from tidal.inference import GenerationEngine, InferenceServer
 
     engine = GenerationEngine(args.model, max_batch_size=args.max_batch_size)
-    server = InferenceServer(engine, host=args.host, port=args.port, api_key=args.api_key,
-                             allowed_dirs=args.allow_weights_from or [args.model]).start()
+    server = InferenceServer(
+        engine,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        allowed_dirs=args.allow_weights_from or [args.model],
+    ).start()
     print(f"tidal: serving {args.model} on {server.address}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -145,7 +152,9 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tidal", description="RL post-training for agents that act.")
+    parser = argparse.ArgumentParser(
+        prog="tidal", description="RL post-training for agents that act."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="train from a config file")
     p_train.add_argument("config", help="a YAML config, e.g. examples/embodied/cartpole_ppo.yaml")
@@ -155,26 +164,44 @@ def main(argv: list[str] | None = None) -> int:
     p_config.add_argument("config", help="a YAML config")
     p_config.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     p_config.set_defaults(fn=config)
-    p_sft = sub.add_parser("sft", help="supervised warm start saved to model.path (LM, or embodied behaviour cloning)")
+    p_sft = sub.add_parser(
+        "sft", help="supervised warm start saved to model.path (LM, or embodied behaviour cloning)"
+    )
     p_sft.add_argument("config")
     p_sft.add_argument("overrides", nargs="*")
     p_sft.set_defaults(fn=sft)
-    p_eval = sub.add_parser("eval", help="score a model or checkpoint on data.eval_path (the config's reward)")
+    p_eval = sub.add_parser(
+        "eval", help="score a model or checkpoint on data.eval_path (the config's reward)"
+    )
     p_eval.add_argument("config", help="an LLM config, e.g. examples/llm/gsm8k_grpo.yaml")
     p_eval.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    p_eval.add_argument("--checkpoint", default=None,
-                        help="a training checkpoint (or checkpoints/ folder) of model.path")
-    p_eval.add_argument("--n", type=int, default=1,
-                        help="sampled completions per record besides the greedy one (pass@k)")
+    p_eval.add_argument(
+        "--checkpoint",
+        default=None,
+        help="a training checkpoint (or checkpoints/ folder) of model.path",
+    )
+    p_eval.add_argument(
+        "--n",
+        type=int,
+        default=1,
+        help="sampled completions per record besides the greedy one (pass@k)",
+    )
     p_eval.set_defaults(fn=evaluate)
-    p_serve = sub.add_parser("serve", help="serve a Hugging Face causal LM over HTTP (SGLang's API subset)")
+    p_serve = sub.add_parser(
+        "serve", help="serve a Hugging Face causal LM over HTTP (SGLang's API subset)"
+    )
     p_serve.add_argument("--model", required=True, help="a local model directory (save_pretrained)")
     p_serve.add_argument("--host", default="127.0.0.1")
     p_serve.add_argument("--port", type=int, default=30000)
-    p_serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint")
+    p_serve.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint"
+    )
     p_serve.add_argument("--max-batch-size", type=int, default=64)
-    p_serve.add_argument("--allow-weights-from", action="append",
-                         help="a directory weight updates may load from (repeatable; default: the model's)")
+    p_serve.add_argument(
+        "--allow-weights-from",
+        action="append",
+        help="a directory weight updates may load from (repeatable; default: the model's)",
+    )
     p_serve.set_defaults(fn=serve)
     from tidal.plot import add_plot_parser
 

@@ -55,17 +55,26 @@ def lr_lambda(schedule: str, warmup: int, total: int) -> Callable[[int], float]:
 
 
 class TrainEngine:
-    def __init__(self, model: torch.nn.Module, cfg: ActorConfig, total_steps: int, distributed: bool = False,
-                 name: str = "actor"):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: ActorConfig,
+        total_steps: int,
+        distributed: bool = False,
+        name: str = "actor",
+    ):
         self.cfg, self.name = cfg, name
         self.model = model
         self.distributed = distributed
         # DDP averages gradients over the ranks (the process group is the worker's to start)
         self.module = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
         params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = OPTIMIZERS[cfg.optimizer](params, lr=cfg.lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        self.optimizer = OPTIMIZERS[cfg.optimizer](
+            params, lr=cfg.lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps))
+            self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps)
+        )
         self.step = 0  # training steps done (each: one or more optimizer steps, then end_step)
         self.optimizer_steps = 0
         self.skipped_steps = 0
@@ -86,7 +95,11 @@ class TrainEngine:
         last = len(micro_batches) - 1
         for i, micro in enumerate(micro_batches):
             # gradients are all-reduced once, on the last backward of the minibatch
-            sync = contextlib.nullcontext() if i == last or not self.distributed else self.module.no_sync()
+            sync = (
+                contextlib.nullcontext()
+                if i == last or not self.distributed
+                else self.module.no_sync()
+            )
             with sync:
                 with self.autocast():
                     loss, info = loss_fn(self.module, micro)
@@ -109,13 +122,20 @@ class TrainEngine:
         else:
             self.skipped_steps += 1
             self.consecutive_skips += 1
-            log.warning("%s: non-finite gradient norm at training step %d (optimizer step %d): step skipped "
-                        "(%d in a row, %d in all)", self.name, self.step + 1, self.optimizer_steps,
-                        self.consecutive_skips, self.skipped_steps)
+            log.warning(
+                "%s: non-finite gradient norm at training step %d (optimizer step %d): step skipped "
+                "(%d in a row, %d in all)",
+                self.name,
+                self.step + 1,
+                self.optimizer_steps,
+                self.consecutive_skips,
+                self.skipped_steps,
+            )
             if self.consecutive_skips >= self.cfg.max_skipped_steps:
                 raise NonFiniteError(
                     f"{self.name}: {self.consecutive_skips} consecutive optimizer steps had a non-finite gradient "
-                    f"(training step {self.step + 1}; actor.max_skipped_steps={self.cfg.max_skipped_steps})")
+                    f"(training step {self.step + 1}; actor.max_skipped_steps={self.cfg.max_skipped_steps})"
+                )
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
@@ -133,7 +153,11 @@ class TrainEngine:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": rng_state(),
-            "engine": {"step": self.step, "optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps},
+            "engine": {
+                "step": self.step,
+                "optimizer_steps": self.optimizer_steps,
+                "skipped_steps": self.skipped_steps,
+            },
         }
         return save_checkpoint(path, self.model.state_dict(), state, meta, extra)
 
@@ -157,7 +181,9 @@ def load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: 
     expected, given = set(model.state_dict()), set(state)
     missing, unexpected = sorted(expected - given), sorted(given - expected)
     if missing or unexpected:
-        raise ValueError(f"checkpoint {source} does not match the model: missing keys {missing[:10]}"
-                         f"{' ...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
-                         f"{' ...' if len(unexpected) > 10 else ''}")
+        raise ValueError(
+            f"checkpoint {source} does not match the model: missing keys {missing[:10]}"
+            f"{' ...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
+            f"{' ...' if len(unexpected) > 10 else ''}"
+        )
     model.load_state_dict(state, strict=True)

@@ -28,7 +28,9 @@ class Registry(Generic[T]):
             return self._items[name]
         except KeyError:
             prefix = f"{self.config_key}: " if self.config_key else ""
-            raise ValueError(f"{prefix}unknown {self.kind} {name!r}; registered: {', '.join(self.names())}") from None
+            raise ValueError(
+                f"{prefix}unknown {self.kind} {name!r}; registered: {', '.join(self.names())}"
+            ) from None
 
     def names(self) -> list[str]:
         return sorted(self._items)

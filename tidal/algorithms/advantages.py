@@ -81,7 +81,11 @@ def group_normalize(
         raise ValueError(
             f"group_size: expected a positive divisor of the batch size {n}, got {group_size}"
         )
-    g = scores.detach().to(compute_dtype(scores)).reshape(n // group_size, group_size, *scores.shape[1:])
+    g = (
+        scores.detach()
+        .to(compute_dtype(scores))
+        .reshape(n // group_size, group_size, *scores.shape[1:])
+    )
     if leave_one_out and group_size > 1:
         baseline = (g.sum(1, keepdim=True) - g) / (group_size - 1)
     else:
@@ -216,7 +220,11 @@ def advantage_spec(name: str) -> EstimatorSpec:
 
 def list_advantages(**needs: bool) -> list[str]:
     """Registered names, optionally only those whose spec matches, e.g. ``needs_critic=False``."""
-    return [n for n in _ADVANTAGES.names() if all(getattr(_ADVANTAGES.get(n), k) == v for k, v in needs.items())]
+    return [
+        n
+        for n in _ADVANTAGES.names()
+        if all(getattr(_ADVANTAGES.get(n), k) == v for k, v in needs.items())
+    ]
 
 
 def _outcome_scores(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,9 @@ def aggregate_loss(
         return zeroed.sum() / m.sum().clamp(min=1)
     if agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
         if losses.dim() < 2:
-            raise ValueError(f"agg {agg!r}: expected [..., seq_len] losses, got shape {tuple(losses.shape)}")
+            raise ValueError(
+                f"agg {agg!r}: expected [..., seq_len] losses, got shape {tuple(losses.shape)}"
+            )
         per_seq = zeroed.sum(-1)
         counts = m.sum(-1)
         if agg == "seq-mean-token-mean":
@@ -110,7 +112,9 @@ def ppo_policy_loss(
     log_ratio = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(log_ratio)
     adv = torch.where(m, advantages.detach().to(dtype), 0.0)
-    per_elem, clip_active, dual_active = _clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
+    per_elem, clip_active, dual_active = _clipped_surrogate(
+        ratio, adv, clip_low, clip_high, dual_clip
+    )
     loss = aggregate_loss(per_elem, m, agg, **agg_kwargs)
     with torch.no_grad():
         metrics = {
@@ -167,7 +171,9 @@ def decoupled_ppo_loss(
     log_ratio = torch.where(train_mask, logp.to(dtype) - prox, 0.0)
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     adv = torch.where(train_mask, advantages.detach().to(dtype), 0.0)
-    surrogate, clip_active, dual_active = _clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
+    surrogate, clip_active, dual_active = _clipped_surrogate(
+        ratio, adv, clip_low, clip_high, dual_clip
+    )
     loss = aggregate_loss(surrogate * weight, train_mask, agg, **agg_kwargs)
     with torch.no_grad():
         metrics = {
@@ -187,7 +193,9 @@ def _elementwise_error(diff: torch.Tensor, huber_delta: float | None) -> torch.T
     """``0.5 * d^2``, or Huber with threshold delta (which equals it for ``|d| <= delta``)."""
     if huber_delta is None:
         return 0.5 * diff**2
-    return torch.nn.functional.huber_loss(diff, torch.zeros_like(diff), reduction="none", delta=huber_delta)
+    return torch.nn.functional.huber_loss(
+        diff, torch.zeros_like(diff), reduction="none", delta=huber_delta
+    )
 
 
 def value_loss(
@@ -224,8 +232,13 @@ def value_loss(
     with torch.no_grad():
         residual_var = _masked_var(target - v, m)
         target_var = _masked_var(target, m)
-        explained = 1.0 - residual_var / target_var if target_var > 0 else torch.zeros((), dtype=dtype)
-        metrics = {"value_clip_frac": _masked_mean(clip_active.to(dtype), m), "explained_variance": explained}
+        explained = (
+            1.0 - residual_var / target_var if target_var > 0 else torch.zeros((), dtype=dtype)
+        )
+        metrics = {
+            "value_clip_frac": _masked_mean(clip_active.to(dtype), m),
+            "explained_variance": explained,
+        }
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 

@@ -24,15 +24,22 @@ LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 class ClusterConfig:
     """Where the worker groups run."""
 
-    backend: str = setting("local", "local: threads of this process; ray: Ray actors (processes, many nodes)")
-    address: str | None = setting(None, "a running Ray cluster to join (ray backend); None starts one")
+    backend: str = setting(
+        "local", "local: threads of this process; ray: Ray actors (processes, many nodes)"
+    )
+    address: str | None = setting(
+        None, "a running Ray cluster to join (ray backend); None starts one"
+    )
     connect_timeout_s: float = setting(30.0, "bound on joining the Ray cluster at cluster.address")
     devices_per_node: int | None = setting(None, "GPUs or CPU slots per node; None: detected")
     torch_threads: int = setting(1, "intra-op threads per process (small models run fastest on 1)")
     gil_switch_interval: float | None = setting(
-        2e-4, "local backend: sys.setswitchinterval while the run lives (ranks woken by a peer get the GIL sooner); null: Python's 5 ms")
+        2e-4,
+        "local backend: sys.setswitchinterval while the run lives (ranks woken by a peer get the GIL sooner); null: Python's 5 ms",
+    )
     placement: dict[str, str] = setting(
-        factory=dict, help="component(s) -> devices, e.g. {env: '0', 'rollout,actor': '1'}; empty: all on 0"
+        factory=dict,
+        help="component(s) -> devices, e.g. {env: '0', 'rollout,actor': '1'}; empty: all on 0",
     )
 
     def resolved_placement(self, components: list[str]) -> dict[str, str]:
@@ -44,25 +51,48 @@ class RunnerConfig:
     """The run loop: run folder, cadence, stop rules, resume, loggers."""
 
     task: str = setting("embodied", "which half trains: embodied | llm")
-    experiment: str = setting("run", "the run folder is run_dir/experiment (suffixed -2, -3, ... when taken)")
+    experiment: str = setting(
+        "run", "the run folder is run_dir/experiment (suffixed -2, -3, ... when taken)"
+    )
     run_dir: str = setting("runs", "where run folders are created")
     seed: int = setting(1, "the one seed of the run (weights, shuffling, envs, sampling)")
     max_steps: int = setting(100, "training steps (each: collect a batch, then update)")
     max_minutes: float | None = setting(None, "stop after this much wall time")
-    target_metric: str = setting("eval/return_mean", "the metric the target_value stop rule watches")
+    target_metric: str = setting(
+        "eval/return_mean", "the metric the target_value stop rule watches"
+    )
     target_value: float | None = setting(None, "stop once target_metric reaches this value")
     eval_interval: int = setting(10, "evaluate every this many steps (and at the end); 0: never")
-    save_interval: int = setting(10, "checkpoint every this many steps (and at the end, and on SIGINT/SIGTERM)")
-    keep_checkpoints: int = setting(3, "newest checkpoints kept in run_folder/checkpoints; 0: keep all")
-    resume_from: str | None = setting(
-        None, "a checkpoint folder, a checkpoints/ folder, or 'auto' (the experiment's newest, else fresh)"
+    save_interval: int = setting(
+        10, "checkpoint every this many steps (and at the end, and on SIGINT/SIGTERM)"
     )
-    timeout_s: float = setting(DEFAULT_TIMEOUT_S, "bound on every wait for a phase; a hung rank is named after this")
-    max_restarts: int = setting(0, "when a worker dies or hangs, restart the groups and resume from the newest checkpoint, up to this many times")
+    keep_checkpoints: int = setting(
+        3, "newest checkpoints kept in run_folder/checkpoints; 0: keep all"
+    )
+    resume_from: str | None = setting(
+        None,
+        "a checkpoint folder, a checkpoints/ folder, or 'auto' (the experiment's newest, else fresh)",
+    )
+    timeout_s: float = setting(
+        DEFAULT_TIMEOUT_S, "bound on every wait for a phase; a hung rank is named after this"
+    )
+    max_restarts: int = setting(
+        0,
+        "when a worker dies or hangs, restart the groups and resume from the newest checkpoint, up to this many times",
+    )
     progress: bool = setting(True, "live progress on the terminal")
-    loggers: list[str] = setting(factory=lambda: ["jsonl", "tensorboard"], help="metric sinks: jsonl, tensorboard, wandb, mlflow")
-    wandb: dict[str, Any] = setting(factory=dict, help="W&B settings (project, entity, mode, name); WANDB_MODE=offline needs no network")
-    mlflow: dict[str, Any] = setting(factory=dict, help="MLflow settings (experiment); MLFLOW_TRACKING_URI or a store in the run folder")
+    loggers: list[str] = setting(
+        factory=lambda: ["jsonl", "tensorboard"],
+        help="metric sinks: jsonl, tensorboard, wandb, mlflow",
+    )
+    wandb: dict[str, Any] = setting(
+        factory=dict,
+        help="W&B settings (project, entity, mode, name); WANDB_MODE=offline needs no network",
+    )
+    mlflow: dict[str, Any] = setting(
+        factory=dict,
+        help="MLflow settings (experiment); MLFLOW_TRACKING_URI or a store in the run folder",
+    )
 
 
 @dataclass
@@ -77,7 +107,9 @@ class ActorConfig:
     weight_decay: float = setting(0.0, "weight decay (decoupled with adamw)")
     max_grad_norm: float | None = setting(1.0, "clip the gradient norm to this; None: no clipping")
     bf16: bool = setting(False, "bfloat16 autocast for forward passes")
-    max_skipped_steps: int = setting(10, "abort after this many consecutive optimizer steps with a non-finite gradient")
+    max_skipped_steps: int = setting(
+        10, "abort after this many consecutive optimizer steps with a non-finite gradient"
+    )
 
 
 @dataclass
@@ -87,41 +119,77 @@ class AlgorithmConfig:
     adv_type: str = setting("gae", "advantage estimator from the registry (tidal.algorithms)")
     gamma: float = setting(0.99, "discount")
     clip_ratio_low: float = setting(0.2, "PPO clip below 1")
-    clip_ratio_high: float = setting(0.2, "PPO clip above 1 (clip-higher when larger than clip_ratio_low)")
-    loss_agg: str = setting("token-mean", "loss aggregation: token-mean | seq-mean-token-sum | seq-mean-token-mean | ...")
+    clip_ratio_high: float = setting(
+        0.2, "PPO clip above 1 (clip-higher when larger than clip_ratio_low)"
+    )
+    loss_agg: str = setting(
+        "token-mean",
+        "loss aggregation: token-mean | seq-mean-token-sum | seq-mean-token-mean | ...",
+    )
 
 
 def one_of(value, allowed, key: str) -> None:
     require(value in allowed, key, f"expected one of {', '.join(map(str, allowed))}, got {value!r}")
 
 
-def validate_common(cluster: ClusterConfig, runner: RunnerConfig, actor: ActorConfig, algorithm: AlgorithmConfig) -> None:
+def validate_common(
+    cluster: ClusterConfig, runner: RunnerConfig, actor: ActorConfig, algorithm: AlgorithmConfig
+) -> None:
     """The rules of the shared sections, the same in both halves."""
     from tidal.algorithms import list_advantages
 
     one_of(cluster.backend, ("local", "ray"), "cluster.backend")
-    require(cluster.torch_threads >= 1, "cluster.torch_threads", f"must be >= 1, got {cluster.torch_threads}")
-    require(cluster.connect_timeout_s > 0, "cluster.connect_timeout_s", f"must be > 0, got {cluster.connect_timeout_s}")
+    require(
+        cluster.torch_threads >= 1,
+        "cluster.torch_threads",
+        f"must be >= 1, got {cluster.torch_threads}",
+    )
+    require(
+        cluster.connect_timeout_s > 0,
+        "cluster.connect_timeout_s",
+        f"must be > 0, got {cluster.connect_timeout_s}",
+    )
     require(runner.max_steps >= 1, "runner.max_steps", f"must be >= 1, got {runner.max_steps}")
     require(runner.timeout_s > 0, "runner.timeout_s", f"must be > 0, got {runner.timeout_s}")
     for key in ("eval_interval", "save_interval", "keep_checkpoints", "max_restarts"):
         value = getattr(runner, key)
         require(value >= 0, f"runner.{key}", f"must be >= 0, got {value}")
-    require(runner.max_minutes is None or runner.max_minutes > 0, "runner.max_minutes", f"must be > 0, got {runner.max_minutes}")
+    require(
+        runner.max_minutes is None or runner.max_minutes > 0,
+        "runner.max_minutes",
+        f"must be > 0, got {runner.max_minutes}",
+    )
     for name in runner.loggers:
         one_of(name, LOGGERS, "runner.loggers")
-    require(runner.experiment and "/" not in runner.experiment, "runner.experiment", f"must be a folder name, got {runner.experiment!r}")
+    require(
+        runner.experiment and "/" not in runner.experiment,
+        "runner.experiment",
+        f"must be a folder name, got {runner.experiment!r}",
+    )
     require(actor.lr > 0, "actor.lr", f"must be > 0, got {actor.lr}")
     one_of(actor.lr_schedule, LR_SCHEDULES, "actor.lr_schedule")
     one_of(actor.optimizer, OPTIMIZERS, "actor.optimizer")
-    require(actor.warmup_steps >= 0, "actor.warmup_steps", f"must be >= 0, got {actor.warmup_steps}")
-    require(actor.weight_decay >= 0, "actor.weight_decay", f"must be >= 0, got {actor.weight_decay}")
+    require(
+        actor.warmup_steps >= 0, "actor.warmup_steps", f"must be >= 0, got {actor.warmup_steps}"
+    )
+    require(
+        actor.weight_decay >= 0, "actor.weight_decay", f"must be >= 0, got {actor.weight_decay}"
+    )
     require(actor.adam_eps > 0, "actor.adam_eps", f"must be > 0, got {actor.adam_eps}")
-    require(actor.max_grad_norm is None or actor.max_grad_norm > 0, "actor.max_grad_norm",
-            f"must be > 0 (or null for no clipping), got {actor.max_grad_norm}")
-    require(actor.max_skipped_steps >= 1, "actor.max_skipped_steps", f"must be >= 1, got {actor.max_skipped_steps}")
+    require(
+        actor.max_grad_norm is None or actor.max_grad_norm > 0,
+        "actor.max_grad_norm",
+        f"must be > 0 (or null for no clipping), got {actor.max_grad_norm}",
+    )
+    require(
+        actor.max_skipped_steps >= 1,
+        "actor.max_skipped_steps",
+        f"must be >= 1, got {actor.max_skipped_steps}",
+    )
     one_of(algorithm.adv_type, list_advantages(), "algorithm.adv_type")
-    require(0 <= algorithm.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {algorithm.gamma}")
+    require(
+        0 <= algorithm.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {algorithm.gamma}"
+    )
     for key in ("clip_ratio_low", "clip_ratio_high"):
         value = getattr(algorithm, key)
         require(value > 0, f"algorithm.{key}", f"must be > 0, got {value}")
@@ -132,7 +200,9 @@ def world_sizes(cluster: ClusterConfig, components: list[str]) -> dict[str, int]
     from tidal.runtime import ComponentPlacement, PlacementError
 
     try:
-        placement = ComponentPlacement(cluster.resolved_placement(components), _num_devices_hint(cluster))
+        placement = ComponentPlacement(
+            cluster.resolved_placement(components), _num_devices_hint(cluster)
+        )
         return {c: placement.get_world_size(c) for c in components}
     except PlacementError as exc:
         msg = str(exc)  # some placement errors already start with their key
@@ -148,6 +218,10 @@ def _num_devices_hint(cluster: ClusterConfig) -> int:
 
     from tidal.runtime.placement import _parse_spec_string
 
-    named = [d for spec in cluster.placement.values() if spec != "all"
-             for d in _parse_spec_string(str(spec), 1 << 16, "cluster.placement")]
+    named = [
+        d
+        for spec in cluster.placement.values()
+        if spec != "all"
+        for d in _parse_spec_string(str(spec), 1 << 16, "cluster.placement")
+    ]
     return max([os.cpu_count() or 1, *(d + 1 for d in named)])

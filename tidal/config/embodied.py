@@ -24,8 +24,12 @@ class EmbodiedRunnerConfig(RunnerConfig):
     """The run loop, plus what only the embodied loop has."""
 
     max_env_steps: int | None = setting(None, "stop once this many env steps were collected")
-    weight_sync_interval: int = setting(1, "send the actor's weights to the rollout every this many steps")
-    overlap_env_bootstrap: bool = setting(False, "while the actor trains, envs start the next epoch (resets, first observations)")
+    weight_sync_interval: int = setting(
+        1, "send the actor's weights to the rollout every this many steps"
+    )
+    overlap_env_bootstrap: bool = setting(
+        False, "while the actor trains, envs start the next epoch (resets, first observations)"
+    )
 
 
 @dataclass
@@ -33,23 +37,35 @@ class EnvConfig:
     """The simulators: adapter, task, vectorisation, action chunks."""
 
     adapter: str = setting("gymnasium", "env adapter from the registry (tidal.envs)")
-    id: str = setting("CartPole-v1", "the env id the adapter makes (gymnasium: a registered id or module.path:EnvId)")
+    id: str = setting(
+        "CartPole-v1",
+        "the env id the adapter makes (gymnasium: a registered id or module.path:EnvId)",
+    )
     kwargs: dict[str, Any] = setting(factory=dict, help="passed to the env itself (gymnasium.make)")
     adapter_kwargs: dict[str, Any] = setting(factory=dict, help="passed to the adapter")
     obs_mode: str = setting(
-        "state", "state | pixels | state+pixels (pixels: adapters that render, e.g. metaworld)")
+        "state", "state | pixels | state+pixels (pixels: adapters that render, e.g. metaworld)"
+    )
     image_size: int = setting(64, "side of the square rendered images (obs_mode with pixels)")
     total_num_envs: int = setting(8, "training envs over all env ranks")
-    pipeline_stage_num: int = setting(1, "pipeline stages: stage i+1 simulates while stage i is inferred")
-    num_action_chunks: int = setting(1, "actions per chunk step (the policy predicts a chunk at once)")
+    pipeline_stage_num: int = setting(
+        1, "pipeline stages: stage i+1 simulates while stage i is inferred"
+    )
+    num_action_chunks: int = setting(
+        1, "actions per chunk step (the policy predicts a chunk at once)"
+    )
     auto_reset: bool = setting(True, "reset envs whose episode ended inside an epoch")
     max_episode_steps: int | None = setting(None, "time limit; None: the env's own")
-    vectorization_mode: str = setting("sync", "sync | async (gymnasium vector envs; sync is faster on few cores)")
+    vectorization_mode: str = setting(
+        "sync", "sync | async (gymnasium vector envs; sync is faster on few cores)"
+    )
     eval_num_envs: int = setting(8, "evaluation envs over all env ranks")
     group_size: int = setting(1, "envs that reset with the same seed (embodied GRPO groups)")
     max_nonfinite_steps: int = setting(
-        16, "abort when an env returns a non-finite observation or reward this many chunk steps in "
-            "a row (fewer: warn, mask its samples, restart it)")
+        16,
+        "abort when an env returns a non-finite observation or reward this many chunk steps in "
+        "a row (fewer: warn, mask its samples, restart it)",
+    )
 
 
 @dataclass
@@ -72,9 +88,11 @@ class ModelConfig:
     init_log_std: float = setting(0.0, "initial log std of Gaussian policies")
     squash: bool = setting(False, "tanh-squash Gaussian actions into the action bounds")
     kwargs: dict[str, Any] = setting(
-        factory=dict, help="policy-specific constructor args (vla: hidden_size, num_layers, ...)")
+        factory=dict, help="policy-specific constructor args (vla: hidden_size, num_layers, ...)"
+    )
     path: str | None = setting(
-        None, "a saved policy folder: train starts from it; tidal sft writes it")
+        None, "a saved policy folder: train starts from it; tidal sft writes it"
+    )
 
 
 @dataclass
@@ -94,16 +112,28 @@ class EmbodiedAlgorithmConfig(AlgorithmConfig):
     """The advantage estimator and the PPO objective, with the embodied extras."""
 
     gae_lambda: float = setting(0.95, "GAE lambda")
-    normalize_advantages: bool = setting(True, "whiten advantages over the batch (estimators that ask for it)")
-    reward_type: str = setting("chunk", "chunk: a chunk is one step; action: every action is a step")
+    normalize_advantages: bool = setting(
+        True, "whiten advantages over the batch (estimators that ask for it)"
+    )
+    reward_type: str = setting(
+        "chunk", "chunk: a chunk is one step; action: every action is a step"
+    )
     reward_scale: float = setting(1.0, "multiply env rewards by this")
-    logprob_type: str = setting("chunk", "token | action | chunk: the level the PPO ratio is taken at")
+    logprob_type: str = setting(
+        "chunk", "token | action | chunk: the level the PPO ratio is taken at"
+    )
     dual_clip: float | None = setting(None, "dual-clip PPO constant (> 1)")
-    value_clip: float | None = setting(None, "clip value updates to this distance from the old values")
-    huber_delta: float | None = setting(None, "Huber value loss with this delta; None: squared error")
+    value_clip: float | None = setting(
+        None, "clip value updates to this distance from the old values"
+    )
+    huber_delta: float | None = setting(
+        None, "Huber value loss with this delta; None: squared error"
+    )
     vf_coef: float = setting(0.5, "value loss weight")
     entropy_bonus: float = setting(0.0, "entropy bonus weight")
-    bootstrap_type: str = setting("truncated", "truncated: bootstrap truncations; always: every done")
+    bootstrap_type: str = setting(
+        "truncated", "truncated: bootstrap truncations; always: every done"
+    )
     update_epochs: int = setting(4, "passes over the batch per training step")
     critic_warmup_steps: int = setting(0, "training steps that update only the critic")
     target_kl: float | None = setting(None, "stop a step's epochs early past this approximate KL")
@@ -114,7 +144,9 @@ class EmbodiedActorConfig(ActorConfig):
     """The train engine, with the embodied batch sizes."""
 
     global_batch_size: int = setting(256, "samples per optimizer step, over all actor ranks")
-    micro_batch_size: int = setting(64, "samples per forward/backward (gradient accumulation up to global)")
+    micro_batch_size: int = setting(
+        64, "samples per forward/backward (gradient accumulation up to global)"
+    )
     adam_eps: float = setting(1e-5, "the optimizer's epsilon")
     max_grad_norm: float | None = setting(0.5, "clip the gradient norm to this; None: no clipping")
 
@@ -166,52 +198,108 @@ def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
     one_of(alg.bootstrap_type, ("truncated", "always"), "algorithm.bootstrap_type")
     one_of(env.adapter, list_env_adapters(), "env.adapter")
     one_of(cfg.reward.mode, ("replace", "add"), "reward.mode")
-    for key, value in (("env.total_num_envs", env.total_num_envs), ("env.pipeline_stage_num", env.pipeline_stage_num),
-                       ("env.num_action_chunks", env.num_action_chunks), ("env.eval_num_envs", env.eval_num_envs),
-                       ("rollout.num_steps", cfg.rollout.num_steps), ("actor.global_batch_size", act.global_batch_size),
-                       ("actor.micro_batch_size", act.micro_batch_size), ("algorithm.update_epochs", alg.update_epochs),
-                       ("runner.max_steps", cfg.runner.max_steps), ("env.group_size", env.group_size),
-                       ("runner.weight_sync_interval", cfg.runner.weight_sync_interval),
-                       ("env.max_nonfinite_steps", env.max_nonfinite_steps)):
+    for key, value in (
+        ("env.total_num_envs", env.total_num_envs),
+        ("env.pipeline_stage_num", env.pipeline_stage_num),
+        ("env.num_action_chunks", env.num_action_chunks),
+        ("env.eval_num_envs", env.eval_num_envs),
+        ("rollout.num_steps", cfg.rollout.num_steps),
+        ("actor.global_batch_size", act.global_batch_size),
+        ("actor.micro_batch_size", act.micro_batch_size),
+        ("algorithm.update_epochs", alg.update_epochs),
+        ("runner.max_steps", cfg.runner.max_steps),
+        ("env.group_size", env.group_size),
+        ("runner.weight_sync_interval", cfg.runner.weight_sync_interval),
+        ("env.max_nonfinite_steps", env.max_nonfinite_steps),
+    ):
         require(value >= 1, key, f"must be >= 1, got {value}")
-    require(alg.reward_type == "chunk" or not spec.needs_critic, "algorithm.reward_type",
-            f"'action' needs a value per action; use 'chunk' with adv_type {alg.adv_type}")
-    require(alg.reward_type == "chunk" or alg.logprob_type != "chunk", "algorithm.logprob_type",
-             "reward_type 'action' gives one advantage per action: use logprob_type action or token")
-    require(cfg.model.critic or not spec.needs_critic, "model.critic", f"adv_type {alg.adv_type} needs a critic")
-    require(alg.dual_clip is None or alg.dual_clip > 1, "algorithm.dual_clip", f"must be > 1, got {alg.dual_clip}")
+    require(
+        alg.reward_type == "chunk" or not spec.needs_critic,
+        "algorithm.reward_type",
+        f"'action' needs a value per action; use 'chunk' with adv_type {alg.adv_type}",
+    )
+    require(
+        alg.reward_type == "chunk" or alg.logprob_type != "chunk",
+        "algorithm.logprob_type",
+        "reward_type 'action' gives one advantage per action: use logprob_type action or token",
+    )
+    require(
+        cfg.model.critic or not spec.needs_critic,
+        "model.critic",
+        f"adv_type {alg.adv_type} needs a critic",
+    )
+    require(
+        alg.dual_clip is None or alg.dual_clip > 1,
+        "algorithm.dual_clip",
+        f"must be > 1, got {alg.dual_clip}",
+    )
 
     components = ["env", "rollout", "actor"] + (["reward"] if cfg.reward.enabled else [])
     worlds = world_sizes(cfg.cluster, components)
 
     stages = env.pipeline_stage_num
-    require(env.total_num_envs % (worlds["env"] * stages) == 0, "env.total_num_envs",
-             f"{env.total_num_envs} must divide evenly over {worlds['env']} env ranks x {stages} pipeline stages")
+    require(
+        env.total_num_envs % (worlds["env"] * stages) == 0,
+        "env.total_num_envs",
+        f"{env.total_num_envs} must divide evenly over {worlds['env']} env ranks x {stages} pipeline stages",
+    )
     per_stage = env.total_num_envs // stages
-    require(per_stage % worlds["rollout"] == 0, "env.total_num_envs",
-             f"each pipeline stage's {per_stage} envs must divide evenly over {worlds['rollout']} rollout ranks")
-    require(env.total_num_envs % worlds["actor"] == 0, "env.total_num_envs",
-             f"{env.total_num_envs} must divide evenly over {worlds['actor']} actor ranks")
-    require(env.eval_num_envs % worlds["env"] == 0 and env.eval_num_envs % worlds["rollout"] == 0, "env.eval_num_envs",
-             f"{env.eval_num_envs} must divide evenly over {worlds['env']} env and {worlds['rollout']} rollout ranks")
+    require(
+        per_stage % worlds["rollout"] == 0,
+        "env.total_num_envs",
+        f"each pipeline stage's {per_stage} envs must divide evenly over {worlds['rollout']} rollout ranks",
+    )
+    require(
+        env.total_num_envs % worlds["actor"] == 0,
+        "env.total_num_envs",
+        f"{env.total_num_envs} must divide evenly over {worlds['actor']} actor ranks",
+    )
+    require(
+        env.eval_num_envs % worlds["env"] == 0 and env.eval_num_envs % worlds["rollout"] == 0,
+        "env.eval_num_envs",
+        f"{env.eval_num_envs} must divide evenly over {worlds['env']} env and {worlds['rollout']} rollout ranks",
+    )
     if cfg.reward.enabled:
-        require(per_stage % worlds["reward"] == 0, "env.total_num_envs",
-                 f"each pipeline stage's {per_stage} envs must divide evenly over {worlds['reward']} reward ranks")
+        require(
+            per_stage % worlds["reward"] == 0,
+            "env.total_num_envs",
+            f"each pipeline stage's {per_stage} envs must divide evenly over {worlds['reward']} reward ranks",
+        )
     samples = env.total_num_envs * cfg.rollout.num_steps
-    require(samples % act.global_batch_size == 0, "actor.global_batch_size",
-             f"the {samples} samples of a step (total_num_envs x num_steps) must divide into batches of {act.global_batch_size}")
-    require(act.global_batch_size % (act.micro_batch_size * worlds["actor"]) == 0, "actor.global_batch_size",
-             f"{act.global_batch_size} must be a multiple of micro_batch_size x actor ranks "
-             f"= {act.micro_batch_size} x {worlds['actor']}")
+    require(
+        samples % act.global_batch_size == 0,
+        "actor.global_batch_size",
+        f"the {samples} samples of a step (total_num_envs x num_steps) must divide into batches of {act.global_batch_size}",
+    )
+    require(
+        act.global_batch_size % (act.micro_batch_size * worlds["actor"]) == 0,
+        "actor.global_batch_size",
+        f"{act.global_batch_size} must be a multiple of micro_batch_size x actor ranks "
+        f"= {act.micro_batch_size} x {worlds['actor']}",
+    )
     if spec.needs_groups:
-        require(env.group_size > 1, "env.group_size", f"adv_type {alg.adv_type} needs groups of 2 or more envs")
-        require(not env.auto_reset, "env.auto_reset", f"adv_type {alg.adv_type} scores whole episodes: set it to false")
+        require(
+            env.group_size > 1,
+            "env.group_size",
+            f"adv_type {alg.adv_type} needs groups of 2 or more envs",
+        )
+        require(
+            not env.auto_reset,
+            "env.auto_reset",
+            f"adv_type {alg.adv_type} scores whole episodes: set it to false",
+        )
         per_actor = env.total_num_envs // worlds["actor"]
-        require(per_actor % env.group_size == 0, "env.group_size",
-                 f"groups of {env.group_size} must not straddle actor ranks ({per_actor} envs each)")
+        require(
+            per_actor % env.group_size == 0,
+            "env.group_size",
+            f"groups of {env.group_size} must not straddle actor ranks ({per_actor} envs each)",
+        )
     if cfg.cluster.backend == "local":
-        require(worlds["actor"] == 1, "cluster.placement",
-                 "a data-parallel actor (more than one rank) needs cluster.backend=ray")
+        require(
+            worlds["actor"] == 1,
+            "cluster.placement",
+            "a data-parallel actor (more than one rank) needs cluster.backend=ray",
+        )
     validate_observations(env)
     validate_model(cfg.model)
     return worlds
@@ -226,8 +314,13 @@ def env_make_kwargs(env: EnvConfig) -> dict[str, Any]:
     kwargs = dict(env.adapter_kwargs)
     if env.obs_mode != "state":
         kwargs.update(obs_mode=env.obs_mode, image_size=env.image_size)
-    return {"env_id": env.id, "vectorization_mode": env.vectorization_mode,
-            "max_episode_steps": env.max_episode_steps, "env_kwargs": dict(env.kwargs), **kwargs}
+    return {
+        "env_id": env.id,
+        "vectorization_mode": env.vectorization_mode,
+        "max_episode_steps": env.max_episode_steps,
+        "env_kwargs": dict(env.kwargs),
+        **kwargs,
+    }
 
 
 def validate_observations(env: EnvConfig) -> None:
@@ -238,11 +331,16 @@ def validate_observations(env: EnvConfig) -> None:
     one_of(env.obs_mode, OBS_MODES, "env.obs_mode")
     require(env.image_size >= 8, "env.image_size", f"must be >= 8, got {env.image_size}")
     for key in ("obs_mode", "image_size"):
-        require(key not in env.adapter_kwargs, f"env.adapter_kwargs.{key}", f"set env.{key} instead")
+        require(
+            key not in env.adapter_kwargs, f"env.adapter_kwargs.{key}", f"set env.{key} instead"
+        )
     if env.obs_mode != "state":
         takes = inspect.signature(get_env_adapter(env.adapter)).parameters
-        require("obs_mode" in takes, "env.obs_mode",
-                f"the {env.adapter} adapter renders no pixels; use state (or e.g. adapter metaworld)")
+        require(
+            "obs_mode" in takes,
+            "env.obs_mode",
+            f"the {env.adapter} adapter renders no pixels; use state (or e.g. adapter metaworld)",
+        )
 
 
 def validate_model(model: ModelConfig) -> None:
@@ -252,11 +350,17 @@ def validate_model(model: ModelConfig) -> None:
     takes, defaults = policy_arguments(model.name), ModelConfig()
     for key in model.kwargs:
         require(key not in SHARED_MODEL_FIELDS, f"model.kwargs.{key}", f"set model.{key} instead")
-        require(key in takes, f"model.kwargs.{key}",
-                f"policy {model.name!r} takes no such argument; it takes {', '.join(sorted(takes))}")
+        require(
+            key in takes,
+            f"model.kwargs.{key}",
+            f"policy {model.name!r} takes no such argument; it takes {', '.join(sorted(takes))}",
+        )
     for key in SHARED_MODEL_FIELDS:
-        require(key in takes or getattr(model, key) == getattr(defaults, key), f"model.{key}",
-                f"policy {model.name!r} does not use it; leave it at its default")
+        require(
+            key in takes or getattr(model, key) == getattr(defaults, key),
+            f"model.{key}",
+            f"policy {model.name!r} does not use it; leave it at its default",
+        )
 
 
 def validate_saved_policy(model: ModelConfig, num_action_chunks: int) -> None:
@@ -264,10 +368,16 @@ def validate_saved_policy(model: ModelConfig, num_action_chunks: int) -> None:
     checked when a run starts from it (``tidal sft`` writes it, so a config may name it first)."""
     if model.path is not None:
         saved = saved_policy_config(model.path)
-        require(saved["name"] == model.name, "model.name",
-                f"{model.path!r} holds a {saved['name']!r} policy, not {model.name!r}")
-        require(saved["num_action_chunks"] == num_action_chunks, "env.num_action_chunks",
-                f"{model.path!r} predicts chunks of {saved['num_action_chunks']}, not {num_action_chunks}")
+        require(
+            saved["name"] == model.name,
+            "model.name",
+            f"{model.path!r} holds a {saved['name']!r} policy, not {model.name!r}",
+        )
+        require(
+            saved["num_action_chunks"] == num_action_chunks,
+            "env.num_action_chunks",
+            f"{model.path!r} predicts chunks of {saved['num_action_chunks']}, not {num_action_chunks}",
+        )
 
 
 SHARED_MODEL_FIELDS = ("hidden_sizes", "activation", "critic", "obs_norm", "init_log_std", "squash")
@@ -280,8 +390,10 @@ def saved_policy_config(path: str) -> dict:
 
     folder = Path(path)
     if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
-        raise ConfigError(f"model.path: {path!r} is not a saved policy folder (config.json and "
-                          "model.safetensors); `tidal sft CONFIG` writes one")
+        raise ConfigError(
+            f"model.path: {path!r} is not a saved policy folder (config.json and "
+            "model.safetensors); `tidal sft CONFIG` writes one"
+        )
     return json.loads((folder / "config.json").read_text())
 
 
@@ -289,8 +401,11 @@ def validate_sft(cfg: EmbodiedConfig) -> None:
     """``tidal sft`` on an embodied config: an env with scripted experts and a place to save."""
     validate_embodied(cfg)
     s = cfg.sft
-    require(cfg.env.adapter == "metaworld", "env.adapter",
-            f"tidal sft collects demonstrations from MetaWorld's scripted experts, not {cfg.env.adapter!r}")
+    require(
+        cfg.env.adapter == "metaworld",
+        "env.adapter",
+        f"tidal sft collects demonstrations from MetaWorld's scripted experts, not {cfg.env.adapter!r}",
+    )
     require(cfg.model.path is not None, "model.path", "tidal sft saves the policy there; set it")
     for key in ("demos", "steps", "batch_size", "log_interval"):
         require(getattr(s, key) >= 1, f"sft.{key}", f"must be >= 1, got {getattr(s, key)}")

@@ -23,7 +23,9 @@ class LLMRunnerConfig(RunnerConfig):
     """The run loop (the language half's defaults)."""
 
     task: str = setting("llm", "which half trains: embodied | llm")
-    experiment: str = setting("llm", "the run folder is run_dir/experiment (suffixed -2, -3, ... when taken)")
+    experiment: str = setting(
+        "llm", "the run folder is run_dir/experiment (suffixed -2, -3, ... when taken)"
+    )
     target_metric: str = setting("eval/accuracy", "the metric the target_value stop rule watches")
 
 
@@ -31,18 +33,25 @@ class LLMRunnerConfig(RunnerConfig):
 class LMModelConfig:
     """The causal LM."""
 
-    path: str = setting("runs/models/arith", "a local Hugging Face causal-LM folder (tidal sft writes it)")
+    path: str = setting(
+        "runs/models/arith", "a local Hugging Face causal-LM folder (tidal sft writes it)"
+    )
     dtype: str = setting("float32", "from_pretrained's dtype: float32 | bfloat16 | float16 | auto")
     attn_implementation: str | None = setting(
-        None, "transformers' attention: eager | sdpa | ...; None: its default")
+        None, "transformers' attention: eager | sdpa | ...; None: its default"
+    )
     gradient_checkpointing: bool = setting(
-        False, "recompute activations in the backward pass (the trainer's model)")
-    hidden: int = setting(128, "the tiny model tidal sft builds when path does not exist yet: width")
+        False, "recompute activations in the backward pass (the trainer's model)"
+    )
+    hidden: int = setting(
+        128, "the tiny model tidal sft builds when path does not exist yet: width"
+    )
     layers: int = setting(4, "... its layers")
     heads: int = setting(4, "... its attention heads")
     max_positions: int = setting(64, "... its context length")
     vocab_size: int = setting(
-        512, "... with data.path: its byte-level BPE vocabulary, trained on the dataset's text")
+        512, "... with data.path: its byte-level BPE vocabulary, trained on the dataset's text"
+    )
 
 
 @dataclass
@@ -50,24 +59,37 @@ class DataConfig:
     """The prompts: a dataset file (data.path), or a registered task that generates them."""
 
     path: str | None = setting(
-        None, "a JSONL, JSON or Parquet file of training records; None: data.task generates them")
-    eval_path: str | None = setting(None, "held-out records (same keys) for evaluation and tidal eval")
+        None, "a JSONL, JSON or Parquet file of training records; None: data.task generates them"
+    )
+    eval_path: str | None = setting(
+        None, "held-out records (same keys) for evaluation and tidal eval"
+    )
     prompt_key: str = setting("prompt", "the prompt's field (a string or a list of chat messages)")
     answer_key: str = setting("answer", "the reference answer's field (given to the reward)")
     messages_key: str | None = setting(
-        None, "tidal sft: the field holding chat conversations; None: prompt/answer pairs")
+        None, "tidal sft: the field holding chat conversations; None: prompt/answer pairs"
+    )
     id_key: str = setting("id", "the field naming a record in logs and eval rows (else its row)")
     chat_template: bool = setting(
-        False, "render prompts with the tokenizer's chat template (SFT, RL and evaluation)")
-    system_prompt: str | None = setting(None, "a system turn before each prompt (needs chat_template)")
+        False, "render prompts with the tokenizer's chat template (SFT, RL and evaluation)"
+    )
+    system_prompt: str | None = setting(
+        None, "a system turn before each prompt (needs chat_template)"
+    )
     cache_dir: str | None = setting(
-        None, "the datasets cache; None: inside the run folder (a temporary one for sft)")
-    task: str = setting("arithmetic", "without data.path: a registered task (tidal.rollout.tasks): arithmetic | reverse | guess_number")
+        None, "the datasets cache; None: inside the run folder (a temporary one for sft)"
+    )
+    task: str = setting(
+        "arithmetic",
+        "without data.path: a registered task (tidal.rollout.tasks): arithmetic | reverse | guess_number",
+    )
     digits: int = setting(2, "arithmetic: digits per operand")
     max_len: int = setting(24, "reverse: the longest digit string")
     ops: str = setting("+", "arithmetic: operators to draw from")
     train_size: int = setting(20000, "generated training problems")
-    eval_size: int = setting(256, "held-out problems: generated, or the first this many of data.eval_path")
+    eval_size: int = setting(
+        256, "held-out problems: generated, or the first this many of data.eval_path"
+    )
     seed: int = setting(0, "the seed the problems are generated with (the same data across runs)")
 
 
@@ -76,10 +98,13 @@ class RewardConfig:
     """The reward of single-turn episodes and of evaluation."""
 
     name: str = setting(
-        "auto", "a registered reward (exact_match | math_verify | regex_match), module.path:function, "
-                "or auto: a generated task's own, exact_match for a dataset file")
+        "auto",
+        "a registered reward (exact_match | math_verify | regex_match), module.path:function, "
+        "or auto: a generated task's own, exact_match for a dataset file",
+    )
     kwargs: dict[str, Any] = setting(
-        factory=dict, help="options passed to the reward (they win over record fields)")
+        factory=dict, help="options passed to the reward (they win over record fields)"
+    )
 
 
 @dataclass
@@ -88,7 +113,9 @@ class LLMRolloutConfig:
 
     num_servers: int = setting(1, "inference servers (rollout ranks)")
     max_batch_size: int = setting(256, "sequences a server decodes at once")
-    max_staleness: int = setting(0, "eta: how many versions behind a trained sample may be; 0 is synchronous RL")
+    max_staleness: int = setting(
+        0, "eta: how many versions behind a trained sample may be; 0 is synchronous RL"
+    )
     max_concurrent_rollouts: int = setting(16, "episodes in flight at once")
     batch_size: int = setting(16, "episodes (prompts) per training step")
     group_size: int = setting(8, "samples per prompt")
@@ -100,7 +127,9 @@ class LLMRolloutConfig:
     max_turns: int = setting(6, "multi-turn: turns per episode")
     turn_discount: float = setting(0.9, "multi-turn: reward discount per extra turn")
     reward_timeout_s: float = setting(10.0, "bound on one reward function call")
-    pause_mode: str = setting("abort", "weight update: abort in-flight requests (resubmitted) or pause them in_place")
+    pause_mode: str = setting(
+        "abort", "weight update: abort in-flight requests (resubmitted) or pause them in_place"
+    )
 
 
 @dataclass
@@ -109,9 +138,15 @@ class LMAlgorithmConfig(AlgorithmConfig):
 
     adv_type: str = setting("grpo", "a critic-free advantage estimator from the registry")
     gamma: float = setting(1.0, "discount over tokens")
-    use_decoupled_loss: bool = setting(False, "the decoupled PPO objective (proximal policy + behaviour weights)")
-    prox_logp_method: str = setting("recompute", "proximal log-probs: recompute | loglinear | metrics (both, compared)")
-    recompute_logprob: bool = setting(True, "standard PPO: old log-probs from a forward pass (else from inference)")
+    use_decoupled_loss: bool = setting(
+        False, "the decoupled PPO objective (proximal policy + behaviour weights)"
+    )
+    prox_logp_method: str = setting(
+        "recompute", "proximal log-probs: recompute | loglinear | metrics (both, compared)"
+    )
+    recompute_logprob: bool = setting(
+        True, "standard PPO: old log-probs from a forward pass (else from inference)"
+    )
     behav_weight_cap: float | None = setting(5.0, "cap on the behaviour importance weight")
     cap_mode: str = setting("mask", "above the cap: mask the token or clamp the weight")
     kl_coef: float = setting(0.0, "KL penalty to a frozen reference model (> 0 keeps one)")
@@ -152,9 +187,23 @@ class LLMConfig:
     sft: SFTConfig = section(SFTConfig)
 
     MOVED_KEYS: ClassVar[dict[str, str]] = {
-        **{f"actor.{k}": f"algorithm.{k}" for k in (
-            "adv_type", "use_decoupled_loss", "prox_logp_method", "recompute_logprob", "clip_ratio_low",
-            "clip_ratio_high", "behav_weight_cap", "cap_mode", "loss_agg", "kl_coef", "kl_kind", "kl_in")},
+        **{
+            f"actor.{k}": f"algorithm.{k}"
+            for k in (
+                "adv_type",
+                "use_decoupled_loss",
+                "prox_logp_method",
+                "recompute_logprob",
+                "clip_ratio_low",
+                "clip_ratio_high",
+                "behav_weight_cap",
+                "cap_mode",
+                "loss_agg",
+                "kl_coef",
+                "kl_kind",
+                "kl_in",
+            )
+        },
         "runner.target_accuracy": "runner.target_value (with runner.target_metric: eval/accuracy)",
     }
 
@@ -167,26 +216,41 @@ def validate_llm(cfg: LLMConfig) -> None:
     a, alg, r = cfg.actor, cfg.algorithm, cfg.rollout
     validate_common(cfg.cluster, cfg.runner, a, alg)
     one_of(alg.adv_type, list_advantages(needs_critic=False), "algorithm.adv_type")
-    one_of(alg.prox_logp_method, ("recompute", "loglinear", "metrics"), "algorithm.prox_logp_method")
+    one_of(
+        alg.prox_logp_method, ("recompute", "loglinear", "metrics"), "algorithm.prox_logp_method"
+    )
     one_of(alg.cap_mode, ("mask", "clamp"), "algorithm.cap_mode")
     one_of(alg.loss_agg, AGGREGATIONS[:3], "algorithm.loss_agg")
     one_of(alg.kl_kind, KL_KINDS, "algorithm.kl_kind")
     one_of(alg.kl_in, ("loss", "reward"), "algorithm.kl_in")
     one_of(r.pause_mode, ("abort", "in_place"), "rollout.pause_mode")
-    require(r.temperature >= 0, "rollout.temperature", f"must be >= 0 (0: greedy), got {r.temperature}")
+    require(
+        r.temperature >= 0, "rollout.temperature", f"must be >= 0 (0: greedy), got {r.temperature}"
+    )
     require(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     require(alg.kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0, got {alg.kl_coef}")
     require(r.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0, got {r.max_staleness}")
-    for key, value in (("rollout.batch_size", r.batch_size), ("rollout.group_size", r.group_size),
-                       ("rollout.max_concurrent_rollouts", r.max_concurrent_rollouts), ("rollout.num_servers", r.num_servers),
-                       ("rollout.max_new_tokens", r.max_new_tokens), ("actor.ppo_minibatches", a.ppo_minibatches)):
+    for key, value in (
+        ("rollout.batch_size", r.batch_size),
+        ("rollout.group_size", r.group_size),
+        ("rollout.max_concurrent_rollouts", r.max_concurrent_rollouts),
+        ("rollout.num_servers", r.num_servers),
+        ("rollout.max_new_tokens", r.max_new_tokens),
+        ("actor.ppo_minibatches", a.ppo_minibatches),
+    ):
         require(value >= 1, key, f"must be >= 1, got {value}")
-    require(r.batch_size % a.ppo_minibatches == 0, "actor.ppo_minibatches",
-            f"{a.ppo_minibatches} must divide rollout.batch_size {r.batch_size}")
+    require(
+        r.batch_size % a.ppo_minibatches == 0,
+        "actor.ppo_minibatches",
+        f"{a.ppo_minibatches} must divide rollout.batch_size {r.batch_size}",
+    )
     kind = _data_kind(cfg.data)
-    require(r.workflow in ("auto", kind) or ":" in r.workflow, "rollout.workflow",
-            f"{_data_name(cfg.data)} runs the {kind!r} workflow (or 'auto', or module.path:factory), "
-            f"got {r.workflow!r}")
+    require(
+        r.workflow in ("auto", kind) or ":" in r.workflow,
+        "rollout.workflow",
+        f"{_data_name(cfg.data)} runs the {kind!r} workflow (or 'auto', or module.path:factory), "
+        f"got {r.workflow!r}",
+    )
     if ":" in r.workflow:
         import_object(r.workflow, "rollout.workflow")
     _check_actor_ranks(cfg)
@@ -210,8 +274,11 @@ def validate_sft(cfg: LLMConfig) -> None:
             check_load_options(cfg.model.dtype, cfg.model.attn_implementation)
         except ModelConfigError as exc:
             raise ConfigError(str(exc)) from None
-        require(cfg.data.path is None or cfg.data.chat_template, "data.chat_template",
-                "tidal sft builds a chat model for a dataset file: set data.chat_template=true")
+        require(
+            cfg.data.path is None or cfg.data.chat_template,
+            "data.chat_template",
+            "tidal sft builds a chat model for a dataset file: set data.chat_template=true",
+        )
 
 
 def _data_kind(d: DataConfig) -> str:
@@ -220,8 +287,11 @@ def _data_kind(d: DataConfig) -> str:
         return "rlvr"
     from tidal.rollout.tasks import TASKS
 
-    require(d.task in TASKS.names(), "data.task",
-            f"expected one of {', '.join(TASKS.names())}, got {d.task!r}")
+    require(
+        d.task in TASKS.names(),
+        "data.task",
+        f"expected one of {', '.join(TASKS.names())}, got {d.task!r}",
+    )
     return "multi_turn" if TASKS.get(d.task).multi_turn else "rlvr"
 
 
@@ -234,18 +304,27 @@ def validate_data(cfg: LLMConfig, sft: bool = False) -> None:
     folder exists (``sft``: data.messages_key conversations may replace prompt/answer records)."""
     d = cfg.data
     kind = _data_kind(d)
-    require(d.system_prompt is None or d.chat_template, "data.system_prompt",
-            "a system prompt needs data.chat_template=true")
+    require(
+        d.system_prompt is None or d.chat_template,
+        "data.system_prompt",
+        "a system prompt needs data.chat_template=true",
+    )
     require(d.eval_size >= 1, "data.eval_size", f"must be >= 1, got {d.eval_size}")
     if d.path is not None:
         conversations = sft and d.messages_key is not None
-        require(not conversations or d.chat_template, "data.messages_key",
-                "conversations are rendered with the chat template: set data.chat_template=true")
+        require(
+            not conversations or d.chat_template,
+            "data.messages_key",
+            "conversations are rendered with the chat template: set data.chat_template=true",
+        )
         _check_file(d, d.path, "data.path", conversations)
     if d.eval_path is not None:
         _check_file(d, d.eval_path, "data.eval_path", conversations=False)
-    require(kind == "rlvr" or cfg.reward.name == "auto", "reward.name",
-            f"task {d.task!r} is multi-turn: its environment gives the reward (leave reward.name: auto)")
+    require(
+        kind == "rlvr" or cfg.reward.name == "auto",
+        "reward.name",
+        f"task {d.task!r} is multi-turn: its environment gives the reward (leave reward.name: auto)",
+    )
     if kind == "rlvr":
         configured_reward(cfg)
 
@@ -266,8 +345,11 @@ def _check_file(d: DataConfig, path: str, key: str, conversations: bool) -> None
         except DataConfigError as exc:
             raise ConfigError(str(exc)) from None
         text = getattr(table.features["prompt"], "dtype", None) in ("string", "large_string")
-        require(d.chat_template or text, "data.chat_template",
-                f"the prompts in {path!r} are chat messages: set data.chat_template=true")
+        require(
+            d.chat_template or text,
+            "data.chat_template",
+            f"the prompts in {path!r} are chat messages: set data.chat_template=true",
+        )
 
 
 def configured_reward(cfg: LLMConfig):
@@ -306,8 +388,11 @@ def validate_model_path(cfg: LLMConfig) -> None:
     except ModelConfigError as exc:
         raise ConfigError(str(exc)) from None
     context = getattr(model_cfg, "max_position_embeddings", None)
-    require(context is None or cfg.rollout.max_new_tokens < context, "rollout.max_new_tokens",
-            f"{cfg.rollout.max_new_tokens} does not fit the model's context of {context} tokens")
+    require(
+        context is None or cfg.rollout.max_new_tokens < context,
+        "rollout.max_new_tokens",
+        f"{cfg.rollout.max_new_tokens} does not fit the model's context of {context} tokens",
+    )
 
 
 def import_object(spec: str, key: str):
@@ -326,9 +411,15 @@ def import_object(spec: str, key: str):
 def _check_actor_ranks(cfg: LLMConfig) -> None:
     """A data-parallel trainer (ray only) takes whole prompts' groups: batch_size splits evenly."""
     ranks = world_sizes(cfg.cluster, ["rollout", "actor"])["actor"]
-    require(ranks == 1 or cfg.cluster.backend == "ray", "cluster.placement",
-            "a data-parallel trainer (more than one actor rank) needs cluster.backend=ray")
+    require(
+        ranks == 1 or cfg.cluster.backend == "ray",
+        "cluster.placement",
+        "a data-parallel trainer (more than one actor rank) needs cluster.backend=ray",
+    )
     rows = cfg.rollout.batch_size * cfg.rollout.group_size
-    require(rows % (ranks * cfg.actor.ppo_minibatches) == 0, "rollout.batch_size",
-            f"{rows} sequences per step do not split evenly into {cfg.actor.ppo_minibatches} minibatches "
-            f"over {ranks} actor ranks")
+    require(
+        rows % (ranks * cfg.actor.ppo_minibatches) == 0,
+        "rollout.batch_size",
+        f"{rows} sequences per step do not split evenly into {cfg.actor.ppo_minibatches} minibatches "
+        f"over {ranks} actor ranks",
+    )

@@ -36,7 +36,9 @@ def read_yaml(path: str | Path) -> dict:
         first = str(exc).replace("\n", " ")
         raise ConfigError(f"{path}: not valid YAML{hint}: {first}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
+        raise ConfigError(
+            f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}"
+        )
     return data
 
 
@@ -49,7 +51,9 @@ def override_value(overrides: list[str] | None, key: str) -> str | None:
     return None
 
 
-def load_config(schema: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+def load_config(
+    schema: type[T], path: str | Path | None = None, overrides: list[str] | None = None
+) -> T:
     """Defaults of ``schema`` ← the YAML file ← the overrides, type-checked, as a dataclass."""
     layers = [OmegaConf.structured(schema)]
     moved = getattr(schema, "MOVED_KEYS", {})

@@ -24,7 +24,9 @@ def setting(default: Any = dataclasses.MISSING, help: str = "", *, factory=None)
 
 def section(cls: type, help: str = "") -> Any:
     """A nested config section (a dataclass built with its own defaults)."""
-    return dataclasses.field(default_factory=cls, metadata={"help": help or (cls.__doc__ or "").strip()})
+    return dataclasses.field(
+        default_factory=cls, metadata={"help": help or (cls.__doc__ or "").strip()}
+    )
 
 
 def field_help(cfg_cls: type) -> dict[str, str]:

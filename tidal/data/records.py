@@ -91,8 +91,10 @@ class TokenSequence:
 
     def add_generated(self, tokens: list[int], logprobs: list[float], versions: list[int]) -> None:
         if not len(tokens) == len(logprobs) == len(versions):
-            raise ValueError(f"generated tokens, log-probs and versions differ in length: "
-                             f"{len(tokens)}, {len(logprobs)}, {len(versions)}")
+            raise ValueError(
+                f"generated tokens, log-probs and versions differ in length: "
+                f"{len(tokens)}, {len(logprobs)}, {len(versions)}"
+            )
         self.tokens += tokens
         self.loss_mask += [1] * len(tokens)
         self.logprobs += logprobs
@@ -117,7 +119,9 @@ class LMBatch:
     rewards: torch.Tensor
 
     @classmethod
-    def from_sequences(cls, seqs: list[TokenSequence], rewards: list[float], pad_id: int = 0) -> LMBatch:
+    def from_sequences(
+        cls, seqs: list[TokenSequence], rewards: list[float], pad_id: int = 0
+    ) -> LMBatch:
         width = max(len(s.tokens) for s in seqs)
 
         def pad(values, fill, dtype):
@@ -143,7 +147,15 @@ class LMBatch:
             for b in batches:
                 x = getattr(b, name)
                 if name in fills and x.shape[1] < width:
-                    x = torch.cat([x, torch.full((x.shape[0], width - x.shape[1]), fills[name], dtype=x.dtype)], 1)
+                    x = torch.cat(
+                        [
+                            x,
+                            torch.full(
+                                (x.shape[0], width - x.shape[1]), fills[name], dtype=x.dtype
+                            ),
+                        ],
+                        1,
+                    )
                 parts.append(x)
             return torch.cat(parts, 0)
 

@@ -30,9 +30,13 @@ class VectorEnvAdapter(Protocol):
     action_space: gym.Space  # of one copy
     max_episode_steps: int | None
 
-    def reset(self, seeds: list[int] | None = None, mask: np.ndarray | None = None) -> np.ndarray: ...
+    def reset(
+        self, seeds: list[int] | None = None, mask: np.ndarray | None = None
+    ) -> np.ndarray: ...
 
-    def step(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
+    def step(
+        self, actions: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
 
     def close(self) -> None: ...
 
@@ -60,7 +64,12 @@ class EpisodeStats:
     tasks: list[str] = field(default_factory=list)
 
     def drain(self) -> dict[str, list]:
-        out = {"returns": self.returns, "lengths": self.lengths, "successes": self.successes, "tasks": self.tasks}
+        out = {
+            "returns": self.returns,
+            "lengths": self.lengths,
+            "successes": self.successes,
+            "tasks": self.tasks,
+        }
         self.returns, self.lengths, self.successes, self.tasks = [], [], [], []
         return out
 
@@ -115,7 +124,11 @@ class ChunkedEnv:
         if actions.shape[1] == 1:  # the common case, without the per-action bookkeeping
             obs, reward, terms, truncs = self.env.step(actions[:, 0])
             self._note_success(np.ones(self.num_envs, dtype=bool))
-            rewards, terms, truncs = reward.astype(np.float32, copy=False)[:, None], terms[:, None], truncs[:, None]
+            rewards, terms, truncs = (
+                reward.astype(np.float32, copy=False)[:, None],
+                terms[:, None],
+                truncs[:, None],
+            )
             steps_taken, ended = 1, terms[:, 0] | truncs[:, 0]
             final_obs = obs.copy() if ended.any() else None  # adapters may reuse their buffers
         else:
@@ -127,8 +140,14 @@ class ChunkedEnv:
             obs[ended] = self.env.reset(mask=ended)[ended]
         self.last_obs = _as_tensor(obs)
         terms, truncs = torch.from_numpy(terms), torch.from_numpy(truncs)
-        return EnvOutput(obs=self.last_obs, final_obs=final, rewards=torch.from_numpy(rewards),
-                         terminations=terms, truncations=truncs, dones=terms | truncs)
+        return EnvOutput(
+            obs=self.last_obs,
+            final_obs=final,
+            rewards=torch.from_numpy(rewards),
+            terminations=terms,
+            truncations=truncs,
+            dones=terms | truncs,
+        )
 
     def _step_chunk(self, actions: np.ndarray):
         """Step ``C`` actions; an env that ends stops counting (its later actions do nothing)."""
@@ -200,8 +219,13 @@ class ChunkedEnv:
             env_state, missed = None, [f"{type(self.env).__name__} has no state_dict"]
         else:
             env_state, missed = adapter_state()
-        counters = {"returns": self._returns, "lengths": self._lengths, "counting": self._counting,
-                    "last_obs": self.last_obs, "stats": [self.stats.returns, self.stats.lengths]}
+        counters = {
+            "returns": self._returns,
+            "lengths": self._lengths,
+            "counting": self._counting,
+            "last_obs": self.last_obs,
+            "stats": [self.stats.returns, self.stats.lengths],
+        }
         return {"counters": to_plain(counters), "env": env_state}, missed
 
     def load_state_dict(self, state: dict) -> None:

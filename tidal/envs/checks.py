@@ -50,8 +50,15 @@ class NonFiniteGuard:
             rows = nonfinite_rows(x).numpy()
             setattr(out, field, torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype)))
             for i in np.flatnonzero(rows):
-                log.warning("env rank %d, env %d: non-finite %s from the %s at %s (%s)", self.rank,
-                            self.first_env + i, LABELS[field], source, where, _show(x[i]))
+                log.warning(
+                    "env rank %d, env %d: non-finite %s from the %s at %s (%s)",
+                    self.rank,
+                    self.first_env + i,
+                    LABELS[field],
+                    source,
+                    where,
+                    _show(x[i]),
+                )
             bad |= rows
         return bad
 
@@ -66,7 +73,8 @@ class NonFiniteGuard:
             raise NonFiniteEnvError(
                 f"env rank {self.rank}, env {self.first_env + worst}: non-finite observations or "
                 f"rewards {self.streak[worst]} chunk steps in a row (up to {where}; "
-                f"env.max_nonfinite_steps={self.limit})")
+                f"env.max_nonfinite_steps={self.limit})"
+            )
 
     def drain(self) -> int:
         found, self.found = self.found, 0

@@ -42,10 +42,17 @@ class Demonstrations:
         return self.actions[np.minimum(index, last[:, None])]
 
 
-def collect_metaworld_demos(env_id: str, demos_per_task: int, action_noise: float = 0.1, seed: int = 0,
-                            max_episode_steps: int = 200, stop_at_success: bool = True,
-                            only_successful: bool = True, max_attempts_factor: int = 4,
-                            **adapter_kwargs) -> Demonstrations:
+def collect_metaworld_demos(
+    env_id: str,
+    demos_per_task: int,
+    action_noise: float = 0.1,
+    seed: int = 0,
+    max_episode_steps: int = 200,
+    stop_at_success: bool = True,
+    only_successful: bool = True,
+    max_attempts_factor: int = 4,
+    **adapter_kwargs,
+) -> Demonstrations:
     """``demos_per_task`` episodes of each task of ``env_id`` (``reach-v3``, ``MT10``, ...).
     ``adapter_kwargs`` (``obs_mode``, ``image_size``, ...) shape the observations as in training."""
     from metaworld.policies import ENV_POLICY_MAP
@@ -64,7 +71,9 @@ def collect_metaworld_demos(env_id: str, demos_per_task: int, action_noise: floa
                 label = np.clip(expert.get_action(env.states[0]), -1.0, 1.0)
                 steps_obs.append(o[0])
                 steps_act.append(label)
-                o, _, term, trunc = env.step((label + rng.normal(0.0, action_noise, label.shape))[None])
+                o, _, term, trunc = env.step(
+                    (label + rng.normal(0.0, action_noise, label.shape))[None]
+                )
                 if term[0] or trunc[0] or (stop_at_success and env.successes[0]):
                     break
             succeeded = bool(env.successes[0])
@@ -81,8 +90,15 @@ def collect_metaworld_demos(env_id: str, demos_per_task: int, action_noise: floa
                 break
         env.close()
         if kept < demos_per_task:
-            raise RuntimeError(f"the scripted expert for {task} succeeded in only {kept} of "
-                               f"{demos_per_task * max_attempts_factor} episodes (action noise {action_noise})")
-    return Demonstrations(obs=np.stack(obs).astype(np.float32), actions=np.stack(actions).astype(np.float32),
-                          episode=np.array(episode), tasks=tasks, instructions=instructions,
-                          successes=np.array(successes))
+            raise RuntimeError(
+                f"the scripted expert for {task} succeeded in only {kept} of "
+                f"{demos_per_task * max_attempts_factor} episodes (action noise {action_noise})"
+            )
+    return Demonstrations(
+        obs=np.stack(obs).astype(np.float32),
+        actions=np.stack(actions).astype(np.float32),
+        episode=np.array(episode),
+        tasks=tasks,
+        instructions=instructions,
+        successes=np.array(successes),
+    )

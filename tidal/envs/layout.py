@@ -39,8 +39,12 @@ class ObsLayout:
         """``obs`` ``[B, size]`` -> ``state`` ``[B, S]``, ``tokens`` ``[B, L]`` (long),
         ``image`` ``[B, 3, H, W]`` in [0, 1]; parts the layout lacks are absent."""
         if obs.shape[-1] != self.size:
-            raise ValueError(f"observation has {obs.shape[-1]} values, the layout {self} needs {self.size}")
-        state, tokens, pixels = torch.split(obs, [self.state_dim, self.num_tokens, self.image_numel], -1)
+            raise ValueError(
+                f"observation has {obs.shape[-1]} values, the layout {self} needs {self.size}"
+            )
+        state, tokens, pixels = torch.split(
+            obs, [self.state_dim, self.num_tokens, self.image_numel], -1
+        )
         out = {}
         if self.state_dim:
             out["state"] = state
@@ -59,10 +63,19 @@ class LayoutBox(gym.spaces.Box):
     """A flat float32 Box whose values follow ``layout``."""
 
     def __init__(self, layout: ObsLayout, seed: int | None = None):
-        low = np.concatenate([np.full(layout.state_dim, -np.inf), np.zeros(layout.num_tokens + layout.image_numel)])
-        high = np.concatenate([np.full(layout.state_dim, np.inf), np.full(layout.num_tokens, layout.vocab_size - 1),
-                               np.full(layout.image_numel, 255.0)])
-        super().__init__(low.astype(np.float32), high.astype(np.float32), dtype=np.float32, seed=seed)
+        low = np.concatenate(
+            [np.full(layout.state_dim, -np.inf), np.zeros(layout.num_tokens + layout.image_numel)]
+        )
+        high = np.concatenate(
+            [
+                np.full(layout.state_dim, np.inf),
+                np.full(layout.num_tokens, layout.vocab_size - 1),
+                np.full(layout.image_numel, 255.0),
+            ]
+        )
+        super().__init__(
+            low.astype(np.float32), high.astype(np.float32), dtype=np.float32, seed=seed
+        )
         self.layout = layout
 
     def __repr__(self) -> str:
@@ -84,7 +97,10 @@ def tokenize(text: str, length: int, vocab_size: int) -> np.ndarray:
     padded with 0 or cut to ``length``. Needs no vocabulary file, so any instruction works."""
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
-    ids = [1 + zlib.crc32(w.encode()) % (vocab_size - 1) for w in re.findall(r"[a-z0-9]+", text.lower())]
+    ids = [
+        1 + zlib.crc32(w.encode()) % (vocab_size - 1)
+        for w in re.findall(r"[a-z0-9]+", text.lower())
+    ]
     out = np.full(length, PAD_TOKEN, dtype=np.int64)
     out[: min(length, len(ids))] = ids[:length]
     return out

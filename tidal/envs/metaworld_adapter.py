@@ -46,8 +46,10 @@ def resolve_tasks(env_id: str) -> list[str]:
     tasks = benchmarks.get(env_id) or [t.strip() for t in env_id.split(",") if t.strip()]
     unknown = [t for t in tasks if t not in ALL_V3_ENVIRONMENTS]
     if not tasks or unknown:
-        raise ValueError(f"env.id: MetaWorld has no task {', '.join(unknown) or repr(env_id)}; "
-                         f"use MT10, MT50 or task names such as reach-v3")
+        raise ValueError(
+            f"env.id: MetaWorld has no task {', '.join(unknown) or repr(env_id)}; "
+            f"use MT10, MT50 or task names such as reach-v3"
+        )
     return tasks
 
 
@@ -83,10 +85,14 @@ class MetaWorldVectorEnv:
         env_kwargs: dict | None = None,
     ):
         if obs_mode not in OBS_MODES:
-            raise ValueError(f"env.obs_mode: expected one of {', '.join(OBS_MODES)}, got {obs_mode!r}")
+            raise ValueError(
+                f"env.obs_mode: expected one of {', '.join(OBS_MODES)}, got {obs_mode!r}"
+            )
         if vectorization_mode != "sync":  # 2 cores: sync beats subprocesses (ECOSYSTEM.md)
-            raise ValueError(f"env.vectorization_mode: the metaworld adapter steps copies in-process "
-                             f"('sync'), got {vectorization_mode!r}")
+            raise ValueError(
+                f"env.vectorization_mode: the metaworld adapter steps copies in-process "
+                f"('sync'), got {vectorization_mode!r}"
+            )
         if "pixels" in obs_mode and image_size < 8:
             raise ValueError(f"env.image_size: must be >= 8, got {image_size}")
         if "pixels" in obs_mode:
@@ -103,15 +109,25 @@ class MetaWorldVectorEnv:
         self.terminate_on_success = terminate_on_success
 
         state_dim = self.envs[0].observation_space.shape[0] if obs_mode != "pixels" else 0
-        self.layout = ObsLayout(state_dim=state_dim, num_tokens=instruction_tokens, vocab_size=vocab_size,
-                                image_size=image_size if "pixels" in obs_mode else 0)
+        self.layout = ObsLayout(
+            state_dim=state_dim,
+            num_tokens=instruction_tokens,
+            vocab_size=vocab_size,
+            image_size=image_size if "pixels" in obs_mode else 0,
+        )
         self.observation_space = LayoutBox(self.layout)
         self.action_space = self.envs[0].action_space
         self.camera_name = camera
-        self.cameras = [FastCamera(e.model, e.data, camera, image_size) for e in self.envs] if self.layout.image_size else []
+        self.cameras = (
+            [FastCamera(e.model, e.data, camera, image_size) for e in self.envs]
+            if self.layout.image_size
+            else []
+        )
         self._video_cameras: dict[int, FastCamera] = {}
         self._video_size = 0
-        self._tokens = np.stack([tokenize(s, instruction_tokens, vocab_size) for s in self.instructions]).astype(np.float32)
+        self._tokens = np.stack(
+            [tokenize(s, instruction_tokens, vocab_size) for s in self.instructions]
+        ).astype(np.float32)
         self.states = np.zeros((num_envs, self.envs[0].observation_space.shape[0]))
         self.successes = np.zeros(num_envs, dtype=bool)
         self._steps = np.zeros(num_envs, dtype=np.int64)
@@ -148,7 +164,9 @@ class MetaWorldVectorEnv:
         if self.layout.state_dim:
             parts.insert(0, self.states.astype(np.float32))
         if self.cameras:
-            parts.append(np.stack([c.render().reshape(-1) for c in self.cameras]).astype(np.float32))
+            parts.append(
+                np.stack([c.render().reshape(-1) for c in self.cameras]).astype(np.float32)
+            )
         return np.concatenate(parts, axis=1)
 
     def render(self, size: int = 128, rows: list[int] | None = None) -> np.ndarray:

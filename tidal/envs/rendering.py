@@ -26,8 +26,10 @@ def select_gl_backend(required: bool = True) -> str | None:
             os.environ["MUJOCO_GL"] = backend
             return backend
     if required:
-        raise RuntimeError("offscreen rendering needs libEGL or libOSMesa; neither is installed "
-                           "(`make system-deps`, or apt-get install libegl1 / libosmesa6)")
+        raise RuntimeError(
+            "offscreen rendering needs libEGL or libOSMesa; neither is installed "
+            "(`make system-deps`, or apt-get install libegl1 / libosmesa6)"
+        )
     return None
 
 
@@ -52,15 +54,19 @@ class FastCamera:
         self.camera_id = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_CAMERA, camera)
         if self.camera_id < 0:
             names = [model.camera(i).name for i in range(model.ncam)]
-            raise ValueError(f"env camera: the model has no camera {camera!r}; it has {', '.join(names)}")
+            raise ValueError(
+                f"env camera: the model has no camera {camera!r}; it has {', '.join(names)}"
+            )
         model.vis.quality.offsamples = 0
         model.vis.global_.offwidth = max(model.vis.global_.offwidth, size)
         model.vis.global_.offheight = max(model.vis.global_.offheight, size)
         try:
             self.renderer = mujoco.Renderer(model, size, size)
         except mujoco.FatalError as exc:
-            raise RuntimeError(f"cannot render offscreen with MUJOCO_GL={os.environ.get('MUJOCO_GL')!r} ({exc}); "
-                               "set MUJOCO_GL=egl (or osmesa) before mujoco is first imported") from exc
+            raise RuntimeError(
+                f"cannot render offscreen with MUJOCO_GL={os.environ.get('MUJOCO_GL')!r} ({exc}); "
+                "set MUJOCO_GL=egl (or osmesa) before mujoco is first imported"
+            ) from exc
         self._flags = self.renderer.scene.flags
         self._off = (mujoco.mjtRndFlag.mjRND_SHADOW, mujoco.mjtRndFlag.mjRND_REFLECTION)
         self.camera = camera
@@ -80,7 +86,8 @@ class FastCamera:
             raise RuntimeError(
                 f"camera {self.camera!r} rendered a blank frame (every pixel {int(image.max())}): "
                 f"the OpenGL backend MUJOCO_GL={os.environ.get('MUJOCO_GL')!r} is not drawing here; "
-                "try MUJOCO_GL=egl or MUJOCO_GL=osmesa (apt-get install libosmesa6)")
+                "try MUJOCO_GL=egl or MUJOCO_GL=osmesa (apt-get install libosmesa6)"
+            )
         return image
 
     def close(self) -> None:
@@ -96,4 +103,6 @@ def _release_current_context() -> None:
     from mujoco import egl
 
     if egl.EGL_DISPLAY is not None:
-        egl.EGL.eglMakeCurrent(egl.EGL_DISPLAY, egl.EGL.EGL_NO_SURFACE, egl.EGL.EGL_NO_SURFACE, egl.EGL.EGL_NO_CONTEXT)
+        egl.EGL.eglMakeCurrent(
+            egl.EGL_DISPLAY, egl.EGL.EGL_NO_SURFACE, egl.EGL.EGL_NO_SURFACE, egl.EGL.EGL_NO_CONTEXT
+        )

@@ -28,12 +28,32 @@ import torch
 
 NUMPY_TAG = "__numpy__"
 # set when the env is made and never changed by stepping (or restored by their own rule)
-CONSTANT_ATTRS = frozenset({
-    "env", "envs", "env_fns", "spec", "_cached_spec", "_saved_kwargs", "_ezpickle_args",
-    "_ezpickle_kwargs", "metadata", "_metadata", "render_mode", "action_space", "observation_space",
-    "_action_space", "_observation_space", "single_action_space", "single_observation_space",
-    "autoreset_mode", "_np_random", "screen", "clock", "pending_state",
-})
+CONSTANT_ATTRS = frozenset(
+    {
+        "env",
+        "envs",
+        "env_fns",
+        "spec",
+        "_cached_spec",
+        "_saved_kwargs",
+        "_ezpickle_args",
+        "_ezpickle_kwargs",
+        "metadata",
+        "_metadata",
+        "render_mode",
+        "action_space",
+        "observation_space",
+        "_action_space",
+        "_observation_space",
+        "single_action_space",
+        "single_observation_space",
+        "autoreset_mode",
+        "_np_random",
+        "screen",
+        "clock",
+        "pending_state",
+    }
+)
 # MuJoCo's: the model is assumed constant, the data is captured on its own, the renderer draws
 SIMULATOR_TYPES = frozenset({"MjModel", "MjData", "MujocoRenderer"})
 
@@ -180,8 +200,9 @@ def capture_vector_env(vector_env: Any) -> tuple[dict[str, Any], list[str]]:
 
 def restore_vector_env(vector_env: Any, state: dict[str, Any]) -> None:
     if vector_env.num_envs != len(state["envs"]):
-        raise ValueError(f"{vector_env.num_envs} env copies, the checkpoint has "
-                         f"{len(state['envs'])}")
+        raise ValueError(
+            f"{vector_env.num_envs} env copies, the checkpoint has {len(state['envs'])}"
+        )
     restore_layer(vector_env, state["vector"])
     vector_env.set_attr("pending_state", state["envs"])
     vector_env.call("apply_pending_state")

@@ -23,14 +23,18 @@ def write_video(frames: list[np.ndarray] | np.ndarray, path: str | Path, fps: in
         from PIL import Image
 
         images = [Image.fromarray(f) for f in frames]
-        images[0].save(path, save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0)
+        images[0].save(
+            path, save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0
+        )
     elif path.suffix == ".mp4":
         import imageio.v3 as iio
 
         try:
             iio.imwrite(path, np.stack(frames), fps=fps)
         except Exception as exc:  # imageio names the missing plugin in its message
-            raise RuntimeError(f"cannot write {path.name} ({exc}); pip install imageio-ffmpeg, or use .gif") from exc
+            raise RuntimeError(
+                f"cannot write {path.name} ({exc}); pip install imageio-ffmpeg, or use .gif"
+            ) from exc
     else:
         raise ValueError(f"write_video: expected a .gif or .mp4 path, got {path.name!r}")
     return path

@@ -34,9 +34,18 @@ from tidal.inference.params import GenerationConfig
 
 _ABSENT = (None, openai.NOT_GIVEN)
 # arguments accepted at these values only (anything else would change the answer)
-_DEFAULT_ONLY = {"n": (1,), "stream": (False,), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
-                 "tools": ([],), "tool_choice": ("none",), "logit_bias": ({},), "top_logprobs": (0,),
-                 "response_format": ({"type": "text"},), "store": (True, False)}
+_DEFAULT_ONLY = {
+    "n": (1,),
+    "stream": (False,),
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "logit_bias": ({},),
+    "top_logprobs": (0,),
+    "response_format": ({"type": "text"},),
+    "store": (True, False),
+}
 _IGNORED = {"model", "user", "metadata", "extra_headers", "extra_query", "timeout", "service_tier"}
 
 
@@ -61,19 +70,39 @@ class RecordingChatCompletions(AsyncCompletions):
         super().__init__(owner)
         self.owner = owner
 
-    async def create(self, *, messages: Any, max_tokens: Any = None, max_completion_tokens: Any = None,
-                     temperature: Any = None, top_p: Any = None, stop: Any = None, seed: Any = None,
-                     logprobs: Any = None, extra_body: dict | None = None, **kwargs: Any) -> ChatCompletion:
+    async def create(
+        self,
+        *,
+        messages: Any,
+        max_tokens: Any = None,
+        max_completion_tokens: Any = None,
+        temperature: Any = None,
+        top_p: Any = None,
+        stop: Any = None,
+        seed: Any = None,
+        logprobs: Any = None,
+        extra_body: dict | None = None,
+        **kwargs: Any,
+    ) -> ChatCompletion:
         _check_unsupported({**kwargs, **(extra_body or {})})
         owner = self.owner
         messages = [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in messages]
         prompt = owner.prompt_ids(messages)
         cfg = owner.gconfig
         budget = max_completion_tokens if max_completion_tokens not in _ABSENT else max_tokens
-        overrides = {"max_new_tokens": budget, "temperature": temperature, "top_p": top_p, "seed": seed,
-                     "stop": [stop] if isinstance(stop, str) else stop}
-        cfg = replace(cfg, **{k: v for k, v in overrides.items() if v not in _ABSENT}).validate("create")
-        response = await owner.inference.agenerate(ModelRequest(prompt, cfg, session_id=owner.session_id))
+        overrides = {
+            "max_new_tokens": budget,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": seed,
+            "stop": [stop] if isinstance(stop, str) else stop,
+        }
+        cfg = replace(cfg, **{k: v for k, v in overrides.items() if v not in _ABSENT}).validate(
+            "create"
+        )
+        response = await owner.inference.agenerate(
+            ModelRequest(prompt, cfg, session_id=owner.session_id)
+        )
         text = _answer_text(owner.tokenizer, response, cfg.stop)
         record = Completion(f"chatcmpl-{uuid.uuid4().hex}", messages, prompt, response, text)
         owner.completions_made.append(record)
@@ -96,8 +125,14 @@ class RecordingOpenAI(openai.AsyncOpenAI):
     ``gconfig`` holds the defaults (e.g. the run's ``max_new_tokens``, temperature and stop
     token ids); a call's arguments override them. One instance records one episode."""
 
-    def __init__(self, inference: InferenceClient, tokenizer, gconfig: GenerationConfig | None = None,
-                 session_id: str | None = None, extend_turns: bool = True):
+    def __init__(
+        self,
+        inference: InferenceClient,
+        tokenizer,
+        gconfig: GenerationConfig | None = None,
+        session_id: str | None = None,
+        extend_turns: bool = True,
+    ):
         # nothing goes over OpenAI's HTTP: the base URL is never contacted
         super().__init__(api_key="tidal", base_url="http://tidal.invalid/v1", max_retries=0)
         self.inference, self.tokenizer = inference, tokenizer
@@ -119,7 +154,7 @@ class RecordingOpenAI(openai.AsyncOpenAI):
             head = render_chat(answered, self.tokenizer, add_generation_prompt=False)
             full = render_chat(messages, self.tokenizer)
             if full.startswith(head):
-                tail = self.tokenizer(full[len(head):], add_special_tokens=False).input_ids
+                tail = self.tokenizer(full[len(head) :], add_special_tokens=False).input_ids
                 return prev.prompt_ids + prev.output_ids + tail
         return chat_prompt(messages, self.tokenizer)
 
@@ -129,7 +164,9 @@ class RecordingOpenAI(openai.AsyncOpenAI):
 
     @cached_property
     def completions(self):  # type: ignore[override]
-        raise NotImplementedError("RecordingOpenAI records chat completions: use client.chat.completions.create")
+        raise NotImplementedError(
+            "RecordingOpenAI records chat completions: use client.chat.completions.create"
+        )
 
     def set_reward(self, completion_id: str, reward: float) -> None:
         """The reward of one completion (by the ``id`` of the ``ChatCompletion`` it returned)."""
@@ -137,7 +174,9 @@ class RecordingOpenAI(openai.AsyncOpenAI):
             if record.id == completion_id:
                 record.reward = float(reward)
                 return
-        raise KeyError(f"completion_id: no completion {completion_id!r} was recorded by this client")
+        raise KeyError(
+            f"completion_id: no completion {completion_id!r} was recorded by this client"
+        )
 
     def set_final_reward(self, reward: float) -> None:
         """The episode's reward, given to its last completion (earlier ones get it discounted
@@ -149,7 +188,9 @@ class RecordingOpenAI(openai.AsyncOpenAI):
 
 def _continues(messages: list[dict], prev: Completion) -> bool:
     n = len(prev.messages)
-    if len(messages) <= n + 1 or [_turn(m) for m in messages[:n]] != [_turn(m) for m in prev.messages]:
+    if len(messages) <= n + 1 or [_turn(m) for m in messages[:n]] != [
+        _turn(m) for m in prev.messages
+    ]:
         return False
     return _turn(messages[n]) == ("assistant", prev.text)
 
@@ -164,15 +205,17 @@ def _check_unsupported(kwargs: dict) -> None:
             continue
         if key in _DEFAULT_ONLY and value in _DEFAULT_ONLY[key]:
             continue
-        raise ValueError(f"{key}: not supported by tidal's recording client"
-                         + (" (run tool calls in the workflow)" if key.startswith("tool") else ""))
+        raise ValueError(
+            f"{key}: not supported by tidal's recording client"
+            + (" (run tool calls in the workflow)" if key.startswith("tool") else "")
+        )
 
 
 def _answer_text(tokenizer, response: ModelResponse, stop: list[str]) -> str:
     text = tokenizer.decode(response.output_tokens, skip_special_tokens=True)
     if response.stop_reason == "stop":
         cuts = [text.find(s) for s in stop if s in text]
-        text = text[:min(cuts)] if cuts else text
+        text = text[: min(cuts)] if cuts else text
     return text
 
 
@@ -183,12 +226,28 @@ def _chat_completion(record: Completion, tokenizer, with_logprobs: bool) -> Chat
         content = []
         for tok, lp in zip(r.output_tokens, r.output_logprobs):
             s = tokenizer.decode([tok])
-            content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []})
+            content.append(
+                {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
+            )
         logprobs = {"content": content}
-    return ChatCompletion.model_validate({
-        "id": record.id, "object": "chat.completion", "created": int(time.time()), "model": "tidal",
-        "choices": [{"index": 0, "finish_reason": "stop" if r.stop_reason == "stop" else "length",
-                     "message": {"role": "assistant", "content": record.text}, "logprobs": logprobs}],
-        "usage": {"prompt_tokens": r.input_len, "completion_tokens": r.output_len,
-                  "total_tokens": r.input_len + r.output_len},
-    })
+    return ChatCompletion.model_validate(
+        {
+            "id": record.id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": "tidal",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop" if r.stop_reason == "stop" else "length",
+                    "message": {"role": "assistant", "content": record.text},
+                    "logprobs": logprobs,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": r.input_len,
+                "completion_tokens": r.output_len,
+                "total_tokens": r.input_len + r.output_len,
+            },
+        }
+    )

@@ -34,7 +34,9 @@ class ModelResponse:
     input_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    output_versions: list[int] = field(default_factory=list)  # the server-stamped version of every token
+    output_versions: list[int] = field(
+        default_factory=list
+    )  # the server-stamped version of every token
     stop_reason: StopReason = "stop"
 
     @property
@@ -59,13 +61,24 @@ class SGLangProtocol:
     def generate(self, req: ModelRequest, out: ModelResponse, n: int) -> tuple[str, dict]:
         """The prompt plus the tokens so far, the rest of the budget."""
         g = req.gconfig.seeded(out.output_len)
-        params = {"max_new_tokens": g.max_new_tokens - out.output_len, "temperature": g.temperature,
-                  "top_p": g.top_p, "top_k": g.top_k, "stop_token_ids": g.stop_token_ids, "seed": g.seed,
-                  "n": n, "ignore_eos": True}  # stop only at the ids asked for (SGLang stops at EOS)
+        params = {
+            "max_new_tokens": g.max_new_tokens - out.output_len,
+            "temperature": g.temperature,
+            "top_p": g.top_p,
+            "top_k": g.top_k,
+            "stop_token_ids": g.stop_token_ids,
+            "seed": g.seed,
+            "n": n,
+            "ignore_eos": True,
+        }  # stop only at the ids asked for (SGLang stops at EOS)
         if g.stop:
             params["stop"] = g.stop
-        payload = {"input_ids": req.input_ids + out.output_tokens, "sampling_params": params,
-                   "return_logprob": True, "rid": req.rid}
+        payload = {
+            "input_ids": req.input_ids + out.output_tokens,
+            "sampling_params": params,
+            "return_logprob": True,
+            "rid": req.rid,
+        }
         if g.top_logprobs:
             payload["top_logprobs_num"] = g.top_logprobs
         return "/generate", payload
@@ -77,7 +90,9 @@ class SGLangProtocol:
         meta, tokens = result["meta_info"], result["output_ids"]
         out.output_tokens += tokens
         out.output_logprobs += [lp for lp, _, _ in meta["output_token_logprobs"]]
-        out.output_versions += meta.get("output_token_versions") or [meta["weight_version"]] * len(tokens)
+        out.output_versions += meta.get("output_token_versions") or [meta["weight_version"]] * len(
+            tokens
+        )
         return meta["finish_reason"]["type"]
 
     def pause(self, mode: str) -> tuple[str, dict | None, dict | None]:
@@ -87,7 +102,9 @@ class SGLangProtocol:
         return "/continue_generation", {}
 
     def update_from_disk(self, model_path: str, version: int) -> list[tuple[str, dict]]:
-        return [("/update_weights_from_disk", {"model_path": model_path, "weight_version": version})]
+        return [
+            ("/update_weights_from_disk", {"model_path": model_path, "weight_version": version})
+        ]
 
     supports_tensors = True
 
@@ -96,9 +113,16 @@ class InferenceClient:
     """Requests of one ``session_id`` stick to one server; the others go to the least loaded
     (fewest requests in flight from this client)."""
 
-    def __init__(self, addresses: list[str], api_key: str | None = None, timeout: float = 300.0,
-                 max_retries: int = 4, backoff_s: float = 0.2, resume_delay_s: float = 0.05,
-                 protocol: SGLangProtocol | None = None):
+    def __init__(
+        self,
+        addresses: list[str],
+        api_key: str | None = None,
+        timeout: float = 300.0,
+        max_retries: int = 4,
+        backoff_s: float = 0.2,
+        resume_delay_s: float = 0.05,
+        protocol: SGLangProtocol | None = None,
+    ):
         if not addresses:
             raise ValueError("InferenceClient: needs at least one server address")
         self.addresses = [a.rstrip("/") for a in addresses]
@@ -114,8 +138,10 @@ class InferenceClient:
         # dominated generation with hundreds of concurrent episodes
         if self._http is None or self._http.closed:
             self._http = aiohttp.ClientSession(
-                headers=self.headers, timeout=aiohttp.ClientTimeout(total=self.timeout),
-                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=1024))
+                headers=self.headers,
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=1024),
+            )
         return self._http
 
     async def aclose(self) -> None:
@@ -129,26 +155,38 @@ class InferenceClient:
             return self.addresses[digest % len(self.addresses)]
         return min(self.addresses, key=lambda a: self._in_flight[a])
 
-    async def request(self, address: str, endpoint: str, payload: dict | None = None, method: str = "POST",
-                      content: bytes | None = None, params: dict | None = None) -> dict:
+    async def request(
+        self,
+        address: str,
+        endpoint: str,
+        payload: dict | None = None,
+        method: str = "POST",
+        content: bytes | None = None,
+        params: dict | None = None,
+    ) -> dict:
         """One call with retries on connection errors and 5xx answers (exponential backoff);
         a 4xx answer raises at once with the server's message."""
         last = None
         for attempt in range(self.max_retries + 1):
             try:
-                async with self._client().request(method, address + endpoint, json=payload, data=content,
-                                                  params=params) as resp:
+                async with self._client().request(
+                    method, address + endpoint, json=payload, data=content, params=params
+                ) as resp:
                     text = await resp.text()
                     if resp.status < 400:
                         return json.loads(text)
                     if resp.status < 500:
-                        raise InferenceError(f"server {address}{endpoint} refused the request ({resp.status}): {text}")
+                        raise InferenceError(
+                            f"server {address}{endpoint} refused the request ({resp.status}): {text}"
+                        )
                     last = f"HTTP {resp.status}: {text[:200]}"
             except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
             if attempt < self.max_retries:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
-        raise InferenceError(f"server {address}{endpoint} failed after {self.max_retries + 1} attempts: {last}")
+        raise InferenceError(
+            f"server {address}{endpoint} failed after {self.max_retries + 1} attempts: {last}"
+        )
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         """Generate, resuming after every abort (a weight update) with the prompt plus the tokens
@@ -166,13 +204,19 @@ class InferenceClient:
             for i, result in enumerate(self.protocol.samples(first, n)):
                 out = ModelResponse(input_tokens=list(req.input_ids))
                 reason = self.protocol.absorb(out, result)
-                sample = req if n == 1 else ModelRequest(req.input_ids, req.gconfig.seeded(i), f"{req.rid}-{i}")
+                sample = (
+                    req
+                    if n == 1
+                    else ModelRequest(req.input_ids, req.gconfig.seeded(i), f"{req.rid}-{i}")
+                )
                 outs.append(self._resume(address, sample, out, reason))
             return list(await asyncio.gather(*outs))
         finally:
             self._in_flight[address] -= n
 
-    async def _resume(self, address: str, req: ModelRequest, out: ModelResponse, reason: str | None) -> ModelResponse:
+    async def _resume(
+        self, address: str, req: ModelRequest, out: ModelResponse, reason: str | None
+    ) -> ModelResponse:
         while reason not in ("stop", "length") and out.output_len < req.gconfig.max_new_tokens:
             await asyncio.sleep(self.resume_delay_s)
             answer = await self.request(address, *self.protocol.generate(req, out, 1))
@@ -186,28 +230,48 @@ class InferenceClient:
         """``abort``: in-flight requests return and are resubmitted with their tokens so far;
         ``in_place``: they wait, with their KV cache, and continue on the new weights."""
         endpoint, payload, params = self.protocol.pause(mode)
-        await asyncio.gather(*(self.request(a, endpoint, payload, params=params) for a in self.addresses))
+        await asyncio.gather(
+            *(self.request(a, endpoint, payload, params=params) for a in self.addresses)
+        )
 
     async def resume(self) -> None:
         await asyncio.gather(*(self.request(a, *self.protocol.resume()) for a in self.addresses))
 
-    async def update_weights(self, version: int, model_path: str | None = None,
-                             state_dict: dict[str, torch.Tensor] | None = None, pause_mode: str = "abort") -> None:
+    async def update_weights(
+        self,
+        version: int,
+        model_path: str | None = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        pause_mode: str = "abort",
+    ) -> None:
         """pause → update (from a directory, or tensors sent in the request body) → continue,
         on every server."""
         if (model_path is None) == (state_dict is None):
             raise ValueError("update_weights: give exactly one of model_path and state_dict")
         if state_dict is not None and not self.protocol.supports_tensors:
-            raise ValueError(f"update_weights: {self.protocol.name} servers load weights from a folder; "
-                             "give model_path")
+            raise ValueError(
+                f"update_weights: {self.protocol.name} servers load weights from a folder; "
+                "give model_path"
+            )
         await self.pause(pause_mode)
         try:
             if model_path is not None:
                 for endpoint, payload in self.protocol.update_from_disk(model_path, version):
-                    await asyncio.gather(*(self.request(a, endpoint, payload) for a in self.addresses))
+                    await asyncio.gather(
+                        *(self.request(a, endpoint, payload) for a in self.addresses)
+                    )
             else:
                 blob = save({k: v.detach().contiguous().cpu() for k, v in state_dict.items()})
-                await asyncio.gather(*(self.request(a, "/update_weights_from_tensors", content=blob,
-                                                    params={"weight_version": version}) for a in self.addresses))
+                await asyncio.gather(
+                    *(
+                        self.request(
+                            a,
+                            "/update_weights_from_tensors",
+                            content=blob,
+                            params={"weight_version": version},
+                        )
+                        for a in self.addresses
+                    )
+                )
         finally:
             await self.resume()

@@ -75,8 +75,13 @@ class _Request:
 
 
 class GenerationEngine:
-    def __init__(self, model_dir: str | Path, max_batch_size: int = 64, dtype: torch.dtype = torch.float32,
-                 weight_version: int = 0):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        max_batch_size: int = 64,
+        dtype: torch.dtype = torch.float32,
+        weight_version: int = 0,
+    ):
         self.model_dir = str(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).eval()
         self.vocab_size = self.model.config.vocab_size
@@ -100,15 +105,23 @@ class GenerationEngine:
 
     # -- public API (thread-safe) ---------------------------------------------------------
 
-    def submit(self, prompt: list[int], params: GenerationConfig, on_done: Callable[[GenerationResult], None],
-               rid: str | None = None, on_token: Callable[[int], None] | None = None) -> str:
+    def submit(
+        self,
+        prompt: list[int],
+        params: GenerationConfig,
+        on_done: Callable[[GenerationResult], None],
+        rid: str | None = None,
+        on_token: Callable[[int], None] | None = None,
+    ) -> str:
         """Queue a request; ``on_done(result)`` (and ``on_token(token)`` for every token) run on
         the engine's thread and must be quick."""
         self.validate(prompt, params)
         rid = rid or uuid.uuid4().hex
         gen = None
         if not params.greedy:
-            gen = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed() % 2**63)
+            gen = torch.Generator().manual_seed(
+                params.seed if params.seed is not None else torch.seed() % 2**63
+            )
         self._incoming.put(_Request(rid, list(prompt), params, on_done, gen, on_token))
         self._wake.set()
         return rid
@@ -118,20 +131,32 @@ class GenerationEngine:
         params.validate()
         if not prompt:
             raise ValueError("input_ids: must not be empty")
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = [
+            t
+            for t in prompt
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
+        ]
         if bad:
-            raise ValueError(f"input_ids: ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(
+                f"input_ids: ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
         if len(prompt) >= self.max_positions:
-            raise ValueError(f"input_ids: the prompt has {len(prompt)} tokens, longer than the model's context "
-                             f"allows: the context is {self.max_positions} tokens, so a prompt may have at most "
-                             f"{self.max_positions - 1} (room for one new token)")
+            raise ValueError(
+                f"input_ids: the prompt has {len(prompt)} tokens, longer than the model's context "
+                f"allows: the context is {self.max_positions} tokens, so a prompt may have at most "
+                f"{self.max_positions - 1} (room for one new token)"
+            )
         if params.stop and self.tokenizer is None:
-            raise ValueError("sampling_params.stop: stop strings need a tokenizer, and the model folder has none")
+            raise ValueError(
+                "sampling_params.stop: stop strings need a tokenizer, and the model folder has none"
+            )
         room = self.max_positions - len(prompt)
         if params.max_new_tokens > room:
-            raise ValueError(f"sampling_params.max_new_tokens: {params.max_new_tokens} new tokens after a prompt of "
-                             f"{len(prompt)} tokens exceed the model's context of {self.max_positions} tokens; "
-                             f"at most {room} fit")
+            raise ValueError(
+                f"sampling_params.max_new_tokens: {params.max_new_tokens} new tokens after a prompt of "
+                f"{len(prompt)} tokens exceed the model's context of {self.max_positions} tokens; "
+                f"at most {room} fit"
+            )
 
     def pause(self, mode: str = "abort", timeout: float = 60.0) -> None:
         """Stop generating: ``abort`` returns every in-flight request with what it has,
@@ -213,8 +238,8 @@ class GenerationEngine:
         ids = torch.zeros(len(reqs), width, dtype=torch.long)
         mask = torch.zeros(len(reqs), width, dtype=torch.long)
         for i, r in enumerate(reqs):
-            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
-            mask[i, width - len(r.prompt):] = 1
+            ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
+            mask[i, width - len(r.prompt) :] = 1
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         tokens, logprobs, tops = self._sample(out.logits[:, -1].float(), reqs)
@@ -231,8 +256,13 @@ class GenerationEngine:
             return
         old = [(layer.keys, layer.values) for layer in self._cache.layers]
         width = max(self._mask.shape[1], mask.shape[1])
-        merged = [(torch.cat([_left_pad(k0, width), _left_pad(k1, width)]), torch.cat([_left_pad(v0, width), _left_pad(v1, width)]))
-                  for (k0, v0), (k1, v1) in zip(old, layers)]
+        merged = [
+            (
+                torch.cat([_left_pad(k0, width), _left_pad(k1, width)]),
+                torch.cat([_left_pad(v0, width), _left_pad(v1, width)]),
+            )
+            for (k0, v0), (k1, v1) in zip(old, layers)
+        ]
         self._mask = torch.cat([_left_pad(self._mask, width, dim=1), _left_pad(mask, width, dim=1)])
         self._cache = DynamicCache(merged)
         self._active.extend(reqs)
@@ -242,9 +272,14 @@ class GenerationEngine:
         batch = self._active
         ids = torch.tensor([[r.next_token] for r in batch])
         self._mask = torch.cat([self._mask, torch.ones(len(batch), 1, dtype=torch.long)], 1)
-        positions = (self._mask.sum(1, keepdim=True) - 1)
-        out = self.model(input_ids=ids, attention_mask=self._mask, position_ids=positions,
-                         cache=self._cache, use_cache=True)
+        positions = self._mask.sum(1, keepdim=True) - 1
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self._mask,
+            position_ids=positions,
+            cache=self._cache,
+            use_cache=True,
+        )
         self._cache = out.cache
         tokens, logprobs, tops = self._sample(out.logits[:, -1].float(), batch)
         for req, tok, lp, top in zip(batch, tokens.tolist(), logprobs.tolist(), tops):
@@ -299,8 +334,12 @@ class GenerationEngine:
         self._mask = self._mask[index]
         first = int((self._mask.sum(0) > 0).nonzero()[0])  # trim columns every row pads
         self._mask = self._mask[:, first:]
-        self._cache = DynamicCache([(layer.keys[index][:, :, first:], layer.values[index][:, :, first:])
-                                    for layer in self._cache.layers])
+        self._cache = DynamicCache(
+            [
+                (layer.keys[index][:, :, first:], layer.values[index][:, :, first:])
+                for layer in self._cache.layers
+            ]
+        )
 
     def _abort_all(self) -> None:
         for req in self._active:
@@ -309,10 +348,23 @@ class GenerationEngine:
         self._active, self._cache, self._mask = [], None, None
 
     def _complete(self, req: _Request, reason: str, matched: int | None) -> None:
-        req.on_done(GenerationResult(req.rid, req.output, req.logprobs, reason, self.weight_version,
-                                     len(req.prompt), matched, req.versions, req.top))
+        req.on_done(
+            GenerationResult(
+                req.rid,
+                req.output,
+                req.logprobs,
+                reason,
+                self.weight_version,
+                len(req.prompt),
+                matched,
+                req.versions,
+                req.top,
+            )
+        )
 
-    def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> tuple[torch.Tensor, torch.Tensor, list]:
+    def _sample(
+        self, logits: torch.Tensor, reqs: list[_Request]
+    ) -> tuple[torch.Tensor, torch.Tensor, list]:
         """One token per row: greedy rows take the argmax, the others draw by inverse CDF from
         one uniform of their own generator (seeded requests repeat)."""
         temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in reqs])
@@ -352,30 +404,41 @@ def load_tokenizer(model_dir: str):
         return None
 
 
-def check_weights(current: dict[str, torch.Tensor], update: dict[str, torch.Tensor]
-                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def check_weights(
+    current: dict[str, torch.Tensor], update: dict[str, torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Pair every tensor of ``current`` (a model's state dict) with its new value in ``update``,
     after checking all of them: the same keys (a key tied to another, e.g. an LM head sharing
     the embedding, may be left out), the same shapes, a compatible dtype (floating point may
     change precision, nothing else may change) and finite values. Raises ``WeightsRejected``."""
     unexpected = sorted(set(update) - set(current))
     if unexpected:
-        raise WeightsRejected(f"weights: unexpected keys {unexpected[:5]} (the model has no such tensors)")
+        raise WeightsRejected(
+            f"weights: unexpected keys {unexpected[:5]} (the model has no such tensors)"
+        )
     supplied_storage = {current[k].data_ptr() for k in update}
-    missing = sorted(k for k in current if k not in update and current[k].data_ptr() not in supplied_storage)
+    missing = sorted(
+        k for k in current if k not in update and current[k].data_ptr() not in supplied_storage
+    )
     if missing:
-        raise WeightsRejected(f"weights: missing keys {missing[:5]} ({len(missing)} of {len(current)} tensors)")
+        raise WeightsRejected(
+            f"weights: missing keys {missing[:5]} ({len(missing)} of {len(current)} tensors)"
+        )
     pairs = []
     for key, source in update.items():
         target = current[key]
         if not isinstance(source, torch.Tensor):
             raise WeightsRejected(f"weights: {key} is a {type(source).__name__}, not a tensor")
         if source.shape != target.shape:
-            raise WeightsRejected(f"weights: {key} has shape {list(source.shape)}, the model expects "
-                                  f"{list(target.shape)}")
+            raise WeightsRejected(
+                f"weights: {key} has shape {list(source.shape)}, the model expects "
+                f"{list(target.shape)}"
+            )
         same_kind = source.dtype.is_floating_point and target.dtype.is_floating_point
         if source.dtype != target.dtype and not same_kind:
-            raise WeightsRejected(f"weights: {key} has dtype {source.dtype}, the model expects {target.dtype}")
+            raise WeightsRejected(
+                f"weights: {key} has dtype {source.dtype}, the model expects {target.dtype}"
+            )
         if source.dtype.is_floating_point and not bool(torch.isfinite(source).all()):
             raise WeightsRejected(f"weights: {key} holds non-finite values (NaN or inf)")
         pairs.append((target, source))
@@ -403,4 +466,3 @@ def _left_pad(x: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = missing
     return torch.cat([torch.zeros(shape, dtype=x.dtype), x], dim)
-

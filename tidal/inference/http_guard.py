@@ -50,9 +50,16 @@ class ConnectionGuard:
     second. The listener here stops accepting once ``max_connections`` plus a small slack are
     open or being set up; the rest wait in the kernel's queue until evictions make room."""
 
-    def __init__(self, header_timeout_s: float = 10.0, body_timeout_s: float = 120.0,
-                 max_connections: int | None = None):
-        for name, value in (("header_timeout_s", header_timeout_s), ("body_timeout_s", body_timeout_s)):
+    def __init__(
+        self,
+        header_timeout_s: float = 10.0,
+        body_timeout_s: float = 120.0,
+        max_connections: int | None = None,
+    ):
+        for name, value in (
+            ("header_timeout_s", header_timeout_s),
+            ("body_timeout_s", body_timeout_s),
+        ):
             if not value > 0:
                 raise ValueError(f"{name}: must be > 0, got {value}")
         if max_connections is not None and max_connections < 1:
@@ -146,8 +153,11 @@ class GuardedH11Protocol(H11Protocol):
 
     def _evict_one(self) -> bool:
         """Close the connection that has waited longest for its request; False if none waits."""
-        waiting = [c for c in self.connections
-                   if c is not self and isinstance(c, GuardedH11Protocol) and c._is_waiting()]
+        waiting = [
+            c
+            for c in self.connections
+            if c is not self and isinstance(c, GuardedH11Protocol) and c._is_waiting()
+        ]
         if not waiting:
             return False
         victim = min(waiting, key=lambda c: c._waiting_since)
@@ -160,4 +170,6 @@ class GuardedH11Protocol(H11Protocol):
         if self.transport is None or self.transport.is_closing():
             return False
         serving = self.cycle is not None and not self.cycle.response_complete
-        return self.conn.their_state in _WAITING and not (serving and self.conn.their_state is h11.IDLE)
+        return self.conn.their_state in _WAITING and not (
+            serving and self.conn.their_state is h11.IDLE
+        )

@@ -42,13 +42,19 @@ class GenerationConfig:
             _check_int(tok, f"{where}.stop_token_ids[{i}]", low=0)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.stop, list | tuple) or not all(isinstance(x, str) and x for x in self.stop):
-            raise ValueError(f"{where}.stop: must be a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop, list | tuple) or not all(
+            isinstance(x, str) and x for x in self.stop
+        ):
+            raise ValueError(
+                f"{where}.stop: must be a list of non-empty strings, got {self.stop!r}"
+            )
         if self.seed is not None:
             _check_int(self.seed, f"{where}.seed", low=0)
         _check_int(self.top_logprobs, f"{where}.top_logprobs", low=0)
         if self.top_logprobs > MAX_TOP_LOGPROBS:
-            raise ValueError(f"{where}.top_logprobs: at most {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+            raise ValueError(
+                f"{where}.top_logprobs: at most {MAX_TOP_LOGPROBS}, got {self.top_logprobs}"
+            )
         return self
 
     def seeded(self, offset: int) -> GenerationConfig:
@@ -59,8 +65,9 @@ class GenerationConfig:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: Any, where: str = "sampling_params",
-                  ignored: frozenset[str] = frozenset()) -> GenerationConfig:
+    def from_json(
+        cls, data: Any, where: str = "sampling_params", ignored: frozenset[str] = frozenset()
+    ) -> GenerationConfig:
         """A validated config from a request's JSON object. Keys in ``ignored`` are dropped;
         any other unknown key is an error naming it."""
         if not isinstance(data, dict):
@@ -68,8 +75,10 @@ class GenerationConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known - ignored)
         if unknown:
-            raise ValueError(f"{where}.{unknown[0]}: not a supported sampling parameter "
-                             f"(supported: {', '.join(sorted(known))})")
+            raise ValueError(
+                f"{where}.{unknown[0]}: not a supported sampling parameter "
+                f"(supported: {', '.join(sorted(known))})"
+            )
         return cls(**{k: v for k, v in data.items() if k in known}).validate(where)
 
 

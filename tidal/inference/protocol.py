@@ -21,23 +21,58 @@ from tidal.inference.engine import GenerationResult
 from tidal.inference.params import GenerationConfig
 
 # top-level fields that do not change the result here
-IGNORED_FIELDS = frozenset({
-    "model", "log_metrics", "background", "no_logs", "return_bytes", "logprob_start_len",
-    "data_parallel_rank", "priority", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-})
+IGNORED_FIELDS = frozenset(
+    {
+        "model",
+        "log_metrics",
+        "background",
+        "no_logs",
+        "return_bytes",
+        "logprob_start_len",
+        "data_parallel_rank",
+        "priority",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+    }
+)
 # top-level fields accepted only when unset or false (at their default)
-DEFAULT_ONLY_FIELDS = frozenset({
-    "stream", "return_hidden_states", "return_entropy", "token_ids_logprob",
-    "lora_path", "image_data", "video_data", "audio_data", "input_embeds", "custom_logit_processor",
-    "session_params", "return_routed_experts",
-})
+DEFAULT_ONLY_FIELDS = frozenset(
+    {
+        "stream",
+        "return_hidden_states",
+        "return_entropy",
+        "token_ids_logprob",
+        "lora_path",
+        "image_data",
+        "video_data",
+        "audio_data",
+        "input_embeds",
+        "custom_logit_processor",
+        "session_params",
+        "return_routed_experts",
+    }
+)
 # sampling fields that only shape the text of the answer (handled here, not by the engine)
-TEXT_FIELDS = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False}
+TEXT_FIELDS = {
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "no_stop_trim": False,
+}
 # sampling fields tidal does not implement: accepted only at these defaults
 DEFAULT_ONLY_SAMPLING = {
-    "min_new_tokens": 0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-    "repetition_penalty": 1.0, "min_p": 0.0, "regex": None, "json_schema": None, "ebnf": None,
-    "structural_tag": None, "logit_bias": None, "stop_regex": None, "custom_params": None,
+    "min_new_tokens": 0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "regex": None,
+    "json_schema": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "stop_regex": None,
+    "custom_params": None,
 }
 IGNORED_SAMPLING = frozenset({"stream_interval"})
 
@@ -69,39 +104,66 @@ class GenerateCall:
 def parse_generate(body: Any, tokenizer) -> GenerateCall:
     if not isinstance(body, dict):
         raise ValueError(f"body: must be a JSON object, got {type(body).__name__}")
-    known = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "return_text_in_logprobs",
-             "top_logprobs_num"}
+    known = {
+        "input_ids",
+        "text",
+        "sampling_params",
+        "return_logprob",
+        "rid",
+        "return_text_in_logprobs",
+        "top_logprobs_num",
+    }
     for key, value in body.items():
         if key in known or key in IGNORED_FIELDS:
             continue
         if key in DEFAULT_ONLY_FIELDS:
             if value:
-                raise ValueError(f"{key}: {value!r} is not supported by this server (only its default)")
+                raise ValueError(
+                    f"{key}: {value!r} is not supported by this server (only its default)"
+                )
             continue
         raise ValueError(f"{key}: not a supported field")
     prompts, batched = _prompts(body, tokenizer)
     samplings = body.get("sampling_params") or {}
     if isinstance(samplings, list):
         if len(samplings) != len(prompts):
-            raise ValueError(f"sampling_params: a list of {len(samplings)} for {len(prompts)} prompts")
+            raise ValueError(
+                f"sampling_params: a list of {len(samplings)} for {len(prompts)} prompts"
+            )
     else:
         samplings = [samplings] * len(prompts)
     top = body.get("top_logprobs_num") or 0
     eos = getattr(tokenizer, "eos_token_id", None)
-    parsed = [_sampling(sp, f"sampling_params{f'[{i}]' if batched else ''}", eos, top)
-              for i, sp in enumerate(samplings)]
+    parsed = [
+        _sampling(sp, f"sampling_params{f'[{i}]' if batched else ''}", eos, top)
+        for i, sp in enumerate(samplings)
+    ]
     ns = {n for _, n, _ in parsed}
     if len(ns) > 1:
         raise ValueError("sampling_params.n: must be the same for every prompt of a batch")
     rids = body.get("rid")
     if rids is None or isinstance(rids, str):
-        rids = [rids] if not batched else [None if rids is None else f"{rids}-{i}" for i in range(len(prompts))]
-    elif not (isinstance(rids, list) and len(rids) == len(prompts) and all(isinstance(r, str) for r in rids)):
+        rids = (
+            [rids]
+            if not batched
+            else [None if rids is None else f"{rids}-{i}" for i in range(len(prompts))]
+        )
+    elif not (
+        isinstance(rids, list)
+        and len(rids) == len(prompts)
+        and all(isinstance(r, str) for r in rids)
+    ):
         raise ValueError("rid: must be a string, or a list of strings with one per prompt")
-    return GenerateCall(prompts, [c for c, _, _ in parsed], rids, n=ns.pop(), batched=batched,
-                        return_logprob=_flag(body, "return_logprob"),
-                        return_text_in_logprobs=_flag(body, "return_text_in_logprobs"),
-                        text_options=[t for _, _, t in parsed])
+    return GenerateCall(
+        prompts,
+        [c for c, _, _ in parsed],
+        rids,
+        n=ns.pop(),
+        batched=batched,
+        return_logprob=_flag(body, "return_logprob"),
+        return_text_in_logprobs=_flag(body, "return_text_in_logprobs"),
+        text_options=[t for _, _, t in parsed],
+    )
 
 
 def _flag(body: dict, key: str) -> bool:
@@ -128,15 +190,18 @@ def _prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
 
 
 def _token_ids(ids: Any, where: str) -> list[int]:
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in ids
+    ):
         raise ValueError(f"{where}: must be a list of token ids (integers)")
     if not ids:
         raise ValueError(f"{where}: must not be empty")
     return ids
 
 
-def _sampling(sp: Any, where: str, eos: int | None, top_logprobs: int
-              ) -> tuple[GenerationConfig, int, dict[str, bool]]:
+def _sampling(
+    sp: Any, where: str, eos: int | None, top_logprobs: int
+) -> tuple[GenerationConfig, int, dict[str, bool]]:
     """SGLang's sampling parameters: like SGLang, generation stops at the tokenizer's EOS unless
     ``ignore_eos`` (tidal's client sends ``ignore_eos: true`` and its own stop ids)."""
     if not isinstance(sp, dict):
@@ -155,7 +220,9 @@ def _sampling(sp: Any, where: str, eos: int | None, top_logprobs: int
     for key, default in DEFAULT_ONLY_SAMPLING.items():
         value = sp.pop(key, default)
         if value is not None and value != default:
-            raise ValueError(f"{where}.{key}: {value!r} is not supported by this server (only {default!r})")
+            raise ValueError(
+                f"{where}.{key}: {value!r} is not supported by this server (only {default!r})"
+            )
     if sp.get("stop") is None:
         sp.pop("stop", None)
     if sp.get("stop_token_ids") is None:
@@ -167,30 +234,57 @@ def _sampling(sp: Any, where: str, eos: int | None, top_logprobs: int
     return cfg.validate(where), n, text_options
 
 
-def result_json(result: GenerationResult, tokenizer, return_logprob: bool, text_options: dict[str, bool],
-                return_text_in_logprobs: bool = False) -> dict:
-    meta = {"id": result.rid, "finish_reason": finish_reason_json(result),
-            "weight_version": result.weight_version, "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": len(result.output_ids), "cached_tokens": 0,
-            "output_token_versions": result.output_versions}
+def result_json(
+    result: GenerationResult,
+    tokenizer,
+    return_logprob: bool,
+    text_options: dict[str, bool],
+    return_text_in_logprobs: bool = False,
+) -> dict:
+    meta = {
+        "id": result.rid,
+        "finish_reason": finish_reason_json(result),
+        "weight_version": result.weight_version,
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": len(result.output_ids),
+        "cached_tokens": 0,
+        "output_token_versions": result.output_versions,
+    }
     if return_logprob:
-        texts = ([tokenizer.decode([t]) for t in result.output_ids] if return_text_in_logprobs and tokenizer
-                 else [None] * len(result.output_ids))
-        meta["output_token_logprobs"] = [[lp, tok, txt] for lp, tok, txt
-                                         in zip(result.output_logprobs, result.output_ids, texts)]
+        texts = (
+            [tokenizer.decode([t]) for t in result.output_ids]
+            if return_text_in_logprobs and tokenizer
+            else [None] * len(result.output_ids)
+        )
+        meta["output_token_logprobs"] = [
+            [lp, tok, txt] for lp, tok, txt in zip(result.output_logprobs, result.output_ids, texts)
+        ]
         if result.output_top_logprobs:
             meta["output_top_logprobs"] = [
-                [[lp, tok, tokenizer.decode([tok]) if return_text_in_logprobs and tokenizer else None]
-                 for tok, lp in step] for step in result.output_top_logprobs]
+                [
+                    [
+                        lp,
+                        tok,
+                        tokenizer.decode([tok]) if return_text_in_logprobs and tokenizer else None,
+                    ]
+                    for tok, lp in step
+                ]
+                for step in result.output_top_logprobs
+            ]
     out = {"output_ids": result.output_ids, "meta_info": meta}
     if tokenizer is not None:
-        out["text"] = output_text(result, tokenizer, text_options.get("skip_special_tokens", True),
-                                  trim_stop=not text_options.get("no_stop_trim", False))
+        out["text"] = output_text(
+            result,
+            tokenizer,
+            text_options.get("skip_special_tokens", True),
+            trim_stop=not text_options.get("no_stop_trim", False),
+        )
     return out
 
 
-def output_text(result: GenerationResult, tokenizer, skip_special_tokens: bool = True,
-                trim_stop: bool = True) -> str:
+def output_text(
+    result: GenerationResult, tokenizer, skip_special_tokens: bool = True, trim_stop: bool = True
+) -> str:
     """The decoded completion; a matched stop string and what follows it are cut off."""
     text = tokenizer.decode(result.output_ids, skip_special_tokens=skip_special_tokens)
     if trim_stop and isinstance(result.matched_stop, str):
@@ -207,8 +301,9 @@ def finish_reason_json(result: GenerationResult) -> dict:
     return {"type": "abort", "message": "generation was paused"}
 
 
-async def generate_all(engine, jobs: list[tuple[list[int], GenerationConfig, str | None]],
-                       on_token=None) -> list[GenerationResult]:
+async def generate_all(
+    engine, jobs: list[tuple[list[int], GenerationConfig, str | None]], on_token=None
+) -> list[GenerationResult]:
     """Run ``(prompt, config, rid)`` jobs on the engine from an event loop. Every job is
     validated before any is submitted, so a refused batch starts nothing. ``on_token(token)``
     is called on the event loop for every token of a single job (streaming)."""
@@ -219,8 +314,13 @@ async def generate_all(engine, jobs: list[tuple[list[int], GenerationConfig, str
     for prompt, cfg, rid in jobs:
         fut: asyncio.Future[GenerationResult] = loop.create_future()
         token_cb = None if on_token is None else (lambda t: loop.call_soon_threadsafe(on_token, t))
-        engine.submit(prompt, cfg, lambda r, f=fut: loop.call_soon_threadsafe(_settle, f, r), rid=rid,
-                      on_token=token_cb)
+        engine.submit(
+            prompt,
+            cfg,
+            lambda r, f=fut: loop.call_soon_threadsafe(_settle, f, r),
+            rid=rid,
+            on_token=token_cb,
+        )
         futures.append(fut)
     return list(await asyncio.gather(*futures))
 

@@ -50,8 +50,12 @@ class UpdateFromDiskBody(_Strict):
     weight_version: int | None = None
 
 
-def build_app(engine: GenerationEngine, api_key: str | None = None, allowed_dirs: list[str] | None = None,
-              served_model_name: str | None = None) -> FastAPI:
+def build_app(
+    engine: GenerationEngine,
+    api_key: str | None = None,
+    allowed_dirs: list[str] | None = None,
+    served_model_name: str | None = None,
+) -> FastAPI:
     app = FastAPI(title="tidal inference server")
     allowed = [Path(d).resolve() for d in (allowed_dirs or [])]
 
@@ -65,7 +69,9 @@ def build_app(engine: GenerationEngine, api_key: str | None = None, allowed_dirs
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
-        problems = [f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()]
+        problems = [
+            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()
+        ]
         return error_json(request.url.path, 400, "; ".join(problems))
 
     @app.exception_handler(ValueError)
@@ -88,8 +94,16 @@ def build_app(engine: GenerationEngine, api_key: str | None = None, allowed_dirs
         call = parse_generate(await json_body(request), engine.tokenizer)
         jobs = call.expanded()
         results = await generate_all(engine, [(prompt, cfg, rid) for _, prompt, cfg, rid in jobs])
-        out = [result_json(r, engine.tokenizer, call.return_logprob, call.text_options[p],
-                           call.return_text_in_logprobs) for (p, *_), r in zip(jobs, results)]
+        out = [
+            result_json(
+                r,
+                engine.tokenizer,
+                call.return_logprob,
+                call.text_options[p],
+                call.return_text_in_logprobs,
+            )
+            for (p, *_), r in zip(jobs, results)
+        ]
         return out if call.batched or call.n > 1 else out[0]
 
     @app.post("/pause_generation")
@@ -105,10 +119,14 @@ def build_app(engine: GenerationEngine, api_key: str | None = None, allowed_dirs
     def _load_allowed(path: str) -> dict:
         folder = Path(path).resolve()
         if not any(folder == a or a in folder.parents for a in allowed):
-            raise HTTPException(status_code=403, detail=f"model_path {path!r} is not under an allowed directory")
+            raise HTTPException(
+                status_code=403, detail=f"model_path {path!r} is not under an allowed directory"
+            )
         files = sorted(folder.glob("*.safetensors"))
         if not files:
-            raise HTTPException(status_code=400, detail=f"model_path {path!r} holds no .safetensors file")
+            raise HTTPException(
+                status_code=400, detail=f"model_path {path!r} holds no .safetensors file"
+            )
         state = {}
         for f in files:
             state.update(load_file(str(f)))
@@ -129,7 +147,9 @@ def build_app(engine: GenerationEngine, api_key: str | None = None, allowed_dirs
         try:
             state = load(await request.body())
         except Exception as exc:  # a malformed body is the client's fault
-            raise HTTPException(status_code=400, detail=f"body is not a safetensors blob: {exc}") from None
+            raise HTTPException(
+                status_code=400, detail=f"body is not a safetensors blob: {exc}"
+            ) from None
         return await asyncio.to_thread(_update, state, weight_version)
 
     @app.get("/health")
@@ -138,8 +158,14 @@ def build_app(engine: GenerationEngine, api_key: str | None = None, allowed_dirs
 
     @app.get("/get_model_info")
     async def model_info():
-        return {"model_path": engine.model_dir, "vocab_size": engine.vocab_size, "weight_version": engine.weight_version,
-                "max_position_embeddings": engine.max_positions, "is_generation": True, "paused": engine.paused}
+        return {
+            "model_path": engine.model_dir,
+            "vocab_size": engine.vocab_size,
+            "weight_version": engine.weight_version,
+            "max_position_embeddings": engine.max_positions,
+            "is_generation": True,
+            "paused": engine.paused,
+        }
 
     @app.post("/flush_cache")
     async def flush_cache():
@@ -152,10 +178,18 @@ def build_app(engine: GenerationEngine, api_key: str | None = None, allowed_dirs
 class InferenceServer:
     """The engine behind uvicorn in a background thread of this process."""
 
-    def __init__(self, engine: GenerationEngine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                 allowed_dirs: list[str] | None = None, served_model_name: str | None = None,
-                 header_timeout_s: float = 10.0, body_timeout_s: float = 120.0,
-                 max_connections: int | None = None):
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        allowed_dirs: list[str] | None = None,
+        served_model_name: str | None = None,
+        header_timeout_s: float = 10.0,
+        body_timeout_s: float = 120.0,
+        max_connections: int | None = None,
+    ):
         self.engine = engine
         # bounded request read times and connections: idle or half-sent connections cannot
         # starve the server of descriptors (see http_guard)
@@ -165,10 +199,21 @@ class InferenceServer:
         self.socket.bind((host, port))
         self.host, self.port = host, self.socket.getsockname()[1]
         app = build_app(engine, api_key, allowed_dirs, served_model_name)
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=30,
-                                                     http=self.guard.protocol(), backlog=4096))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self.socket]},
-                                        name=f"tidal-server-{self.port}", daemon=True)
+        self._server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                log_level="warning",
+                timeout_keep_alive=30,
+                http=self.guard.protocol(),
+                backlog=4096,
+            )
+        )
+        self._thread = threading.Thread(
+            target=self._server.run,
+            kwargs={"sockets": [self.socket]},
+            name=f"tidal-server-{self.port}",
+            daemon=True,
+        )
 
     @property
     def address(self) -> str:
@@ -181,7 +226,9 @@ class InferenceServer:
         deadline = time.monotonic() + timeout
         while not self._server.started:
             if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"the inference server on {self.address} did not start within {timeout:g} s")
+                raise RuntimeError(
+                    f"the inference server on {self.address} did not start within {timeout:g} s"
+                )
             time.sleep(0.02)
         return self
 

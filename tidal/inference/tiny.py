@@ -26,22 +26,41 @@ def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()  # characters join back without spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
+    )
 
 
-def tiny_llama(vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 4, max_positions: int = 256,
-               seed: int = 0) -> LlamaForCausalLM:
+def tiny_llama(
+    vocab_size: int,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    max_positions: int = 256,
+    seed: int = 0,
+) -> LlamaForCausalLM:
     import torch
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                      max_position_embeddings=max_positions, tie_word_embeddings=False,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return LlamaForCausalLM(cfg)
 
 
-def save_tiny_model(path: str | Path, alphabet: str = "0123456789+=-*<>?abcdefghijklmnopqrstuvwxyz ", **kwargs) -> Path:
+def save_tiny_model(
+    path: str | Path, alphabet: str = "0123456789+=-*<>?abcdefghijklmnopqrstuvwxyz ", **kwargs
+) -> Path:
     path = Path(path)
     tokenizer = char_tokenizer(alphabet)
     model = tiny_llama(len(tokenizer), **kwargs)
@@ -65,8 +84,9 @@ CHAT_SPECIALS = {
 }
 
 
-def byte_level_tokenizer(corpus: Iterable[str] = (), vocab_size: int = 512,
-                         chat_template: str | None = CHATML_TEMPLATE) -> PreTrainedTokenizerFast:
+def byte_level_tokenizer(
+    corpus: Iterable[str] = (), vocab_size: int = 512, chat_template: str | None = CHATML_TEMPLATE
+) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer (any text encodes; GPT-2's byte alphabet) whose merges are
     trained on ``corpus`` up to ``vocab_size`` (no merges for an empty corpus), with ChatML's
     special tokens (``<|im_end|>`` is EOS) and ``chat_template``."""
@@ -81,8 +101,9 @@ def byte_level_tokenizer(corpus: Iterable[str] = (), vocab_size: int = 512,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(list(corpus), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **CHAT_SPECIALS,
-                                   additional_special_tokens=["<|im_start|>"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, **CHAT_SPECIALS, additional_special_tokens=["<|im_start|>"]
+    )
     fast.chat_template = chat_template
     return fast
 
@@ -122,8 +143,11 @@ def save_tiny_chat_model(
     ``AutoTokenizer`` (``local_files_only=True``); ``kwargs`` go to :func:`tiny_qwen2`."""
     path = Path(path)
     tokenizer = byte_level_tokenizer(corpus, vocab_size)
-    special_ids = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
-                   "eos_token_id": tokenizer.eos_token_id}
+    special_ids = {
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
     model = tiny_qwen2(len(tokenizer), special_ids=special_ids, **kwargs)
     model.generation_config.update(**special_ids)
     model.save_pretrained(path)

@@ -52,14 +52,25 @@ class VLLMProtocol:
     def generate(self, req: ModelRequest, out: ModelResponse, n: int) -> tuple[str, dict]:
         g = req.gconfig.seeded(out.output_len)
         n = 1 if g.greedy else n  # vLLM refuses n > 1 when greedy; the samples are equal anyway
-        params = {"max_tokens": g.max_new_tokens - out.output_len, "n": n, "logprobs": 0,
-                  "temperature": 0.0 if g.greedy else g.temperature,  # vLLM's greedy bound is 1e-5 too "top_p": g.top_p,
-                  "top_k": g.top_k if g.top_k > 0 else -1, "seed": g.seed,
-                  "stop_token_ids": g.stop_token_ids, "ignore_eos": True}  # stop only at the ids asked for
+        params = {
+            "max_tokens": g.max_new_tokens - out.output_len,
+            "n": n,
+            "logprobs": 0,
+            "temperature": 0.0
+            if g.greedy
+            else g.temperature,  # vLLM's greedy bound is 1e-5 too "top_p": g.top_p,
+            "top_k": g.top_k if g.top_k > 0 else -1,
+            "seed": g.seed,
+            "stop_token_ids": g.stop_token_ids,
+            "ignore_eos": True,
+        }  # stop only at the ids asked for
         if g.stop:
             params["stop"] = g.stop
-        return "/inference/v1/generate", {"token_ids": req.input_ids + out.output_tokens, "sampling_params": params,
-                                          "request_id": f"{req.rid}-{out.output_len}"}
+        return "/inference/v1/generate", {
+            "token_ids": req.input_ids + out.output_tokens,
+            "sampling_params": params,
+            "request_id": f"{req.rid}-{out.output_len}",
+        }
 
     def samples(self, result: dict, n: int) -> list[dict]:
         choices = sorted(result["choices"], key=lambda c: c["index"])
@@ -74,13 +85,19 @@ class VLLMProtocol:
         out.output_logprobs += [c["logprob"] for c in content]
         out.output_versions += self._versions(choice.get("weight_versions"), len(tokens))
         reason = choice.get("finish_reason")
-        return {"abort": "abort", "length": "length", "stop": "stop"}.get(reason, "stop" if reason else "abort")
+        return {"abort": "abort", "length": "length", "stop": "stop"}.get(
+            reason, "stop" if reason else "abort"
+        )
 
     def _versions(self, spans: list[dict] | None, count: int) -> list[int]:
         versions = [self.initial_version] * count
         for span in spans or []:
             label = span.get("version")
-            version = int(label) if label is not None and str(label).lstrip("-").isdigit() else self.initial_version
+            version = (
+                int(label)
+                if label is not None and str(label).lstrip("-").isdigit()
+                else self.initial_version
+            )
             for i in range(span["start"], min(span["end"], count)):
                 versions[i] = version
         return versions
@@ -95,8 +112,13 @@ class VLLMProtocol:
 
     def update_from_disk(self, model_path: str, version: int) -> list[tuple[str, dict]]:
         """Reload a ``save_pretrained`` safetensors folder, then label the weights."""
-        return [("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}}),
-                ("/update_weight_version", {"new_version": str(version)})]
+        return [
+            (
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}},
+            ),
+            ("/update_weight_version", {"new_version": str(version)}),
+        ]
 
 
 def _free_port(host: str) -> int:
@@ -110,25 +132,59 @@ class VLLMServer:
     within a timeout (naming the log file when it fails or the process exits), ``stop`` ends
     it (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, model_dir: str | Path, host: str = "127.0.0.1", port: int | None = None,
-                 max_model_len: int | None = None, served_model_name: str = "tidal", python: str | None = None,
-                 kv_cache_gib: int = 1, extra_args: list[str] | None = None, log_dir: str | None = None):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        max_model_len: int | None = None,
+        served_model_name: str = "tidal",
+        python: str | None = None,
+        kv_cache_gib: int = 1,
+        extra_args: list[str] | None = None,
+        log_dir: str | None = None,
+    ):
         self.python = python or vllm_python()
         if self.python is None:
-            raise FileNotFoundError("vLLM's virtualenv was not found: build it with `make vllm` "
-                                    "or set TIDAL_VLLM_PYTHON to its python")
+            raise FileNotFoundError(
+                "vLLM's virtualenv was not found: build it with `make vllm` "
+                "or set TIDAL_VLLM_PYTHON to its python"
+            )
         self.model_dir, self.host = str(model_dir), host
         self.port = port or _free_port(host)
         self.served_model_name = served_model_name
-        args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
-                "--host", host, "--port", str(self.port), "--served-model-name", served_model_name,
-                "--dtype", "float32", "--enforce-eager", "--enable-scale-out",
-                "--logprobs-mode", "processed_logprobs", "--gpu-memory-utilization", "0.1"]
+        args = [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model_dir,
+            "--host",
+            host,
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            served_model_name,
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--enable-scale-out",
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--gpu-memory-utilization",
+            "0.1",
+        ]
         if max_model_len:
             args += ["--max-model-len", str(max_model_len)]
         self.args = args + list(extra_args or [])
-        self.env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib))}
-        self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="tidal-vllm-")) / f"vllm-{self.port}.log"
+        self.env = {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
+        }
+        self.log_path = (
+            Path(log_dir or tempfile.mkdtemp(prefix="tidal-vllm-")) / f"vllm-{self.port}.log"
+        )
         self.process: subprocess.Popen | None = None
 
     @property
@@ -137,13 +193,20 @@ class VLLMServer:
 
     def start(self, timeout: float = 300.0) -> VLLMServer:
         with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(
+                self.args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM exited with code {self.process.returncode} while starting; "
-                                   f"see {self.log_path}:\n{self._tail()}")
+                raise RuntimeError(
+                    f"vLLM exited with code {self.process.returncode} while starting; "
+                    f"see {self.log_path}:\n{self._tail()}"
+                )
             try:
                 if httpx.get(self.address + "/health", timeout=2).status_code == 200:
                     return self
@@ -151,7 +214,9 @@ class VLLMServer:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise TimeoutError(f"vLLM did not answer /health within {timeout:g} s; see {self.log_path}:\n{self._tail()}")
+        raise TimeoutError(
+            f"vLLM did not answer /health within {timeout:g} s; see {self.log_path}:\n{self._tail()}"
+        )
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -177,4 +242,3 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-

@@ -45,15 +45,30 @@ class CNNActorCritic(MLPActorCritic):
         EmbodiedPolicy.__init__(self)
         self.layout = layout_of(observation_space)
         if not self.layout.image_size:
-            raise ValueError("model 'cnn': needs pixel observations (env.obs_mode pixels or state+pixels)")
+            raise ValueError(
+                "model 'cnn': needs pixel observations (env.obs_mode pixels or state+pixels)"
+            )
         self.encoder, width = conv_encoder(self.layout.image_size, tuple(channels), feature_dim)
         self.words = None
         if self.layout.num_tokens:
-            self.words = nn.EmbeddingBag(self.layout.vocab_size, word_dim, mode="mean", padding_idx=0)
+            self.words = nn.EmbeddingBag(
+                self.layout.vocab_size, word_dim, mode="mean", padding_idx=0
+            )
             width += word_dim
         width += self.layout.state_dim
-        self._init_heads(width, action_space, num_action_chunks, hidden_sizes, activation, critic, init_log_std, squash)
-        self.obs_norm = LeadingNorm(self.layout.state_dim) if obs_norm and self.layout.state_dim else None
+        self._init_heads(
+            width,
+            action_space,
+            num_action_chunks,
+            hidden_sizes,
+            activation,
+            critic,
+            init_log_std,
+            squash,
+        )
+        self.obs_norm = (
+            LeadingNorm(self.layout.state_dim) if obs_norm and self.layout.state_dim else None
+        )
 
     def features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         parts = self.layout.split(inputs["obs"])

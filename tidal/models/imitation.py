@@ -11,8 +11,9 @@ from tidal.envs.demos import Demonstrations
 from tidal.models.policy import EmbodiedPolicy
 
 
-def bc_loss(policy: EmbodiedPolicy, batch: dict[str, torch.Tensor],
-            action_error: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+def bc_loss(
+    policy: EmbodiedPolicy, batch: dict[str, torch.Tensor], action_error: bool = False
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Negative log-likelihood of the expert's actions. ``batch``: ``obs`` ``[N, D]`` raw
     observations, ``actions`` ``[N, C, A]`` expert actions as the env takes them. For token
     policies it is the cross-entropy of every action token (mean over tokens).
@@ -27,12 +28,22 @@ def bc_loss(policy: EmbodiedPolicy, batch: dict[str, torch.Tensor],
     if action_error:
         with torch.no_grad():
             mode = policy.act(inputs, deterministic=True).actions
-        metrics["bc/action_error"] = float(np.abs(policy.env_actions(mode) - batch["actions"].numpy()).mean())
+        metrics["bc/action_error"] = float(
+            np.abs(policy.env_actions(mode) - batch["actions"].numpy()).mean()
+        )
     return loss, metrics
 
 
-def train_bc(policy: EmbodiedPolicy, demos: Demonstrations, engine, steps: int, batch_size: int = 256,
-             seed: int = 0, num_action_chunks: int = 1, log_every: int = 50) -> list[dict[str, float]]:
+def train_bc(
+    policy: EmbodiedPolicy,
+    demos: Demonstrations,
+    engine,
+    steps: int,
+    batch_size: int = 256,
+    seed: int = 0,
+    num_action_chunks: int = 1,
+    log_every: int = 50,
+) -> list[dict[str, float]]:
     """``steps`` optimizer steps on random minibatches through ``engine`` (a
     ``tidal.engine.TrainEngine`` over ``policy``: the one optimizer-step implementation); the
     observation normaliser (if any) is fitted to the demonstrations first. Returns the logged
@@ -55,14 +66,21 @@ def train_bc(policy: EmbodiedPolicy, demos: Demonstrations, engine, steps: int, 
         metrics = engine.train_batch([{"obs": obs[rows], "actions": actions[rows]}], loss_fn)
         engine.end_step()
         if logging:
-            history.append({"step": step, **{k if "/" in k else f"bc/{k}": v[-1] for k, v in metrics.items()}})
+            history.append(
+                {"step": step, **{k if "/" in k else f"bc/{k}": v[-1] for k, v in metrics.items()}}
+            )
     policy.eval()
     return history
 
 
 @torch.no_grad()
-def evaluate_success(policy: EmbodiedPolicy, env: VectorEnvAdapter, seeds: list[int],
-                     deterministic: bool = True, prefix: str = "eval") -> dict[str, float]:
+def evaluate_success(
+    policy: EmbodiedPolicy,
+    env: VectorEnvAdapter,
+    seeds: list[int],
+    deterministic: bool = True,
+    prefix: str = "eval",
+) -> dict[str, float]:
     """One episode per env copy (``seeds``: one per copy); success rates (overall and per task)
     and the mean return."""
     chunked = ChunkedEnv(env, auto_reset=False, seeds=seeds)
@@ -74,5 +92,7 @@ def evaluate_success(policy: EmbodiedPolicy, env: VectorEnvAdapter, seeds: list[
         obs = chunked.step(policy.env_actions(step.actions)).obs
     policy.train(was_training)
     stats = chunked.stats.drain()
-    return {**success_metrics(stats["successes"], stats["tasks"], prefix),
-            f"{prefix}/return": float(np.mean(stats["returns"]))}
+    return {
+        **success_metrics(stats["successes"], stats["tasks"], prefix),
+        f"{prefix}/return": float(np.mean(stats["returns"])),
+    }

@@ -25,12 +25,27 @@ POLICIES: Registry[Callable[..., EmbodiedPolicy]] = Registry("policy", "model.na
 register_policy = POLICIES.register
 
 
-def build_policy(name: str, observation_space: gym.Space, action_space: gym.Space, num_action_chunks: int, **kwargs) -> EmbodiedPolicy:
-    policy = POLICIES.get(name)(observation_space=observation_space, action_space=action_space,
-                                num_action_chunks=num_action_chunks, **kwargs)
+def build_policy(
+    name: str,
+    observation_space: gym.Space,
+    action_space: gym.Space,
+    num_action_chunks: int,
+    **kwargs,
+) -> EmbodiedPolicy:
+    policy = POLICIES.get(name)(
+        observation_space=observation_space,
+        action_space=action_space,
+        num_action_chunks=num_action_chunks,
+        **kwargs,
+    )
     # what `save_policy` writes so `load_policy` can rebuild it
-    policy.build_spec = {"name": name, "observation_space": observation_space, "action_space": action_space,
-                         "num_action_chunks": num_action_chunks, "kwargs": kwargs}
+    policy.build_spec = {
+        "name": name,
+        "observation_space": observation_space,
+        "action_space": action_space,
+        "num_action_chunks": num_action_chunks,
+        "kwargs": kwargs,
+    }
     return policy
 
 
@@ -43,8 +58,9 @@ def policy_arguments(name: str) -> set[str]:
     return set(params) - {"self", "observation_space", "action_space", "num_action_chunks"}
 
 
-def build_from_config(model, observation_space: gym.Space, action_space: gym.Space,
-                      num_action_chunks: int) -> EmbodiedPolicy:
+def build_from_config(
+    model, observation_space: gym.Space, action_space: gym.Space, num_action_chunks: int
+) -> EmbodiedPolicy:
     """The policy a ``model`` config section describes: loaded from ``model.path`` when set,
     else built by name with the shared fields it takes and ``model.kwargs``."""
     if model.path is not None:
@@ -53,16 +69,30 @@ def build_from_config(model, observation_space: gym.Space, action_space: gym.Spa
         policy = load_policy(model.path)
         spec = policy.build_spec
         if (spec["observation_space"], spec["action_space"]) != (observation_space, action_space):
-            raise ValueError(f"model.path: {model.path!r} was saved for observations {spec['observation_space']} "
-                             f"and actions {spec['action_space']}; this env has {observation_space} and "
-                             f"{action_space} (env.obs_mode, env.image_size, env.adapter_kwargs)")
+            raise ValueError(
+                f"model.path: {model.path!r} was saved for observations {spec['observation_space']} "
+                f"and actions {spec['action_space']}; this env has {observation_space} and "
+                f"{action_space} (env.obs_mode, env.image_size, env.adapter_kwargs)"
+            )
         return policy
     takes = policy_arguments(model.name)
-    shared = {"hidden_sizes": tuple(model.hidden_sizes), "activation": model.activation, "critic": model.critic,
-              "obs_norm": model.obs_norm, "init_log_std": model.init_log_std, "squash": model.squash}
+    shared = {
+        "hidden_sizes": tuple(model.hidden_sizes),
+        "activation": model.activation,
+        "critic": model.critic,
+        "obs_norm": model.obs_norm,
+        "init_log_std": model.init_log_std,
+        "squash": model.squash,
+    }
     kwargs = {k: v for k, v in shared.items() if k in takes}
-    return build_policy(model.name, observation_space, action_space, num_action_chunks,
-                        **kwargs, **dict(model.kwargs))
+    return build_policy(
+        model.name,
+        observation_space,
+        action_space,
+        num_action_chunks,
+        **kwargs,
+        **dict(model.kwargs),
+    )
 
 
 @dataclass
@@ -90,7 +120,9 @@ class RunningNorm(nn.Module):
         batch_mean, batch_var, n = x.mean(0), x.var(0, correction=0), x.shape[0]
         delta, total = batch_mean - self.mean, self.count + n
         self.mean += delta * n / total
-        self.var.copy_((self.var * self.count + batch_var * n + delta**2 * self.count * n / total) / total)
+        self.var.copy_(
+            (self.var * self.count + batch_var * n + delta**2 * self.count * n / total) / total
+        )
         self.count.copy_(total)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,10 +160,14 @@ class EmbodiedPolicy(nn.Module, abc.ABC):
         """An action chunk for each input (sampled, or the mode when deterministic)."""
 
     @abc.abstractmethod
-    def evaluate(self, inputs: dict[str, torch.Tensor], actions: torch.Tensor) -> dict[str, torch.Tensor]:
+    def evaluate(
+        self, inputs: dict[str, torch.Tensor], actions: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """``logprobs`` and ``entropy`` ``[N, C, A]``, ``values`` ``[N]`` (if it has a critic)."""
 
-    def forward(self, inputs: dict[str, torch.Tensor], actions: torch.Tensor) -> dict[str, torch.Tensor]:
+    def forward(
+        self, inputs: dict[str, torch.Tensor], actions: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """Training entry point (what DDP wraps): the same as ``evaluate``."""
         return self.evaluate(inputs, actions)
 
@@ -156,7 +192,9 @@ def _layer(n_in: int, n_out: int, gain: float) -> nn.Linear:
     return layer
 
 
-def _mlp(n_in: int, hidden: list[int], n_out: int, activation: str, out_gain: float) -> nn.Sequential:
+def _mlp(
+    n_in: int, hidden: list[int], n_out: int, activation: str, out_gain: float
+) -> nn.Sequential:
     act = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}.get(activation)
     if act is None:
         raise ValueError(f"model.activation: expected tanh, relu or gelu, got {activation!r}")
@@ -189,13 +227,33 @@ class MLPActorCritic(EmbodiedPolicy):
     ):
         super().__init__()
         if not isinstance(observation_space, gym.spaces.Box) or len(observation_space.shape) != 1:
-            raise ValueError(f"model 'mlp': needs a flat Box observation space, got {observation_space}")
+            raise ValueError(
+                f"model 'mlp': needs a flat Box observation space, got {observation_space}"
+            )
         obs_dim = observation_space.shape[0]
-        self._init_heads(obs_dim, action_space, num_action_chunks, hidden_sizes, activation, critic, init_log_std, squash)
+        self._init_heads(
+            obs_dim,
+            action_space,
+            num_action_chunks,
+            hidden_sizes,
+            activation,
+            critic,
+            init_log_std,
+            squash,
+        )
         self.obs_norm = RunningNorm((obs_dim,)) if obs_norm else None
 
-    def _init_heads(self, in_dim: int, action_space: gym.Space, num_action_chunks: int, hidden_sizes, activation: str,
-                    critic: bool, init_log_std: float, squash: bool) -> None:
+    def _init_heads(
+        self,
+        in_dim: int,
+        action_space: gym.Space,
+        num_action_chunks: int,
+        hidden_sizes,
+        activation: str,
+        critic: bool,
+        init_log_std: float,
+        squash: bool,
+    ) -> None:
         """Actor and critic MLPs over ``in_dim`` features (what ``features`` returns)."""
         self.chunks = num_action_chunks
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
@@ -205,11 +263,15 @@ class MLPActorCritic(EmbodiedPolicy):
         elif isinstance(action_space, gym.spaces.Box) and len(action_space.shape) == 1:
             self.action_dim = action_space.shape[0]
             out = self.chunks * self.action_dim
-            self.log_std = nn.Parameter(torch.full((self.chunks, self.action_dim), float(init_log_std)))
+            self.log_std = nn.Parameter(
+                torch.full((self.chunks, self.action_dim), float(init_log_std))
+            )
             self.register_buffer("low", torch.as_tensor(action_space.low, dtype=torch.float32))
             self.register_buffer("high", torch.as_tensor(action_space.high, dtype=torch.float32))
         else:
-            raise ValueError(f"model 'mlp': needs a Discrete or flat Box action space, got {action_space}")
+            raise ValueError(
+                f"model 'mlp': needs a Discrete or flat Box action space, got {action_space}"
+            )
         self.squash = squash and not self.discrete
         self.actor = _mlp(in_dim, list(hidden_sizes), out, activation, 0.01)
         self.critic = _mlp(in_dim, list(hidden_sizes), 1, activation, 1.0) if critic else None
@@ -221,7 +283,9 @@ class MLPActorCritic(EmbodiedPolicy):
     def _dist(self, obs: torch.Tensor):
         head = self.actor(obs)
         if self.discrete:
-            return Categorical(logits=head.view(-1, self.chunks, self.num_actions), validate_args=False)
+            return Categorical(
+                logits=head.view(-1, self.chunks, self.num_actions), validate_args=False
+            )
         mean = head.view(-1, self.chunks, self.action_dim)
         return Normal(mean, self.log_std.exp().expand_as(mean), validate_args=False)
 
@@ -230,7 +294,9 @@ class MLPActorCritic(EmbodiedPolicy):
             return dist.log_prob(actions).unsqueeze(-1)
         logp = dist.log_prob(actions)
         if self.squash:  # a = tanh(u): log p(a) = log p(u) - log(1 - tanh(u)^2), stably
-            logp = logp - 2.0 * (math.log(2.0) - actions - torch.nn.functional.softplus(-2.0 * actions))
+            logp = logp - 2.0 * (
+                math.log(2.0) - actions - torch.nn.functional.softplus(-2.0 * actions)
+            )
             logp = logp - torch.log((self.high - self.low) / 2.0)  # the affine map into the bounds
         return logp
 
@@ -242,13 +308,18 @@ class MLPActorCritic(EmbodiedPolicy):
         else:
             actions = dist.sample()
         values = self.critic(obs).squeeze(-1) if self.critic is not None else None
-        return PolicyStep(actions=actions, logprobs=self._logprob(dist, actions), values=values, inputs=inputs)
+        return PolicyStep(
+            actions=actions, logprobs=self._logprob(dist, actions), values=values, inputs=inputs
+        )
 
     def evaluate(self, inputs, actions):
         obs = self.features(inputs)
         dist = self._dist(obs)
         entropy = dist.entropy()
-        out = {"logprobs": self._logprob(dist, actions), "entropy": entropy.unsqueeze(-1) if self.discrete else entropy}
+        out = {
+            "logprobs": self._logprob(dist, actions),
+            "entropy": entropy.unsqueeze(-1) if self.discrete else entropy,
+        }
         if self.critic is not None:
             out["values"] = self.critic(obs).squeeze(-1)
         return out
@@ -269,6 +340,8 @@ class MLPActorCritic(EmbodiedPolicy):
         if self.discrete:
             return env_actions.long()
         if self.squash:  # the inverse of the squash, kept off the asymptotes
-            unit = (2.0 * (env_actions - self.low) / (self.high - self.low) - 1.0).clamp(-0.999, 0.999)
+            unit = (2.0 * (env_actions - self.low) / (self.high - self.low) - 1.0).clamp(
+                -0.999, 0.999
+            )
             return torch.atanh(unit)
         return env_actions.float()

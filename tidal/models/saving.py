@@ -23,7 +23,12 @@ def space_to_json(space: gym.Space) -> dict:
     if isinstance(space, LayoutBox):
         return {"type": "layout", "layout": space.layout.to_dict()}
     if isinstance(space, gym.spaces.Box):
-        return {"type": "box", "low": space.low.tolist(), "high": space.high.tolist(), "dtype": str(space.dtype)}
+        return {
+            "type": "box",
+            "low": space.low.tolist(),
+            "high": space.high.tolist(),
+            "dtype": str(space.dtype),
+        }
     if isinstance(space, gym.spaces.Discrete):
         return {"type": "discrete", "n": int(space.n)}
     raise ValueError(f"cannot save a policy for the space {space}")
@@ -34,7 +39,9 @@ def space_from_json(data: dict) -> gym.Space:
         return LayoutBox(ObsLayout(**data["layout"]))
     if data["type"] == "box":
         dtype = np.dtype(data["dtype"])
-        return gym.spaces.Box(np.array(data["low"], dtype), np.array(data["high"], dtype), dtype=dtype)
+        return gym.spaces.Box(
+            np.array(data["low"], dtype), np.array(data["high"], dtype), dtype=dtype
+        )
     return gym.spaces.Discrete(data["n"])
 
 
@@ -42,16 +49,24 @@ def save_policy(policy: EmbodiedPolicy, folder: str | os.PathLike) -> Path:
     """Write the folder atomically (a temporary sibling renamed into place)."""
     spec = getattr(policy, "build_spec", None)
     if spec is None:
-        raise ValueError("save_policy: build the policy with build_policy so it knows how to rebuild itself")
+        raise ValueError(
+            "save_policy: build the policy with build_policy so it knows how to rebuild itself"
+        )
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    config = {"name": spec["name"], "num_action_chunks": spec["num_action_chunks"], "kwargs": spec["kwargs"],
-              "observation_space": space_to_json(spec["observation_space"]),
-              "action_space": space_to_json(spec["action_space"])}
+    config = {
+        "name": spec["name"],
+        "num_action_chunks": spec["num_action_chunks"],
+        "kwargs": spec["kwargs"],
+        "observation_space": space_to_json(spec["observation_space"]),
+        "action_space": space_to_json(spec["action_space"]),
+    }
     (tmp / CONFIG).write_text(json.dumps(config, indent=2))
-    save_file({k: v.detach().contiguous() for k, v in policy.state_dict().items()}, str(tmp / WEIGHTS))
+    save_file(
+        {k: v.detach().contiguous() for k, v in policy.state_dict().items()}, str(tmp / WEIGHTS)
+    )
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder
@@ -60,9 +75,16 @@ def save_policy(policy: EmbodiedPolicy, folder: str | os.PathLike) -> Path:
 def load_policy(folder: str | os.PathLike) -> EmbodiedPolicy:
     folder = Path(folder)
     if not (folder / CONFIG).is_file() or not (folder / WEIGHTS).is_file():
-        raise ValueError(f"model.path: {str(folder)!r} is not a saved policy (needs {CONFIG} and {WEIGHTS})")
+        raise ValueError(
+            f"model.path: {str(folder)!r} is not a saved policy (needs {CONFIG} and {WEIGHTS})"
+        )
     config = json.loads((folder / CONFIG).read_text())
-    policy = build_policy(config["name"], space_from_json(config["observation_space"]),
-                          space_from_json(config["action_space"]), config["num_action_chunks"], **config["kwargs"])
+    policy = build_policy(
+        config["name"],
+        space_from_json(config["observation_space"]),
+        space_from_json(config["action_space"]),
+        config["num_action_chunks"],
+        **config["kwargs"],
+    )
     policy.load_state_dict(load_file(str(folder / WEIGHTS)))
     return policy

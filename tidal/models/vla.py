@@ -45,29 +45,46 @@ class TokenActionPolicy(EmbodiedPolicy):
         if not (np.isfinite(action_space.low).all() and np.isfinite(action_space.high).all()):
             raise ValueError("model 'vla': action bins need finite action bounds")
         if layout.image_size and layout.image_size % patch_size:
-            raise ValueError(f"model.patch_size: {patch_size} must divide env.image_size {layout.image_size}")
-        self.chunks, self.action_dim, self.num_bins = num_action_chunks, action_space.shape[0], num_bins
+            raise ValueError(
+                f"model.patch_size: {patch_size} must divide env.image_size {layout.image_size}"
+            )
+        self.chunks, self.action_dim, self.num_bins = (
+            num_action_chunks,
+            action_space.shape[0],
+            num_bins,
+        )
         self.register_buffer("low", torch.as_tensor(action_space.low, dtype=torch.float32))
         self.register_buffer("high", torch.as_tensor(action_space.high, dtype=torch.float32))
         d = hidden_size
-        self.words = nn.Embedding(layout.vocab_size, d, padding_idx=0) if layout.num_tokens else None
+        self.words = (
+            nn.Embedding(layout.vocab_size, d, padding_idx=0) if layout.num_tokens else None
+        )
         self.state_tokens = state_tokens if layout.state_dim else 0
-        self.state_proj = nn.Linear(layout.state_dim, self.state_tokens * d) if self.state_tokens else None
+        self.state_proj = (
+            nn.Linear(layout.state_dim, self.state_tokens * d) if self.state_tokens else None
+        )
         self.patches = nn.Conv2d(3, d, patch_size, stride=patch_size) if layout.image_size else None
         num_patches = (layout.image_size // patch_size) ** 2 if layout.image_size else 0
         self.num_queries = self.chunks * self.action_dim
         self.action_queries = nn.Parameter(torch.randn(self.num_queries, d) * 0.02)
         self.value_query = nn.Parameter(torch.randn(1, d) * 0.02) if critic else None
-        self.prefix = layout.num_tokens + self.state_tokens + num_patches  # tokens before the queries
-        self.positions = nn.Parameter(torch.randn(self.prefix + self.num_queries + int(critic), d) * 0.02)
-        layer = nn.TransformerEncoderLayer(d, num_heads, 4 * d, dropout, activation="gelu", batch_first=True,
-                                           norm_first=True)
+        self.prefix = (
+            layout.num_tokens + self.state_tokens + num_patches
+        )  # tokens before the queries
+        self.positions = nn.Parameter(
+            torch.randn(self.prefix + self.num_queries + int(critic), d) * 0.02
+        )
+        layer = nn.TransformerEncoderLayer(
+            d, num_heads, 4 * d, dropout, activation="gelu", batch_first=True, norm_first=True
+        )
         self.trunk = nn.TransformerEncoder(layer, num_layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d)
         self.action_head = nn.Linear(d, num_bins)
         nn.init.zeros_(self.action_head.weight)  # start from uniform bins: maximal entropy
         nn.init.zeros_(self.action_head.bias)
-        self.value_head = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, 1)) if critic else None
+        self.value_head = (
+            nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, 1)) if critic else None
+        )
         self.obs_norm = LeadingNorm(layout.state_dim) if obs_norm and layout.state_dim else None
 
     # -- the network ---------------------------------------------------------------------
@@ -107,7 +124,9 @@ class TokenActionPolicy(EmbodiedPolicy):
         logits, values = self._forward(inputs["obs"])
         dist = Categorical(logits=logits, validate_args=False)
         actions = logits.argmax(-1) if deterministic else dist.sample()
-        return PolicyStep(actions=actions, logprobs=dist.log_prob(actions), values=values, inputs=inputs)
+        return PolicyStep(
+            actions=actions, logprobs=dist.log_prob(actions), values=values, inputs=inputs
+        )
 
     def evaluate(self, inputs, actions):
         logits, values = self._forward(inputs["obs"])

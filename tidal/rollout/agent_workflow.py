@@ -36,22 +36,27 @@ MODES = ("concat", "individual", "auto")
 
 def extends(completions: list[Completion]) -> bool:
     """Whether each call's prompt starts with the previous call's prompt and answer."""
-    return all(b.prompt_ids[:len(a.prompt_ids) + len(a.output_ids)] == a.prompt_ids + a.output_ids
-               for a, b in zip(completions, completions[1:]))
+    return all(
+        b.prompt_ids[: len(a.prompt_ids) + len(a.output_ids)] == a.prompt_ids + a.output_ids
+        for a, b in zip(completions, completions[1:])
+    )
 
 
 def concat_sequence(completions: list[Completion]) -> TokenSequence:
     if not extends(completions):
-        raise ValueError("mode concat: a call's prompt does not extend the previous prompt and answer")
+        raise ValueError(
+            "mode concat: a call's prompt does not extend the previous prompt and answer"
+        )
     seq = TokenSequence()
     for c in completions:
-        seq.add_context(c.prompt_ids[len(seq.tokens):])
+        seq.add_context(c.prompt_ids[len(seq.tokens) :])
         add_response(seq, c.response)
     return seq
 
 
-def individual_sequences(completions: list[Completion], reward: float, turn_discount: float
-                         ) -> tuple[list[TokenSequence], list[float]]:
+def individual_sequences(
+    completions: list[Completion], reward: float, turn_discount: float
+) -> tuple[list[TokenSequence], list[float]]:
     seqs, rewards = [], []
     last = len(completions) - 1
     for i, c in enumerate(completions):
@@ -63,8 +68,9 @@ def individual_sequences(completions: list[Completion], reward: float, turn_disc
     return seqs, rewards
 
 
-def episode_sequences(completions: list[Completion], reward: float, mode: str = "auto",
-                      turn_discount: float = 1.0) -> tuple[list[TokenSequence], list[float]]:
+def episode_sequences(
+    completions: list[Completion], reward: float, mode: str = "auto", turn_discount: float = 1.0
+) -> tuple[list[TokenSequence], list[float]]:
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
     if not completions:
@@ -78,14 +84,27 @@ class AgentWorkflow:
     """Runs ``agent(client, data)`` ``group_size`` times and returns the padded episode (or
     ``None`` when an agent returned no reward and set none)."""
 
-    def __init__(self, agent: AgentFn, inference: InferenceClient, tokenizer, gconfig: GenerationConfig,
-                 group_size: int = 1, mode: str = "concat", turn_discount: float = 1.0):
+    def __init__(
+        self,
+        agent: AgentFn,
+        inference: InferenceClient,
+        tokenizer,
+        gconfig: GenerationConfig,
+        group_size: int = 1,
+        mode: str = "concat",
+        turn_discount: float = 1.0,
+    ):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
         if not 0 <= turn_discount <= 1:
             raise ValueError(f"turn_discount: must be in [0, 1], got {turn_discount}")
         self.agent, self.inference, self.tokenizer = agent, inference, tokenizer
-        self.gconfig, self.group_size, self.mode, self.turn_discount = gconfig, group_size, mode, turn_discount
+        self.gconfig, self.group_size, self.mode, self.turn_discount = (
+            gconfig,
+            group_size,
+            mode,
+            turn_discount,
+        )
 
     async def run(self, data: dict[str, Any]) -> tuple[list[TokenSequence], list[float]] | None:
         client = RecordingOpenAI(self.inference, self.tokenizer, self.gconfig)

@@ -42,8 +42,13 @@ class _Finished:
 
 
 class RolloutDispatcher:
-    def __init__(self, episode_fn: EpisodeFn, staleness: StalenessManager, max_queue_size: int = 4096,
-                 should_accept: Callable[[Any], bool] | None = None):
+    def __init__(
+        self,
+        episode_fn: EpisodeFn,
+        staleness: StalenessManager,
+        max_queue_size: int = 4096,
+        should_accept: Callable[[Any], bool] | None = None,
+    ):
         self.episode_fn, self.staleness = episode_fn, staleness
         self.should_accept = should_accept
         self.max_queue_size = max_queue_size
@@ -57,9 +62,15 @@ class RolloutDispatcher:
         self._shutdown = threading.Event()
         self._thread_error: str | None = None
         self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="tidal-episodes", daemon=True)
-        self._producer = threading.Thread(target=self._guard(self._produce), name="tidal-producer", daemon=True)
-        self._consumer = threading.Thread(target=self._guard(self._consume), name="tidal-consumer", daemon=True)
+        self._loop_thread = threading.Thread(
+            target=self._loop.run_forever, name="tidal-episodes", daemon=True
+        )
+        self._producer = threading.Thread(
+            target=self._guard(self._produce), name="tidal-producer", daemon=True
+        )
+        self._consumer = threading.Thread(
+            target=self._guard(self._consume), name="tidal-consumer", daemon=True
+        )
         for t in (self._loop_thread, self._producer, self._consumer):
             t.start()
         self._data_iter: Iterator | None = None
@@ -107,8 +118,17 @@ class RolloutDispatcher:
     def _produce(self) -> None:
         while not self._shutdown.is_set():
             with self._cv:
-                self._cv.wait_for(lambda: self._shutdown.is_set() or (
-                    not self._paused.is_set() and self._pending and self.staleness.get_capacity() > 0), timeout=0.5)
+                self._cv.wait_for(
+                    lambda: (
+                        self._shutdown.is_set()
+                        or (
+                            not self._paused.is_set()
+                            and self._pending
+                            and self.staleness.get_capacity() > 0
+                        )
+                    ),
+                    timeout=0.5,
+                )
                 if self._shutdown.is_set() or self._paused.is_set() or not self._pending:
                     continue
                 if self.staleness.get_capacity() <= 0:
@@ -117,7 +137,9 @@ class RolloutDispatcher:
                 self.staleness.on_rollout_submitted()
             version = self.staleness.get_version()
             fut = asyncio.run_coroutine_threadsafe(self.episode_fn(data), self._loop)
-            fut.add_done_callback(lambda f, t=task_id, v=version: self._finished.put(self._record(t, v, f)))
+            fut.add_done_callback(
+                lambda f, t=task_id, v=version: self._finished.put(self._record(t, v, f))
+            )
 
     @staticmethod
     def _record(task_id: int, version: int, fut) -> _Finished:
@@ -135,8 +157,11 @@ class RolloutDispatcher:
                 item = self._finished.get(timeout=0.05)
             except queue.Empty:
                 continue
-            accepted = item.error is None and item.result is not None and (
-                self.should_accept is None or self.should_accept(item.result))
+            accepted = (
+                item.error is None
+                and item.result is not None
+                and (self.should_accept is None or self.should_accept(item.result))
+            )
             if accepted:
                 self.staleness.on_rollout_accepted()
             else:
@@ -163,8 +188,10 @@ class RolloutDispatcher:
                     return chosen
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"only {len(ready)} of {count} episodes finished within {timeout:g} s "
-                                       f"(staleness counters: {self.staleness.snapshot()})")
+                    raise TimeoutError(
+                        f"only {len(ready)} of {count} episodes finished within {timeout:g} s "
+                        f"(staleness counters: {self.staleness.snapshot()})"
+                    )
                 self._result_cv.wait(min(left, 0.5))
 
     def _raise_failures(self) -> None:

@@ -328,8 +328,10 @@ def resolve_reward(name: str, kwargs: dict | None = None) -> Reward:
     kwargs = dict(kwargs or {})
     registered = ":" not in name
     if registered and name not in REWARDS.names():
-        raise ValueError(f"reward.name: unknown reward {name!r}; registered: "
-                         f"{', '.join(REWARDS.names())}; or give module.path:function")
+        raise ValueError(
+            f"reward.name: unknown reward {name!r}; registered: "
+            f"{', '.join(REWARDS.names())}; or give module.path:function"
+        )
     spec = REWARDS.get(name) if registered else RewardSpec(_import_function(name))
     _check_signature(name, spec.fn, kwargs, strict=registered)
     if spec.check_kwargs is not None:

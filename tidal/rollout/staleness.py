@@ -22,8 +22,13 @@ class RolloutStat:
 
 
 class StalenessManager:
-    def __init__(self, max_staleness: int, consumer_batch_size: int, max_concurrent_rollouts: int,
-                 version_provider: Callable[[], int] | None = None):
+    def __init__(
+        self,
+        max_staleness: int,
+        consumer_batch_size: int,
+        max_concurrent_rollouts: int,
+        version_provider: Callable[[], int] | None = None,
+    ):
         if max_staleness < 0:
             raise ValueError(f"max_staleness: must be >= 0, got {max_staleness}")
         if consumer_batch_size < 1 or max_concurrent_rollouts < 1:
@@ -58,7 +63,9 @@ class StalenessManager:
         with self.lock:
             version = self.get_version()
             concurrency = self.max_concurrent_rollouts - self.stat.running
-            staleness = (self.max_staleness + version + 1) * self.consumer_batch_size - (self.stat.accepted + self.stat.running)
+            staleness = (self.max_staleness + version + 1) * self.consumer_batch_size - (
+                self.stat.accepted + self.stat.running
+            )
             return min(concurrency, staleness)
 
     # hooks ----------------------------------------------------------------------------
@@ -84,5 +91,9 @@ class StalenessManager:
 
     def snapshot(self) -> dict[str, int]:
         with self.lock:
-            return {"enqueued": self.stat.enqueued, "running": self.stat.running,
-                    "accepted": self.stat.accepted, "rejected": self.stat.rejected}
+            return {
+                "enqueued": self.stat.enqueued,
+                "running": self.stat.running,
+                "accepted": self.stat.accepted,
+                "rejected": self.stat.rejected,
+            }

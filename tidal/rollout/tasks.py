@@ -44,6 +44,7 @@ TASKS: Registry[Task] = Registry("task", "data.task")
 def register_task(name: str, demonstration=prompt_answer, reward=None, env=None):
     """Register ``problems(n, seed, data_cfg)`` under ``name``: single-turn with a ``reward``
     function, or multi-turn with an ``env`` factory."""
+
     def decorator(fn):
         TASKS.register(name)(Task(fn, demonstration, reward, env))
         return fn
@@ -107,7 +108,9 @@ def guess_number_problems(n: int, seed: int = 0, high: int = 99) -> list[dict]:
     return [{"prompt": "guess?", "target": rng.randint(0, high)} for _ in range(n)]
 
 
-def consistent_guesses(record: dict, rng: random.Random, max_turns: int = 6, high: int = 99) -> list[Segment]:
+def consistent_guesses(
+    record: dict, rng: random.Random, max_turns: int = 6, high: int = 99
+) -> list[Segment]:
     """A demonstration that plays by the rules but not well: each guess is uniform among the
     numbers the feedback so far allows. RL has room to learn to halve the range instead."""
     env, lo, hi = GuessNumberEnv(record["target"]), 0, high
@@ -123,6 +126,10 @@ def consistent_guesses(record: dict, rng: random.Random, max_turns: int = 6, hig
     return segments
 
 
-@register_task("guess_number", demonstration=consistent_guesses, env=lambda record: GuessNumberEnv(record["target"]))
+@register_task(
+    "guess_number",
+    demonstration=consistent_guesses,
+    env=lambda record: GuessNumberEnv(record["target"]),
+)
 def _guess_number_task(n: int, seed: int, data) -> list[dict]:
     return guess_number_problems(n, seed)

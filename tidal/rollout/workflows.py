@@ -20,7 +20,9 @@ from tidal.rollout.rewards import Reward
 
 log = logging.getLogger(__name__)
 RewardFn = Callable[..., float]
-PromptRenderer = Callable[[Any], list[int]]  # a record's prompt (text or chat messages) -> token ids
+PromptRenderer = Callable[
+    [Any], list[int]
+]  # a record's prompt (text or chat messages) -> token ids
 
 
 def add_response(seq: TokenSequence, resp: ModelResponse) -> None:
@@ -37,10 +39,22 @@ class RLVRWorkflow:
     ``reward`` (a :class:`Reward`, or a plain ``fn(completion=..., **record)``) with the record's
     fields. ``render`` turns the record's ``prompt`` into token ids (default: plain text)."""
 
-    def __init__(self, client: InferenceClient, tokenizer, reward: Reward | RewardFn, gconfig: GenerationConfig,
-                 group_size: int = 1, reward_timeout_s: float = 10.0, render: PromptRenderer | None = None):
+    def __init__(
+        self,
+        client: InferenceClient,
+        tokenizer,
+        reward: Reward | RewardFn,
+        gconfig: GenerationConfig,
+        group_size: int = 1,
+        reward_timeout_s: float = 10.0,
+        render: PromptRenderer | None = None,
+    ):
         self.client, self.tokenizer, self.gconfig = client, tokenizer, gconfig
-        self.reward = reward if isinstance(reward, Reward) else Reward(getattr(reward, "__name__", "reward"), reward)
+        self.reward = (
+            reward
+            if isinstance(reward, Reward)
+            else Reward(getattr(reward, "__name__", "reward"), reward)
+        )
         self.group_size, self.reward_timeout_s = group_size, reward_timeout_s
         self.render = render or plain_renderer(tokenizer)
 
@@ -52,9 +66,15 @@ class RLVRWorkflow:
     async def __call__(self, data: dict[str, Any]) -> LMBatch | None:
         prompt_ids = self.render(data["prompt"])
         # the whole group in one request: one HTTP round trip instead of group_size
-        responses = await self.client.agenerate_n(ModelRequest(prompt_ids, self.gconfig), self.group_size)
-        completions = [self.tokenizer.decode(r.output_tokens, skip_special_tokens=True) for r in responses]
-        rewards = await asyncio.gather(*(self.reward.ascore(c, data, self.reward_timeout_s) for c in completions))
+        responses = await self.client.agenerate_n(
+            ModelRequest(prompt_ids, self.gconfig), self.group_size
+        )
+        completions = [
+            self.tokenizer.decode(r.output_tokens, skip_special_tokens=True) for r in responses
+        ]
+        rewards = await asyncio.gather(
+            *(self.reward.ascore(c, data, self.reward_timeout_s) for c in completions)
+        )
         if any(r is None for r in rewards):
             return None  # a group with a missing member cannot be normalised: reject it whole
         seqs = []
@@ -72,22 +92,42 @@ class MultiTurnWorkflow:
     The episode's reward is the first positive turn reward discounted by ``turn_discount`` per
     extra turn (0 when no turn succeeds)."""
 
-    def __init__(self, client: InferenceClient, tokenizer, make_env: Callable[[dict], Any], gconfig: GenerationConfig,
-                 max_turns: int = 4, turn_discount: float = 0.9, group_size: int = 1):
+    def __init__(
+        self,
+        client: InferenceClient,
+        tokenizer,
+        make_env: Callable[[dict], Any],
+        gconfig: GenerationConfig,
+        max_turns: int = 4,
+        turn_discount: float = 0.9,
+        group_size: int = 1,
+    ):
         self.client, self.tokenizer, self.make_env = client, tokenizer, make_env
-        self.gconfig, self.max_turns, self.turn_discount, self.group_size = gconfig, max_turns, turn_discount, group_size
+        self.gconfig, self.max_turns, self.turn_discount, self.group_size = (
+            gconfig,
+            max_turns,
+            turn_discount,
+            group_size,
+        )
 
-    async def play(self, data: dict[str, Any], gconfig: GenerationConfig | None = None) -> tuple[TokenSequence, float]:
+    async def play(
+        self, data: dict[str, Any], gconfig: GenerationConfig | None = None
+    ) -> tuple[TokenSequence, float]:
         """One episode (with ``gconfig`` instead of the workflow's, e.g. greedy for evaluation)."""
         gconfig = gconfig or self.gconfig
         env = self.make_env(data)
         seq = TokenSequence()
-        seq.add_context([self.tokenizer.bos_token_id] + self.tokenizer.encode(data["prompt"], add_special_tokens=False))
+        seq.add_context(
+            [self.tokenizer.bos_token_id]
+            + self.tokenizer.encode(data["prompt"], add_special_tokens=False)
+        )
         reward = 0.0
         for turn in range(self.max_turns):
             resp = await self.client.agenerate(ModelRequest(list(seq.tokens), gconfig))
             add_response(seq, resp)
-            feedback, turn_reward, done = env.step(self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True))
+            feedback, turn_reward, done = env.step(
+                self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
+            )
             if turn_reward > 0:
                 reward = turn_reward * self.turn_discount**turn
             if done:
@@ -97,4 +137,6 @@ class MultiTurnWorkflow:
 
     async def __call__(self, data: dict[str, Any]) -> LMBatch | None:
         results = await asyncio.gather(*(self.play(data) for _ in range(self.group_size)))
-        return LMBatch.from_sequences([s for s, _ in results], [r for _, r in results], self.tokenizer.pad_token_id)
+        return LMBatch.from_sequences(
+            [s for s, _ in results], [r for _, r in results], self.tokenizer.pad_token_id
+        )

@@ -27,9 +27,15 @@ class EmbodiedRunner(RunLoop):
     def __init__(self, cfg: EmbodiedConfig):
         self.worlds = validate_embodied(cfg)
         env = cfg.env
-        self.topo = Topology(env=self.worlds["env"], rollout=self.worlds["rollout"], actor=self.worlds["actor"],
-                             stages=env.pipeline_stage_num, total_num_envs=env.total_num_envs,
-                             eval_num_envs=env.eval_num_envs, reward=self.worlds.get("reward", 0))
+        self.topo = Topology(
+            env=self.worlds["env"],
+            rollout=self.worlds["rollout"],
+            actor=self.worlds["actor"],
+            stages=env.pipeline_stage_num,
+            total_num_envs=env.total_num_envs,
+            eval_num_envs=env.eval_num_envs,
+            reward=self.worlds.get("reward", 0),
+        )
         self.spaces, self.max_episode_steps = _probe_env(cfg)
         self.cluster = self.env = self.rollout = self.actor = self.reward = None
         self.channels: dict[str, Channel] = {}
@@ -49,15 +55,25 @@ class EmbodiedRunner(RunLoop):
         self.cluster = self.start_cluster()
         components = ["env", "rollout", "actor"] + (["reward"] if cfg.reward.enabled else [])
         placement = self.cluster.placement(cfg.cluster.resolved_placement(components))
-        self.env = EnvWorker.create_group(cfg, self.topo).launch(self.cluster, placement, name="env")
-        self.rollout = RolloutWorker.create_group(cfg, self.topo, *spaces).launch(self.cluster, placement, name="rollout")
-        self.actor = ActorWorker.create_group(cfg, self.topo, *spaces, self.max_episode_steps).launch(
-            self.cluster, placement, name="actor")
-        self.reward = (RewardWorker.create_group(cfg, self.topo).launch(self.cluster, placement, name="reward")
-                       if cfg.reward.enabled else None)
+        self.env = EnvWorker.create_group(cfg, self.topo).launch(
+            self.cluster, placement, name="env"
+        )
+        self.rollout = RolloutWorker.create_group(cfg, self.topo, *spaces).launch(
+            self.cluster, placement, name="rollout"
+        )
+        self.actor = ActorWorker.create_group(
+            cfg, self.topo, *spaces, self.max_episode_steps
+        ).launch(self.cluster, placement, name="actor")
+        self.reward = (
+            RewardWorker.create_group(cfg, self.topo).launch(self.cluster, placement, name="reward")
+            if cfg.reward.enabled
+            else None
+        )
         run_id = f"{cfg.runner.experiment}-{uuid.uuid4().hex[:6]}"
-        self.channels = {name: Channel.create(f"{run_id}-{name}", self.cluster)
-                         for name in ("env", "rollout", "actor", "weights", "reward")}
+        self.channels = {
+            name: Channel.create(f"{run_id}-{name}", self.cluster)
+            for name in ("env", "rollout", "actor", "weights", "reward")
+        }
         self.eval_horizon = self.env.execute_on(0).eval_horizon().wait(cfg.runner.timeout_s)[0]
 
     def restore(self, checkpoint: Path) -> dict:
@@ -71,61 +87,91 @@ class EmbodiedRunner(RunLoop):
         as the interrupted run would have); a warning says when the resume cannot be exact."""
         workers = load_extra(checkpoint, WORKERS_FILE)
         if workers is None:
-            log.warning("resume is not exact: %s holds no env or rollout state (saved by an older "
-                        "tidal); the envs restart from their seeds", checkpoint)
+            log.warning(
+                "resume is not exact: %s holds no env or rollout state (saved by an older "
+                "tidal); the envs restart from their seeds",
+                checkpoint,
+            )
             return
         saved = {name: len(workers[name]) for name in ("env", "rollout")}
         if saved != {"env": self.env.world_size, "rollout": self.rollout.world_size}:
-            log.warning("resume is not exact: the checkpoint's env and rollout ranks %s differ "
-                        "from this run's (%d, %d); the envs restart from their seeds", saved,
-                        self.env.world_size, self.rollout.world_size)
+            log.warning(
+                "resume is not exact: the checkpoint's env and rollout ranks %s differ "
+                "from this run's (%d, %d); the envs restart from their seeds",
+                saved,
+                self.env.world_size,
+                self.rollout.world_size,
+            )
             return
         weights = workers["rollout"][0]["weights"]  # rank 0 keeps the stale weights for all ranks
         handles = [self.env.execute_on(r).load_state_dict(s) for r, s in enumerate(workers["env"])]
-        handles += [self.rollout.execute_on(r).load_state_dict({**s, "weights": weights})
-                    for r, s in enumerate(workers["rollout"])]
+        handles += [
+            self.rollout.execute_on(r).load_state_dict({**s, "weights": weights})
+            for r, s in enumerate(workers["rollout"])
+        ]
         timeout = self.cfg.runner.timeout_s
         results = wait_all(handles, timeout)
         if weights is not None:
             self.rollout_version = workers["rollout"][0]["version"]
         if workers["env"][0]["prefetched"]:
             self.env.prefetch_train_bootstrap(self.channels["rollout"]).wait(timeout)
-        for rank, missed in enumerate(r[0] for r in results[:self.env.world_size]):
+        for rank, missed in enumerate(r[0] for r in results[: self.env.world_size]):
             if missed:
-                log.warning("resume is not exact: env rank %d (%s) has state that is not "
-                            "checkpointed: %s", rank, self.cfg.env.id, ", ".join(missed))
+                log.warning(
+                    "resume is not exact: env rank %d (%s) has state that is not checkpointed: %s",
+                    rank,
+                    self.cfg.env.id,
+                    ", ".join(missed),
+                )
 
     def checkpoint_meta(self) -> dict:
         return {"env_steps": self.env_steps}
 
     def should_stop(self, metrics: dict) -> bool:
-        return self.cfg.runner.max_env_steps is not None and self.env_steps >= self.cfg.runner.max_env_steps
+        return (
+            self.cfg.runner.max_env_steps is not None
+            and self.env_steps >= self.cfg.runner.max_env_steps
+        )
 
     def summarize(self) -> dict:
         solved = self.cfg.runner.target_value is not None and any(
-            e.get(self.cfg.runner.target_metric) is not None and e[self.cfg.runner.target_metric] >= self.cfg.runner.target_value
-            for _, e in self.evals)
-        return {"env_steps": self.env_steps, "solved_at_env_steps": self.env_steps if solved else None}
+            e.get(self.cfg.runner.target_metric) is not None
+            and e[self.cfg.runner.target_metric] >= self.cfg.runner.target_value
+            for _, e in self.evals
+        )
+        return {
+            "env_steps": self.env_steps,
+            "solved_at_env_steps": self.env_steps if solved else None,
+        }
 
     def progress_info(self, m: dict) -> str:
-        success = f"success {fmt(m['rollout/success_rate'])} " if "rollout/success_rate" in m else ""
-        return (f"env_steps {m['env_steps']} return {fmt(m.get('rollout/return_mean'))} {success}"
-                f"eval {fmt(m.get('eval/return_mean'))} loss {m.get('train/policy_loss', 0):.4f} "
-                f"v_loss {m.get('train/value_loss', 0):.4f} kl {m.get('train/approx_kl', 0):.4f} "
-                f"{m['env_steps_per_s']:.0f} steps/s")
+        success = (
+            f"success {fmt(m['rollout/success_rate'])} " if "rollout/success_rate" in m else ""
+        )
+        return (
+            f"env_steps {m['env_steps']} return {fmt(m.get('rollout/return_mean'))} {success}"
+            f"eval {fmt(m.get('eval/return_mean'))} loss {m.get('train/policy_loss', 0):.4f} "
+            f"v_loss {m.get('train/value_loss', 0):.4f} kl {m.get('train/approx_kl', 0):.4f} "
+            f"{m['env_steps_per_s']:.0f} steps/s"
+        )
 
     # -- phases ----------------------------------------------------------------------------
 
     def sync_weights(self) -> None:
         timeout = self.cfg.runner.timeout_s
         ch = self.channels["weights"]
-        sent, received = wait_all([self.actor.execute_on(0).send_weights(ch), self.rollout.sync_weights(ch, timeout)], timeout)
+        sent, received = wait_all(
+            [self.actor.execute_on(0).send_weights(ch), self.rollout.sync_weights(ch, timeout)],
+            timeout,
+        )
         self.rollout_version = sent[0]
 
     def generate_rollouts(self) -> dict:
         c, timeout = self.channels, self.cfg.runner.timeout_s
         handles = [
-            self.env.interact(c["rollout"], c["env"], c["actor"], c["reward"] if self.reward else None, timeout),
+            self.env.interact(
+                c["rollout"], c["env"], c["actor"], c["reward"] if self.reward else None, timeout
+            ),
             self.rollout.generate(c["rollout"], c["env"], "train", timeout=timeout),
             self.actor.recv_trajectories(c["actor"], timeout),
         ]
@@ -135,11 +181,14 @@ class EmbodiedRunner(RunLoop):
         returns = [r for res in env_results for r in res["returns"]]
         lengths = [n for res in env_results for n in res["lengths"]]
         self.env_steps += sum(res["env_steps"] for res in env_results)
-        return {**_success(env_results, "rollout"),
+        return {
+            **_success(env_results, "rollout"),
             "rollout/return_mean": float(np.mean(returns)) if returns else None,
             "rollout/episode_length_mean": float(np.mean(lengths)) if lengths else None,
             "rollout/episodes": len(returns),
-            "rollout/bootstrap_prefetched": float(np.mean([res["prefetched"] for res in env_results])),
+            "rollout/bootstrap_prefetched": float(
+                np.mean([res["prefetched"] for res in env_results])
+            ),
             "rollout/nonfinite_env_steps": sum(res["nonfinite"] for res in env_results),
         }
 
@@ -153,15 +202,24 @@ class EmbodiedRunner(RunLoop):
         returns, done, outcomes = [], 0, []
         while done < self.eval_horizon:
             steps = min(EVAL_SEGMENT, self.eval_horizon - done)
-            results = wait_all([self.env.evaluate(c["rollout"], c["env"], steps, done == 0, timeout),
-                                self.rollout.generate(c["rollout"], c["env"], "eval", steps, timeout)], timeout)[0]
+            results = wait_all(
+                [
+                    self.env.evaluate(c["rollout"], c["env"], steps, done == 0, timeout),
+                    self.rollout.generate(c["rollout"], c["env"], "eval", steps, timeout),
+                ],
+                timeout,
+            )[0]
             returns += [r for res in results for r in res["returns"]]
             outcomes += results
             done += steps
             if all(res["finished"] for res in results):
                 break
-        return {**_success(outcomes, "eval"), "eval/return_mean": float(np.mean(returns)) if returns else None,
-                "eval/return_std": float(np.std(returns)) if returns else None, "eval/episodes": len(returns)}
+        return {
+            **_success(outcomes, "eval"),
+            "eval/return_mean": float(np.mean(returns)) if returns else None,
+            "eval/return_std": float(np.std(returns)) if returns else None,
+            "eval/episodes": len(returns),
+        }
 
     def save(self, path: Path, meta: dict) -> str:
         """The actor's checkpoint, with the env and rollout ranks' state in ``workers.pt``."""
@@ -193,14 +251,23 @@ class EmbodiedRunner(RunLoop):
         return metrics
 
     def env_steps_this_step(self, metrics: dict) -> float:
-        per_step = self.cfg.env.total_num_envs * self.cfg.rollout.num_steps * self.cfg.env.num_action_chunks
+        per_step = (
+            self.cfg.env.total_num_envs
+            * self.cfg.rollout.num_steps
+            * self.cfg.env.num_action_chunks
+        )
         return per_step / max(metrics.get("time/step", 1e-9), 1e-9)
 
     def cleanup_steps(self, graceful: bool) -> list:
         steps = []
         if graceful and self.env is not None:
             steps.append(("env close", lambda: self.env.close().wait(self.cfg.runner.timeout_s)))
-        for name, group in (("env", self.env), ("rollout", self.rollout), ("actor", self.actor), ("reward", self.reward)):
+        for name, group in (
+            ("env", self.env),
+            ("rollout", self.rollout),
+            ("actor", self.actor),
+            ("reward", self.reward),
+        ):
             if group is not None:
                 steps.append((f"{name} group", group.shutdown))
         steps += [(f"{name} channel", ch.close) for name, ch in self.channels.items()]
@@ -224,8 +291,10 @@ def _probe_env(cfg: EmbodiedConfig):
         probe = make_env(env.adapter, 1, **{**env_make_kwargs(env), "vectorization_mode": "sync"})
     except Exception as exc:  # noqa: BLE001 - gymnasium raises many kinds for a bad id or kwarg
         key = "env.kwargs" if isinstance(exc, TypeError) and env.kwargs else "env.id"
-        raise ConfigError(f"{key}: cannot make {env.id!r} with kwargs {dict(env.kwargs)}: "
-                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        raise ConfigError(
+            f"{key}: cannot make {env.id!r} with kwargs {dict(env.kwargs)}: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
     try:
         spaces = (probe.observation_space, probe.action_space)
     finally:
@@ -239,8 +308,12 @@ def _probe_env(cfg: EmbodiedConfig):
 def _check_saved_spaces(path: str, observation_space, action_space) -> None:
     """A saved policy acts in this env only if it was saved for the same spaces."""
     saved = saved_policy_config(path)
-    for what, key, space in (("observations", "observation_space", observation_space),
-                             ("actions", "action_space", action_space)):
+    for what, key, space in (
+        ("observations", "observation_space", observation_space),
+        ("actions", "action_space", action_space),
+    ):
         if space_from_json(saved[key]) != space:
-            raise ConfigError(f"model.path: {path!r} was saved for {what} {space_from_json(saved[key])}, "
-                              f"this env has {space} (env.id, env.obs_mode, env.image_size, env.adapter_kwargs)")
+            raise ConfigError(
+                f"model.path: {path!r} was saved for {what} {space_from_json(saved[key])}, "
+                f"this env has {space} (env.id, env.obs_mode, env.image_size, env.adapter_kwargs)"
+            )

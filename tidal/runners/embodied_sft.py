@@ -32,33 +32,57 @@ def run_embodied_sft(cfg: EmbodiedConfig) -> dict:
     validate_sft(cfg)
     torch.manual_seed(cfg.runner.seed)
     torch.set_num_threads(cfg.cluster.torch_threads)
-    run_dir = run_folder(dataclasses.replace(cfg.runner, experiment=f"{cfg.runner.experiment}-sft"), None)
+    run_dir = run_folder(
+        dataclasses.replace(cfg.runner, experiment=f"{cfg.runner.experiment}-sft"), None
+    )
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     start = time.perf_counter()
     demos = collect_demos(cfg)
-    log.info("sft: %d demonstrations (%d steps) in %.1f s", demos.num_episodes, len(demos.obs),
-             time.perf_counter() - start)
+    log.info(
+        "sft: %d demonstrations (%d steps) in %.1f s",
+        demos.num_episodes,
+        len(demos.obs),
+        time.perf_counter() - start,
+    )
     env = make_env(cfg.env.adapter, cfg.env.eval_num_envs, **env_make_kwargs(cfg.env))
     logger = MetricLogger(run_dir, cfg.runner.loggers, config=dataclasses.asdict(cfg))
     try:
-        policy = build_from_config(dataclasses.replace(cfg.model, path=None), env.observation_space,
-                                   env.action_space, cfg.env.num_action_chunks)
+        policy = build_from_config(
+            dataclasses.replace(cfg.model, path=None),
+            env.observation_space,
+            env.action_space,
+            cfg.env.num_action_chunks,
+        )
         history = behaviour_clone(cfg, policy, demos)
         for row in history:
             logger.log(row["step"] - 1, row)
         seeds = [cfg.runner.seed + EVAL_SEED + i for i in range(cfg.env.eval_num_envs)]
-        evaluation = evaluate_success(policy, env, seeds, deterministic=cfg.rollout.eval_deterministic)
+        evaluation = evaluate_success(
+            policy, env, seeds, deterministic=cfg.rollout.eval_deterministic
+        )
         logger.log(cfg.sft.steps - 1, evaluation)
     finally:
         env.close()
         logger.close()
     save_policy(policy, cfg.model.path)
-    summary = {"model_path": cfg.model.path, "run_dir": str(run_dir), "demos": demos.num_episodes,
-               "demo_steps": len(demos.obs), "steps": cfg.sft.steps, "first_loss": history[0]["bc/loss"],
-               "final_loss": history[-1]["bc/loss"], **evaluation, "wall_time": time.perf_counter() - start}
-    log.info("sft: success %.3f after %d steps; policy saved to %s", evaluation.get("eval/success_rate", 0.0),
-             cfg.sft.steps, cfg.model.path)
+    summary = {
+        "model_path": cfg.model.path,
+        "run_dir": str(run_dir),
+        "demos": demos.num_episodes,
+        "demo_steps": len(demos.obs),
+        "steps": cfg.sft.steps,
+        "first_loss": history[0]["bc/loss"],
+        "final_loss": history[-1]["bc/loss"],
+        **evaluation,
+        "wall_time": time.perf_counter() - start,
+    }
+    log.info(
+        "sft: success %.3f after %d steps; policy saved to %s",
+        evaluation.get("eval/success_rate", 0.0),
+        cfg.sft.steps,
+        cfg.model.path,
+    )
     return summary
 
 
@@ -69,14 +93,25 @@ def collect_demos(cfg: EmbodiedConfig):
     kwargs = env_make_kwargs(cfg.env)
     env_id = kwargs.pop("env_id")
     kwargs.pop("max_episode_steps")
-    return collect_metaworld_demos(env_id, cfg.sft.demos, action_noise=cfg.sft.action_noise, seed=cfg.runner.seed,
-                                   **kwargs)
+    return collect_metaworld_demos(
+        env_id, cfg.sft.demos, action_noise=cfg.sft.action_noise, seed=cfg.runner.seed, **kwargs
+    )
 
 
 def behaviour_clone(cfg: EmbodiedConfig, policy, demos) -> list[dict]:
     """``sft.steps`` optimizer steps through the train engine (``actor``'s optimizer settings,
     ``sft.lr``, a constant schedule)."""
-    engine_cfg = dataclasses.replace(cfg.actor, lr=cfg.sft.lr, lr_schedule="constant", warmup_steps=0)
+    engine_cfg = dataclasses.replace(
+        cfg.actor, lr=cfg.sft.lr, lr_schedule="constant", warmup_steps=0
+    )
     engine = TrainEngine(policy, engine_cfg, cfg.sft.steps, name="sft")
-    return train_bc(policy, demos, engine, cfg.sft.steps, batch_size=cfg.sft.batch_size, seed=cfg.runner.seed,
-                    num_action_chunks=cfg.env.num_action_chunks, log_every=cfg.sft.log_interval)
+    return train_bc(
+        policy,
+        demos,
+        engine,
+        cfg.sft.steps,
+        batch_size=cfg.sft.batch_size,
+        seed=cfg.runner.seed,
+        num_action_chunks=cfg.env.num_action_chunks,
+        log_every=cfg.sft.log_interval,
+    )

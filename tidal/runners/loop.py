@@ -46,7 +46,9 @@ class Interrupted(RuntimeError):
 
     def __init__(self, signum: int, checkpoint: str | None):
         self.signum, self.checkpoint = signum, checkpoint
-        super().__init__(f"stopped by {signal.Signals(signum).name}; checkpoint saved at {checkpoint}")
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name}; checkpoint saved at {checkpoint}"
+        )
 
 
 class RunLoop(ABC):
@@ -73,10 +75,18 @@ class RunLoop(ABC):
                 meta = self.restore(self.checkpoint_to_resume)
                 self.start_step = self.last_saved_step = meta["step"]
                 dropped = truncate_metrics(self.run_dir, meta["step"] - 1)
-                log.info("resumed from %s at step %d (%d metric rows after it dropped)",
-                         self.checkpoint_to_resume, self.start_step, dropped)
-            self.logger = MetricLogger(self.run_dir, r.loggers, config=_plain(cfg),
-                                       settings={"wandb": dict(r.wandb), "mlflow": dict(r.mlflow)})
+                log.info(
+                    "resumed from %s at step %d (%d metric rows after it dropped)",
+                    self.checkpoint_to_resume,
+                    self.start_step,
+                    dropped,
+                )
+            self.logger = MetricLogger(
+                self.run_dir,
+                r.loggers,
+                config=_plain(cfg),
+                settings={"wandb": dict(r.wandb), "mlflow": dict(r.mlflow)},
+            )
         except BaseException:
             self.close(graceful=False)
             raise
@@ -121,8 +131,13 @@ class RunLoop(ABC):
         from tidal.runtime import Cluster
 
         c = self.cfg.cluster
-        return Cluster(c.backend, address=c.address, connect_timeout_s=c.connect_timeout_s,
-                       devices_per_node=c.devices_per_node, gil_switch_interval=c.gil_switch_interval)
+        return Cluster(
+            c.backend,
+            address=c.address,
+            connect_timeout_s=c.connect_timeout_s,
+            devices_per_node=c.devices_per_node,
+            gil_switch_interval=c.gil_switch_interval,
+        )
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -168,9 +183,15 @@ class RunLoop(ABC):
             progress.close()
             restore_signals()
         summary = {
-            "steps": step + 1, "wall_time": time.perf_counter() - start, "run_dir": str(self.run_dir),
-            "checkpoint": checkpoint, "target_metric": r.target_metric, "best_value": best,
-            "solved_at_step": solved_at, "evals": self.evals, **self.summarize(),
+            "steps": step + 1,
+            "wall_time": time.perf_counter() - start,
+            "run_dir": str(self.run_dir),
+            "checkpoint": checkpoint,
+            "target_metric": r.target_metric,
+            "best_value": best,
+            "solved_at_step": solved_at,
+            "evals": self.evals,
+            **self.summarize(),
         }
         self.logger.log_summary({k: v for k, v in summary.items() if k != "evals"})
         return summary
@@ -197,8 +218,10 @@ class RunLoop(ABC):
             if self._signal is not None:
                 raise KeyboardInterrupt
             self._signal = signum
-            log.warning("%s received: saving a checkpoint after this step, then stopping (again to stop now)",
-                        signal.Signals(signum).name)
+            log.warning(
+                "%s received: saving a checkpoint after this step, then stopping (again to stop now)",
+                signal.Signals(signum).name,
+            )
 
         for s in previous:
             signal.signal(s, handler)
@@ -254,10 +277,17 @@ def run_with_restarts(make_runner: Callable[[Any], RunLoop], cfg: Any) -> dict:
             restarts += 1
             found = complete_checkpoints(runner.run_dir / "checkpoints")
             resume = str(runner.run_dir / "checkpoints") if found else None
-            log.warning("restart %d of %d after a worker fault (%s: %s); resuming from %s", restarts,
-                        cfg.runner.max_restarts, type(exc).__name__, str(exc).splitlines()[0],
-                        resume or "nothing (no checkpoint yet): starting over")
-            cfg = dataclasses.replace(cfg, runner=dataclasses.replace(cfg.runner, resume_from=resume))
+            log.warning(
+                "restart %d of %d after a worker fault (%s: %s); resuming from %s",
+                restarts,
+                cfg.runner.max_restarts,
+                type(exc).__name__,
+                str(exc).splitlines()[0],
+                resume or "nothing (no checkpoint yet): starting over",
+            )
+            cfg = dataclasses.replace(
+                cfg, runner=dataclasses.replace(cfg.runner, resume_from=resume)
+            )
 
 
 def find_resume_checkpoint(runner) -> Path | None:
@@ -274,13 +304,17 @@ def find_resume_checkpoint(runner) -> Path | None:
             clean_stale(folder / "checkpoints")
             found += complete_checkpoints(folder / "checkpoints")
     if not found:
-        log.info("runner.resume_from=auto: no checkpoint of %r under %s; starting fresh", runner.experiment, base)
+        log.info(
+            "runner.resume_from=auto: no checkpoint of %r under %s; starting fresh",
+            runner.experiment,
+            base,
+        )
         return None
     return max(found, key=lambda p: p.stat().st_mtime)
 
 
 def _is_suffixed(name: str, experiment: str) -> bool:
-    rest = name[len(experiment):]
+    rest = name[len(experiment) :]
     return rest.startswith("-") and rest[1:].isdigit()
 
 
@@ -305,7 +339,15 @@ def _plain(cfg) -> dict:
 
 
 def fmt(v) -> str:
-    return "-" if v is None else f"{v:.3g}" if isinstance(v, float) and abs(v) < 10 else f"{v:.1f}" if isinstance(v, float) else str(v)
+    return (
+        "-"
+        if v is None
+        else f"{v:.3g}"
+        if isinstance(v, float) and abs(v) < 10
+        else f"{v:.1f}"
+        if isinstance(v, float)
+        else str(v)
+    )
 
 
 class Progress:
@@ -320,8 +362,14 @@ class Progress:
         if enabled and console.is_terminal:
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.live = Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console)
+            self.live = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+                console=console,
+            )
             self.task = self.live.add_task("train", total=total, completed=start, info="")
             self.live.start()
 

@@ -51,7 +51,9 @@ class ReasoningRunner(RunLoop):
     def __init__(self, cfg: LLMConfig):
         validate_llm(cfg)
         validate_model_path(cfg)
-        self.cluster = self.servers = self.actor = self.weights_ch = self.client = self.dispatcher = None
+        self.cluster = self.servers = self.actor = self.weights_ch = self.client = (
+            self.dispatcher
+        ) = None
         self.version = 0
         super().__init__(cfg)
 
@@ -62,13 +64,24 @@ class ReasoningRunner(RunLoop):
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.cluster = self.start_cluster()
         placement = self.cluster.placement(cfg.cluster.resolved_placement(["rollout", "actor"]))
-        devices = placement.devices("rollout")[: r.num_servers] if r.num_servers <= len(placement.devices("rollout")) else r.num_servers
-        self.servers = InferenceServerWorker.create_group(cfg.model.path, max_batch_size=r.max_batch_size,
-                                                         torch_threads=cfg.cluster.torch_threads, dtype=cfg.model.dtype,
-                                                         attn_implementation=cfg.model.attn_implementation).launch(
-            self.cluster, devices, name="rollout")
-        self.actor = LMActor.create_group(cfg).launch(self.cluster, placement.devices("actor"), name="actor")
-        self.weights_ch = Channel.create(f"{cfg.runner.experiment}-{uuid.uuid4().hex[:6]}-weights", self.cluster)
+        devices = (
+            placement.devices("rollout")[: r.num_servers]
+            if r.num_servers <= len(placement.devices("rollout"))
+            else r.num_servers
+        )
+        self.servers = InferenceServerWorker.create_group(
+            cfg.model.path,
+            max_batch_size=r.max_batch_size,
+            torch_threads=cfg.cluster.torch_threads,
+            dtype=cfg.model.dtype,
+            attn_implementation=cfg.model.attn_implementation,
+        ).launch(self.cluster, devices, name="rollout")
+        self.actor = LMActor.create_group(cfg).launch(
+            self.cluster, placement.devices("actor"), name="actor"
+        )
+        self.weights_ch = Channel.create(
+            f"{cfg.runner.experiment}-{uuid.uuid4().hex[:6]}-weights", self.cluster
+        )
         addresses = self.servers.address().wait(cfg.runner.timeout_s)
         self.client = InferenceClient(addresses)
         self.gconfig = generation_config(cfg, self.tokenizer)
@@ -77,7 +90,11 @@ class ReasoningRunner(RunLoop):
             self.train_data, self.eval_data = train_records(cfg, cache), eval_records(cfg, cache)
         self.workflow = self._workflow()
         self.dispatcher = RolloutDispatcher(self.workflow, self.staleness)
-        self.evaluator = None if self._multi_turn else evaluator(cfg, self.client, self.tokenizer, self.eval_data)
+        self.evaluator = (
+            None
+            if self._multi_turn
+            else evaluator(cfg, self.client, self.tokenizer, self.eval_data)
+        )
 
     def restore(self, checkpoint: Path) -> dict:
         meta = self.actor.load(str(checkpoint)).wait(self.cfg.runner.timeout_s)[0]
@@ -98,23 +115,41 @@ class ReasoningRunner(RunLoop):
 
     def progress_info(self, m: dict) -> str:
         evals = {k: round(v, 3) for k, v in m.items() if k.startswith("eval/")}
-        return (f"reward {m['rollout/reward_mean']:.3f} {evals or ''} staleness {m['staleness/mean']:.2f} "
-                f"{m['time/step']:.2f}s/step")
+        return (
+            f"reward {m['rollout/reward_mean']:.3f} {evals or ''} staleness {m['staleness/mean']:.2f} "
+            f"{m['time/step']:.2f}s/step"
+        )
 
     def _workflow(self):
         r, d = self.cfg.rollout, self.cfg.data
         if ":" in r.workflow:  # a user's workflow: module.path:factory(runner) -> async callable
             return import_object(r.workflow, "rollout.workflow")(self)
         if self._multi_turn:
-            return MultiTurnWorkflow(self.client, self.tokenizer, TASKS.get(d.task).env, self.gconfig,
-                                     max_turns=r.max_turns, turn_discount=r.turn_discount, group_size=r.group_size)
+            return MultiTurnWorkflow(
+                self.client,
+                self.tokenizer,
+                TASKS.get(d.task).env,
+                self.gconfig,
+                max_turns=r.max_turns,
+                turn_discount=r.turn_discount,
+                group_size=r.group_size,
+            )
         reward = warmed_reward(self.cfg, self.train_data.table[0])
-        return RLVRWorkflow(self.client, self.tokenizer, reward, self.gconfig, r.group_size,
-                            r.reward_timeout_s, render=prompt_renderer(self.cfg, self.tokenizer))
+        return RLVRWorkflow(
+            self.client,
+            self.tokenizer,
+            reward,
+            self.gconfig,
+            r.group_size,
+            r.reward_timeout_s,
+            render=prompt_renderer(self.cfg, self.tokenizer),
+        )
 
     def _run(self, coro, timeout: float | None = None):
         """Run a coroutine on the dispatcher's event loop (where the client lives)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.dispatcher._loop).result(timeout or self.cfg.runner.timeout_s)
+        return asyncio.run_coroutine_threadsafe(coro, self.dispatcher._loop).result(
+            timeout or self.cfg.runner.timeout_s
+        )
 
     # -- phases ----------------------------------------------------------------------------
 
@@ -125,8 +160,13 @@ class ReasoningRunner(RunLoop):
         with self.timer("update_weights/pause"):
             self.servers.pause_generation(self.cfg.rollout.pause_mode).wait(timeout)
         with self.timer("update_weights/transfer"):
-            sent, loaded = wait_all([self.actor.send_weights(self.weights_ch, self.servers.world_size),
-                                     self.servers.load_weights(self.weights_ch, timeout)], timeout)
+            sent, loaded = wait_all(
+                [
+                    self.actor.send_weights(self.weights_ch, self.servers.world_size),
+                    self.servers.load_weights(self.weights_ch, timeout),
+                ],
+                timeout,
+            )
         self.version = sent[0]
         self.staleness.set_version(self.version)
         with self.timer("update_weights/resume"):
@@ -153,7 +193,9 @@ class ReasoningRunner(RunLoop):
         r = self.cfg.runner
         with self.timer("step"):
             with self.timer("prepare_batch"):
-                episodes = self.dispatcher.prepare_batch(self.train_data, self.cfg.rollout.batch_size, r.timeout_s)
+                episodes = self.dispatcher.prepare_batch(
+                    self.train_data, self.cfg.rollout.batch_size, r.timeout_s
+                )
                 batch = LMBatch.concat(episodes, self.tokenizer.pad_token_id)
             with self.timer("train"):
                 metrics = self.actor.train_step(batch).wait(r.timeout_s)[0]
@@ -161,20 +203,26 @@ class ReasoningRunner(RunLoop):
                 self._update_weights()
         metrics.update(self.timer.pop())
         gen_tokens = float(batch.loss_mask.sum())
-        metrics.update({
-            "version": self.version, "rollout/reward_mean": float(batch.rewards.mean()),
-            **{f"rollout/{k}": v for k, v in self.staleness.snapshot().items()},
-            **self._reward_failures(),
-            "train/tokens_per_s": float(batch.attention_mask.sum()) / metrics["time/step"],
-            "rollout/generated_tokens_per_s": gen_tokens / metrics["time/step"],
-        })
+        metrics.update(
+            {
+                "version": self.version,
+                "rollout/reward_mean": float(batch.rewards.mean()),
+                **{f"rollout/{k}": v for k, v in self.staleness.snapshot().items()},
+                **self._reward_failures(),
+                "train/tokens_per_s": float(batch.attention_mask.sum()) / metrics["time/step"],
+                "rollout/generated_tokens_per_s": gen_tokens / metrics["time/step"],
+            }
+        )
         return metrics
 
     def _reward_failures(self) -> dict:
         counters = getattr(self.workflow, "counters", None)  # user workflows may keep none
         if counters is None:
             return {}
-        return {"rollout/reward_errors": counters.errors, "rollout/reward_timeouts": counters.timeouts}
+        return {
+            "rollout/reward_errors": counters.errors,
+            "rollout/reward_timeouts": counters.timeouts,
+        }
 
     def save(self, path: Path, meta: dict) -> str:
         return self.actor.save(str(path), meta).wait(self.cfg.runner.timeout_s)[0]

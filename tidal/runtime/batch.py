@@ -18,7 +18,9 @@ def batch_size(batch: Any) -> int:
     """The size of the first dimension of the first array found in ``batch``."""
     size = _first_size(batch)
     if size is None:
-        raise ValueError(f"cannot infer a batch size from {type(batch).__name__}: it holds no tensor")
+        raise ValueError(
+            f"cannot infer a batch size from {type(batch).__name__}: it holds no tensor"
+        )
     return size
 
 
@@ -49,7 +51,10 @@ def split_batch(batch: Any, sizes: list[int]) -> list[Any]:
     total = batch_size(batch)
     if sum(sizes) != total:
         raise ValueError(f"split sizes {sizes} add up to {sum(sizes)}, but the batch has {total}")
-    return [_map(batch, lambda x, s=start, n=size: x[s : s + n]) for start, size in zip(_offsets(sizes), sizes)]
+    return [
+        _map(batch, lambda x, s=start, n=size: x[s : s + n])
+        for start, size in zip(_offsets(sizes), sizes)
+    ]
 
 
 def _offsets(sizes: list[int]) -> list[int]:
@@ -70,7 +75,14 @@ def _map(batch: Any, fn) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(_map(v, fn) for v in batch)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(batch, **{f.name: _map(getattr(batch, f.name), fn) for f in dataclasses.fields(batch) if f.init})
+        return dataclasses.replace(
+            batch,
+            **{
+                f.name: _map(getattr(batch, f.name), fn)
+                for f in dataclasses.fields(batch)
+                if f.init
+            },
+        )
     return batch
 
 
@@ -93,5 +105,7 @@ def merge_batches(shards: list[Any]) -> Any:
         return type(first)(merge_batches(list(vals)) for vals in zip(*shards))
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
         fields = [f.name for f in dataclasses.fields(first) if f.init]
-        return dataclasses.replace(first, **{n: merge_batches([getattr(s, n) for s in shards]) for n in fields})
+        return dataclasses.replace(
+            first, **{n: merge_batches([getattr(s, n) for s in shards]) for n in fields}
+        )
     return first

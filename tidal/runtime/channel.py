@@ -151,7 +151,9 @@ class ChannelStore:
 
     def get_batch(self, key: Hashable, target_weight: float) -> Waiter:
         if target_weight <= 0:
-            raise ValueError(f"channel {self.name!r}: get_batch target_weight must be > 0, got {target_weight}")
+            raise ValueError(
+                f"channel {self.name!r}: get_batch target_weight must be > 0, got {target_weight}"
+            )
         return self._add_getter(key, float(target_weight))
 
     def qsize(self, key: Hashable) -> int:
@@ -182,7 +184,10 @@ class ChannelStore:
             progress = False
             while getters and items:
                 head = getters[0]
-                if head.target_weight is not None and self._weights[key] < head.target_weight - 1e-12:
+                if (
+                    head.target_weight is not None
+                    and self._weights[key] < head.target_weight - 1e-12
+                ):
                     break
                 getters.popleft()
                 if not head.future.set_running_or_notify_cancel():
@@ -247,11 +252,17 @@ def _bridge(fut: cf.Future) -> asyncio.Future:
     return out
 
 
-async def _await_or_cancel(fut: cf.Future, timeout: float | None, on_timeout: Callable[[], Exception]):
+async def _await_or_cancel(
+    fut: cf.Future, timeout: float | None, on_timeout: Callable[[], Exception]
+):
     if fut.done():  # the common case when producers run ahead: no task, no timer
         return fut.result()
     waiter = _bridge(fut)
-    timer = asyncio.get_running_loop().call_later(timeout, _expire, waiter) if timeout is not None else None
+    timer = (
+        asyncio.get_running_loop().call_later(timeout, _expire, waiter)
+        if timeout is not None
+        else None
+    )
     try:
         return await waiter
     except _Expired:
@@ -275,7 +286,9 @@ def _expire(waiter: asyncio.Future) -> None:
 class AsyncWork:
     """The result of an ``async_op=True`` channel operation: ``wait()`` it or ``await`` it."""
 
-    def __init__(self, future: cf.Future, on_timeout: Callable[[], Exception], timeout: float | None):
+    def __init__(
+        self, future: cf.Future, on_timeout: Callable[[], Exception], timeout: float | None
+    ):
         self._future, self._on_timeout, self._timeout = future, on_timeout, timeout
 
     def done(self) -> bool:
@@ -337,25 +350,42 @@ class Channel:
     def backend(self) -> str:
         return self._transport.backend
 
-    def put(self, item: Any, key: Hashable = DEFAULT_KEY, weight: float = 1.0, async_op: bool = False,
-            timeout: float | None = None):
+    def put(
+        self,
+        item: Any,
+        key: Hashable = DEFAULT_KEY,
+        weight: float = 1.0,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ):
         """Append ``item`` under ``key``; waits while the key is full (``maxsize``)."""
         return self._transport.put(key, item, weight, async_op, timeout)
 
-    def put_shared(self, item: Any, keys: list[Hashable], weight: float = 1.0, timeout: float | None = None) -> None:
+    def put_shared(
+        self, item: Any, keys: list[Hashable], weight: float = 1.0, timeout: float | None = None
+    ) -> None:
         """Deliver one item under several keys with a single object-store write (e.g. the same
         weights to every rank of a group). Receivers must treat it as read-only."""
         self._transport.put_shared(item, keys, weight, timeout)
 
-    def get(self, key: Hashable = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None):
+    def get(
+        self, key: Hashable = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None
+    ):
         """Take the oldest item under ``key``, waiting for one."""
         return self._transport.get(key, async_op, timeout)
 
-    def get_batch(self, target_weight: float, key: Hashable = DEFAULT_KEY, async_op: bool = False,
-                  timeout: float | None = None):
+    def get_batch(
+        self,
+        target_weight: float,
+        key: Hashable = DEFAULT_KEY,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ):
         """Take, at once, the oldest items whose weights add up to at least ``target_weight``."""
         if target_weight <= 0:
-            raise ValueError(f"channel {self.name!r}: get_batch target_weight must be > 0, got {target_weight}")
+            raise ValueError(
+                f"channel {self.name!r}: get_batch target_weight must be > 0, got {target_weight}"
+            )
         return self._transport.get_batch(key, target_weight, async_op, timeout)
 
     def qsize(self, key: Hashable = DEFAULT_KEY) -> int:

@@ -38,7 +38,9 @@ class CommMapper:
                 )
 
     @staticmethod
-    def get_dst_ranks(batch_size: int, src_world_size: int, dst_world_size: int, src_rank: int) -> list[tuple[int, int]]:
+    def get_dst_ranks(
+        batch_size: int, src_world_size: int, dst_world_size: int, src_rank: int
+    ) -> list[tuple[int, int]]:
         """``[(dst_rank, size), ...]`` for the block held by ``src_rank``, in batch order."""
         CommMapper._check(batch_size, src_world_size, dst_world_size)
         if not 0 <= src_rank < src_world_size:
@@ -47,7 +49,9 @@ class CommMapper:
         return _blocks_overlapping(src_rank * per_src, (src_rank + 1) * per_src, per_dst)
 
     @staticmethod
-    def get_src_ranks(batch_size: int, src_world_size: int, dst_world_size: int, dst_rank: int) -> list[tuple[int, int]]:
+    def get_src_ranks(
+        batch_size: int, src_world_size: int, dst_world_size: int, dst_rank: int
+    ) -> list[tuple[int, int]]:
         """``[(src_rank, size), ...]`` that together make up ``dst_rank``'s block, in batch order."""
         CommMapper._check(batch_size, src_world_size, dst_world_size)
         if not 0 <= dst_rank < dst_world_size:
@@ -73,23 +77,34 @@ def send_batch(
     the destination rank it belongs to. Returns the put results (``AsyncWork`` if async)."""
     routes = _outgoing_routes(batch_size(batch), src_rank, src_world_size, dst_world_size, tag)
     shards = [batch] if len(routes) == 1 else split_batch(batch, [size for _, size, _ in routes])
-    return [channel.put(shard, key=key, async_op=async_op) for (_, _, key), shard in zip(routes, shards)]
+    return [
+        channel.put(shard, key=key, async_op=async_op) for (_, _, key), shard in zip(routes, shards)
+    ]
 
 
 # Routes are recomputed for every chunk step of every rank: cache them (a handful per run).
 @lru_cache(maxsize=4096)
 def _outgoing_routes(local_size: int, src_rank: int, src_world_size: int, dst_world_size: int, tag):
     """``(dst_rank, size, channel key)`` of every shard a source rank sends, in order."""
-    return tuple((dst, size, CommMapper.build_channel_key(src_rank, dst, tag))
-                 for dst, size in CommMapper.get_dst_ranks(local_size * src_world_size, src_world_size,
-                                                           dst_world_size, src_rank))
+    return tuple(
+        (dst, size, CommMapper.build_channel_key(src_rank, dst, tag))
+        for dst, size in CommMapper.get_dst_ranks(
+            local_size * src_world_size, src_world_size, dst_world_size, src_rank
+        )
+    )
 
 
 @lru_cache(maxsize=4096)
-def _incoming_routes(global_batch_size: int, src_world_size: int, dst_world_size: int, dst_rank: int, tag):
+def _incoming_routes(
+    global_batch_size: int, src_world_size: int, dst_world_size: int, dst_rank: int, tag
+):
     """``(src_rank, size, channel key)`` of every shard a destination rank receives, in order."""
-    return tuple((src, size, CommMapper.build_channel_key(src, dst_rank, tag))
-                 for src, size in CommMapper.get_src_ranks(global_batch_size, src_world_size, dst_world_size, dst_rank))
+    return tuple(
+        (src, size, CommMapper.build_channel_key(src, dst_rank, tag))
+        for src, size in CommMapper.get_src_ranks(
+            global_batch_size, src_world_size, dst_world_size, dst_rank
+        )
+    )
 
 
 def _merge_checked(routes: list, shards: list, dst_rank: int, tag) -> Any:
@@ -97,7 +112,9 @@ def _merge_checked(routes: list, shards: list, dst_rank: int, tag) -> Any:
     for (src, expected, _), shard in zip(routes, shards):
         got = batch_size(shard)
         if got != expected:
-            raise ValueError(f"route {src}->{dst_rank} ({tag!r}): expected a shard of {expected} items, got {got}")
+            raise ValueError(
+                f"route {src}->{dst_rank} ({tag!r}): expected a shard of {expected} items, got {got}"
+            )
     return merge_batches(shards)
 
 
@@ -112,7 +129,9 @@ def recv_batch(
 ) -> Any:
     """Receive the shards that make up this destination rank's block and merge them."""
     routes = _incoming_routes(global_batch_size, src_world_size, dst_world_size, dst_rank, tag)
-    return _merge_checked(routes, [channel.get(key=key, timeout=timeout) for _, _, key in routes], dst_rank, tag)
+    return _merge_checked(
+        routes, [channel.get(key=key, timeout=timeout) for _, _, key in routes], dst_rank, tag
+    )
 
 
 async def async_recv_batch(
@@ -141,9 +160,18 @@ class Outbox:
         self.limit = limit
         self._pending: list = []
 
-    async def send(self, channel: Channel, batch: Any, src_rank: int, src_world_size: int, dst_world_size: int,
-                   tag: Hashable = "") -> None:
-        for work in send_batch(channel, batch, src_rank, src_world_size, dst_world_size, tag, async_op=True):
+    async def send(
+        self,
+        channel: Channel,
+        batch: Any,
+        src_rank: int,
+        src_world_size: int,
+        dst_world_size: int,
+        tag: Hashable = "",
+    ) -> None:
+        for work in send_batch(
+            channel, batch, src_rank, src_world_size, dst_world_size, tag, async_op=True
+        ):
             if work.done():  # local puts finish at once: surface an error now, keep nothing
                 work.wait()
             else:

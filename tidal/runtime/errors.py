@@ -15,7 +15,9 @@ class WorkerError(RuntimeError):
         self.error, self.remote_traceback = error, remote_traceback
         message = f"{group}[rank {rank}].{method} failed: {error}"
         if remote_traceback:
-            message += f"\n--- remote traceback ({group} rank {rank}) ---\n{remote_traceback.rstrip()}"
+            message += (
+                f"\n--- remote traceback ({group} rank {rank}) ---\n{remote_traceback.rstrip()}"
+            )
         super().__init__(message)
 
     def __reduce__(self):
@@ -26,7 +28,12 @@ class WorkerTimeoutError(TimeoutError):
     """Some ranks had not answered within the timeout."""
 
     def __init__(self, group: str, method: str, pending_ranks: list[int], timeout: float):
-        self.group, self.method, self.pending_ranks, self.timeout = group, method, pending_ranks, timeout
+        self.group, self.method, self.pending_ranks, self.timeout = (
+            group,
+            method,
+            pending_ranks,
+            timeout,
+        )
         super().__init__(
             f"{group}.{method}: ranks {pending_ranks} had not answered after {timeout:g} s"
         )

@@ -39,7 +39,9 @@ class Handle:
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise WorkerTimeoutError(self.group, self.method, self._pending_ranks(pending), timeout)
+                raise WorkerTimeoutError(
+                    self.group, self.method, self._pending_ranks(pending), timeout
+                )
             finished, pending = cf.wait(pending, timeout=left, return_when=cf.FIRST_COMPLETED)
             for fut in finished:
                 self._collect(fut)
@@ -54,9 +56,14 @@ class Handle:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise WorkerTimeoutError(
-                    self.group, self.method, self._pending_ranks({wrapped[p] for p in pending}), timeout
+                    self.group,
+                    self.method,
+                    self._pending_ranks({wrapped[p] for p in pending}),
+                    timeout,
                 )
-            finished, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finished, pending = await asyncio.wait(
+                pending, timeout=left, return_when=asyncio.FIRST_COMPLETED
+            )
             for fut in finished:
                 self._collect(wrapped[fut])
         return [self._results[r].value for r in self.ranks]
@@ -79,7 +86,9 @@ class Handle:
         try:
             result: CallResult = fut.result()
         except Exception as exc:  # the rank itself died (e.g. its process was killed)
-            raise WorkerError(self.group, rank, self.method, f"rank died: {type(exc).__name__}: {exc}") from exc
+            raise WorkerError(
+                self.group, rank, self.method, f"rank died: {type(exc).__name__}: {exc}"
+            ) from exc
         if result.error is not None:
             raise WorkerError(self.group, rank, self.method, result.error, result.traceback)
         self._results[rank] = result
@@ -97,7 +106,12 @@ def wait_all(handles: list[Handle], timeout: float | None = None) -> list[list[A
         if left <= 0:
             late = [h for h in handles if any(f in pending for f in h._futures)]
             h = late[0]
-            raise WorkerTimeoutError(h.group, h.method, h._pending_ranks({f for f in h._futures if f in pending}), timeout)
+            raise WorkerTimeoutError(
+                h.group,
+                h.method,
+                h._pending_ranks({f for f in h._futures if f in pending}),
+                timeout,
+            )
         finished, pending = cf.wait(pending, timeout=left, return_when=cf.FIRST_COMPLETED)
         for fut in finished:
             owner[fut]._collect(fut)

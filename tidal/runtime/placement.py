@@ -37,13 +37,17 @@ class RankPlacement:
         return {}
 
 
-def parse_devices(spec: str | int | list[int], num_devices: int, what: str = "placement") -> list[int]:
+def parse_devices(
+    spec: str | int | list[int], num_devices: int, what: str = "placement"
+) -> list[int]:
     """``"0-3"``, ``"0,2,5"``, ``"0-1,4"``, ``"all"``, an int or a list → sorted device ids.
 
     Errors name ``what`` (the config key) and the rule broken: out of range, duplicated, empty.
     """
     if isinstance(spec, bool):
-        raise PlacementError(f"{what}: expected a device spec like '0-3', '0,2,5' or 'all', got {spec!r}")
+        raise PlacementError(
+            f"{what}: expected a device spec like '0-3', '0,2,5' or 'all', got {spec!r}"
+        )
     if isinstance(spec, int):
         devices = [spec]
     elif isinstance(spec, (list, tuple)):
@@ -51,7 +55,9 @@ def parse_devices(spec: str | int | list[int], num_devices: int, what: str = "pl
     elif isinstance(spec, str):
         devices = _parse_spec_string(spec.strip(), num_devices, what)
     else:
-        raise PlacementError(f"{what}: expected a device spec like '0-3', '0,2,5' or 'all', got {spec!r}")
+        raise PlacementError(
+            f"{what}: expected a device spec like '0-3', '0,2,5' or 'all', got {spec!r}"
+        )
     if not devices:
         raise PlacementError(f"{what}: places no device ({spec!r})")
     for d in devices:
@@ -73,7 +79,9 @@ def _parse_spec_string(spec: str, num_devices: int, what: str) -> list[int]:
         try:
             lo, hi = (int(x) for x in part.split("-", 1)) if "-" in part else (int(part), int(part))
         except ValueError:
-            raise PlacementError(f"{what}: cannot read {part!r}; expected '0-3', '0,2,5' or 'all'") from None
+            raise PlacementError(
+                f"{what}: cannot read {part!r}; expected '0-3', '0,2,5' or 'all'"
+            ) from None
         if hi < lo:
             raise PlacementError(f"{what}: range {part!r} runs backwards")
         devices.extend(range(lo, hi + 1))
@@ -88,7 +96,12 @@ class ComponentPlacement:
     share a device (a disaggregated layout); otherwise overlap between keys is allowed.
     """
 
-    def __init__(self, mapping: Mapping[str, str | int | list[int]], num_devices: int, exclusive: bool = False):
+    def __init__(
+        self,
+        mapping: Mapping[str, str | int | list[int]],
+        num_devices: int,
+        exclusive: bool = False,
+    ):
         if not mapping:
             raise PlacementError("placement: no component is placed")
         self.num_devices = num_devices
@@ -100,7 +113,9 @@ class ComponentPlacement:
             devices = parse_devices(spec, num_devices, what=f"placement.{key}")
             for name in names:
                 if name in self._devices:
-                    raise PlacementError(f"placement: component {name!r} is placed twice (in {key!r})")
+                    raise PlacementError(
+                        f"placement: component {name!r} is placed twice (in {key!r})"
+                    )
                 self._devices[name] = devices
         if exclusive:
             self._check_disjoint(mapping)

@@ -10,7 +10,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_NUMPY_UNSUPPORTED = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+_NUMPY_UNSUPPORTED = {
+    torch.bfloat16: torch.int16,
+    torch.float8_e4m3fn: torch.uint8,
+    torch.float8_e5m2: torch.uint8,
+}
 
 
 def tensor_to_payload(t: torch.Tensor) -> tuple[np.ndarray, str]:
@@ -32,4 +36,6 @@ def register_tensor_serializer() -> None:
     registration lives as long as the process's connection to Ray)."""
     import ray.util
 
-    ray.util.register_serializer(torch.Tensor, serializer=tensor_to_payload, deserializer=tensor_from_payload)
+    ray.util.register_serializer(
+        torch.Tensor, serializer=tensor_to_payload, deserializer=tensor_from_payload
+    )

@@ -31,11 +31,17 @@ def send_weights(
     channel.put_shared(update, keys, timeout=timeout)
 
 
-def recv_weights(channel: Channel, dst_rank: int, tag: Hashable = "weights", timeout: float | None = None) -> WeightsUpdate:
+def recv_weights(
+    channel: Channel, dst_rank: int, tag: Hashable = "weights", timeout: float | None = None
+) -> WeightsUpdate:
     """The next update for this rank. Copy the tensors (``load_state_dict`` does) before
     changing them: on the local backend every receiver shares the sender's tensors."""
     return channel.get(key=CommMapper.build_channel_key(0, dst_rank, tag), timeout=timeout)
 
 
-async def async_recv_weights(channel: Channel, dst_rank: int, tag: Hashable = "weights", timeout: float | None = None) -> WeightsUpdate:
-    return await channel.get(key=CommMapper.build_channel_key(0, dst_rank, tag), async_op=True, timeout=timeout)
+async def async_recv_weights(
+    channel: Channel, dst_rank: int, tag: Hashable = "weights", timeout: float | None = None
+) -> WeightsUpdate:
+    return await channel.get(
+        key=CommMapper.build_channel_key(0, dst_rank, tag), async_op=True, timeout=timeout
+    )

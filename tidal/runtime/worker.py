@@ -70,7 +70,9 @@ class Worker:
         so the event loop keeps serving other coroutines meanwhile (on the local backend the
         loop is shared by every rank: this is what lets pipeline stages overlap)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tidal_compute, functools.partial(fn, *args, **kwargs))
+        return await loop.run_in_executor(
+            self._tidal_compute, functools.partial(fn, *args, **kwargs)
+        )
 
     def all_reduce_mean(self, metrics: dict[str, float]) -> dict[str, float]:
         """The mean of each metric over this group's ranks (after ``init_distributed``)."""
@@ -160,7 +162,9 @@ class GroupSpec:
 class WorkerGroup:
     """The ranks of one worker class. ``group.method(...)`` calls it on every rank."""
 
-    def __init__(self, name: str, cls: type, ranks: list, cluster: Cluster, selected: list[int] | None = None):
+    def __init__(
+        self, name: str, cls: type, ranks: list, cluster: Cluster, selected: list[int] | None = None
+    ):
         self.name, self.cls, self._ranks, self.cluster = name, cls, ranks, cluster
         self._selected = selected
 
@@ -175,15 +179,23 @@ class WorkerGroup:
 
     def execute_on(self, *ranks: int) -> WorkerGroup:
         """A view of this group whose calls go to ``ranks`` only."""
-        flat = [r for item in ranks for r in (item if isinstance(item, (list, tuple, range)) else [item])]
+        flat = [
+            r
+            for item in ranks
+            for r in (item if isinstance(item, (list, tuple, range)) else [item])
+        ]
         for r in flat:
             if not 0 <= r < self.world_size:
-                raise ValueError(f"{self.name}.execute_on: rank {r} is out of range 0-{self.world_size - 1}")
+                raise ValueError(
+                    f"{self.name}.execute_on: rank {r} is out of range 0-{self.world_size - 1}"
+                )
         return WorkerGroup(self.name, self.cls, self._ranks, self.cluster, selected=flat)
 
     def call(self, method: str, *args, **kwargs) -> Handle:
         if not callable(getattr(self.cls, method, None)):
-            raise AttributeError(f"{self.name}: worker class {self.cls.__name__} has no method {method!r}")
+            raise AttributeError(
+                f"{self.name}: worker class {self.cls.__name__} has no method {method!r}"
+            )
         targets = self._selected if self._selected is not None else list(range(self.world_size))
         futures = [self._ranks[r].submit(method, args, kwargs) for r in targets]
         return Handle(self.name, method, targets, futures)

@@ -6,4 +6,12 @@ from tidal.workers.reward_worker import RewardWorker, build_reward_model, regist
 from tidal.workers.rollout_worker import RolloutWorker
 from tidal.workers.routes import Topology
 
-__all__ = ["ActorWorker", "EnvWorker", "RewardWorker", "RolloutWorker", "Topology", "build_reward_model", "register_reward_model"]
+__all__ = [
+    "ActorWorker",
+    "EnvWorker",
+    "RewardWorker",
+    "RolloutWorker",
+    "Topology",
+    "build_reward_model",
+    "register_reward_model",
+]

@@ -37,17 +37,27 @@ def _flatten_steps(x: torch.Tensor) -> torch.Tensor:
 
 
 class ActorWorker(Worker):
-    def __init__(self, cfg: EmbodiedConfig, topology: Topology, observation_space: gym.Space, action_space: gym.Space,
-                 max_episode_steps: int | None = None):
+    def __init__(
+        self,
+        cfg: EmbodiedConfig,
+        topology: Topology,
+        observation_space: gym.Space,
+        action_space: gym.Space,
+        max_episode_steps: int | None = None,
+    ):
         self.cfg, self.topo = cfg, topology
         torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.runner.seed)
         self.policy = make_policy(cfg, observation_space, action_space)
         if self.world_size > 1:
             self.init_distributed()
-        self.engine = TrainEngine(self.policy, cfg.actor, cfg.runner.max_steps, distributed=self.world_size > 1)
+        self.engine = TrainEngine(
+            self.policy, cfg.actor, cfg.runner.max_steps, distributed=self.world_size > 1
+        )
         self.estimator = advantage_spec(cfg.algorithm.adv_type)
-        self.max_chunk_steps = math.ceil((max_episode_steps or cfg.rollout.num_steps) / cfg.env.num_action_chunks)
+        self.max_chunk_steps = math.ceil(
+            (max_episode_steps or cfg.rollout.num_steps) / cfg.env.num_action_chunks
+        )
         self.batch: dict[str, torch.Tensor] | None = None
         self.traj: Trajectory | None = None
 
@@ -63,11 +73,15 @@ class ActorWorker(Worker):
     async def recv_trajectories(self, actor_ch: Channel, timeout: float = 600.0) -> int:
         sources = self.topo.env * self.topo.stages
         shards = []
-        for src, size in CommMapper.get_src_ranks(self.topo.total_num_envs, sources, self.world_size, self.rank):
+        for src, size in CommMapper.get_src_ranks(
+            self.topo.total_num_envs, sources, self.world_size, self.rank
+        ):
             key = CommMapper.build_channel_key(src, self.rank, TRAJECTORY_TAG)
             shard: Trajectory = await actor_ch.get(key=key, async_op=True, timeout=timeout)
             if shard.rewards.shape[0] != size:
-                raise ValueError(f"trajectory from source {src}: expected {size} envs, got {shard.rewards.shape[0]}")
+                raise ValueError(
+                    f"trajectory from source {src}: expected {size} envs, got {shard.rewards.shape[0]}"
+                )
             shards.append(shard)
         self.traj = merge_batches(shards)
         return self.traj.rewards.shape[0]
@@ -91,8 +105,15 @@ class ActorWorker(Worker):
             per_action = alg.reward_type == "action"
             mask = mask & (valid.repeat_interleave(chunk, 0) if per_action else valid)
         values = _time_major(traj.prev_values).float() if traj.prev_values is not None else None
-        adv, ret = get_advantage(alg.adv_type)(rewards=r, values=values, dones=d, mask=mask, gamma=alg.gamma,
-                                               lam=alg.gae_lambda, group_size=cfg.env.group_size)
+        adv, ret = get_advantage(alg.adv_type)(
+            rewards=r,
+            values=values,
+            dones=d,
+            mask=mask,
+            gamma=alg.gamma,
+            lam=alg.gae_lambda,
+            group_size=cfg.env.group_size,
+        )
         if alg.normalize_advantages and self.estimator.whiten:
             adv = masked_whiten(adv, mask)
         metrics = {
@@ -104,7 +125,9 @@ class ActorWorker(Worker):
         }
         if alg.reward_type == "action":  # [T * C, B] → [T, B, C]: one advantage per action
             adv, ret = (x.reshape(steps, chunk, batch).transpose(1, 2) for x in (adv, ret))
-            mask, mask_sum = (x.reshape(steps, chunk, batch).transpose(1, 2) for x in (mask, mask_sum))
+            mask, mask_sum = (
+                x.reshape(steps, chunk, batch).transpose(1, 2) for x in (mask, mask_sum)
+            )
         self.batch = {
             **{f"in.{k}": _flatten_steps(_time_major(v)) for k, v in traj.forward_inputs.items()},
             "actions": _flatten_steps(_time_major(traj.actions)),
@@ -127,7 +150,9 @@ class ActorWorker(Worker):
         per_rank = act.global_batch_size // self.world_size
         size = self.batch["advantages"].shape[0]
         if size % per_rank:
-            raise ValueError(f"actor rank {self.rank}: {size} samples do not divide into per-rank batches of {per_rank}")
+            raise ValueError(
+                f"actor rank {self.rank}: {size} samples do not divide into per-rank batches of {per_rank}"
+            )
         step = self.engine.step
         generator = torch.Generator().manual_seed(self.cfg.runner.seed + 1000 * self.rank + step)
         critic_only = step < alg.critic_warmup_steps
@@ -142,11 +167,11 @@ class ActorWorker(Worker):
             order = torch.randperm(size, generator=generator)
             epoch_kl = []
             for start in range(0, size, per_rank):
-                idx = order[start:start + per_rank].split(act.micro_batch_size)
+                idx = order[start : start + per_rank].split(act.micro_batch_size)
                 micro_batches = [{k: v[i] for k, v in self.batch.items()} for i in idx]
                 for k, v in self.engine.train_batch(micro_batches, loss_fn).items():
                     metrics.setdefault(k, []).extend(v)
-                epoch_kl.extend(metrics["approx_kl"][-len(micro_batches):])
+                epoch_kl.extend(metrics["approx_kl"][-len(micro_batches) :])
             if alg.target_kl is not None and np.mean(epoch_kl) > alg.target_kl:
                 break
         out = {f"train/{k}": float(np.mean(v)) for k, v in metrics.items()}
@@ -160,19 +185,41 @@ class ActorWorker(Worker):
         level = alg.logprob_type
         logp = reshape_logprobs(out["logprobs"].float(), level)
         old = reshape_logprobs(micro["old_logprobs"], level)
-        adv, mask, mask_sum = (self._broadcast(micro[k], logp) for k in ("advantages", "mask", "mask_sum"))
-        pg_loss, pg = ppo_policy_loss(logp, old, adv, mask, alg.clip_ratio_low, alg.clip_ratio_high, alg.dual_clip,
-                                      agg=alg.loss_agg, loss_mask_sum=mask_sum, max_episode_steps=self.max_chunk_steps)
+        adv, mask, mask_sum = (
+            self._broadcast(micro[k], logp) for k in ("advantages", "mask", "mask_sum")
+        )
+        pg_loss, pg = ppo_policy_loss(
+            logp,
+            old,
+            adv,
+            mask,
+            alg.clip_ratio_low,
+            alg.clip_ratio_high,
+            alg.dual_clip,
+            agg=alg.loss_agg,
+            loss_mask_sum=mask_sum,
+            max_episode_steps=self.max_chunk_steps,
+        )
         entropy = reshape_logprobs(out["entropy"].float(), level)
         entropy_mean = torch.where(mask, entropy, 0.0).sum() / mask.sum().clamp(min=1)
-        info = {"policy_loss": pg_loss.item(), "entropy": entropy_mean.item(), **{k: v.item() for k, v in pg.items()}}
+        info = {
+            "policy_loss": pg_loss.item(),
+            "entropy": entropy_mean.item(),
+            **{k: v.item() for k, v in pg.items()},
+        }
         loss = torch.zeros(())
         if not critic_only:
             loss = pg_loss - alg.entropy_bonus * entropy_mean
         if "values" in out and "old_values" in micro:
             step_mask = micro["mask"] if micro["mask"].dim() == 1 else micro["mask"].any(-1)
-            v_loss, v = value_loss(out["values"].float(), micro["old_values"], self._step_returns(micro["returns"]),
-                                   step_mask, alg.value_clip, alg.huber_delta)
+            v_loss, v = value_loss(
+                out["values"].float(),
+                micro["old_values"],
+                self._step_returns(micro["returns"]),
+                step_mask,
+                alg.value_clip,
+                alg.huber_delta,
+            )
             loss = loss + alg.vf_coef * v_loss
             info.update({"value_loss": v_loss.item(), **{k: x.item() for k, x in v.items()}})
         return loss, info
@@ -183,7 +230,9 @@ class ActorWorker(Worker):
         while x.dim() < like.dim():
             x = x.unsqueeze(-1)
         if x.dim() > like.dim():  # per-action values at chunk level cannot happen (validated)
-            raise ValueError(f"cannot spread {tuple(x.shape)} onto log-probs of {tuple(like.shape)}")
+            raise ValueError(
+                f"cannot spread {tuple(x.shape)} onto log-probs of {tuple(like.shape)}"
+            )
         return x.expand_as(like)
 
     @staticmethod

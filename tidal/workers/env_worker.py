@@ -80,24 +80,38 @@ class EnvWorker(Worker):
         self.stage_envs = env.total_num_envs // (self.world_size * self.stages)
         self.gamma = cfg.algorithm.gamma
         self.bootstrap = advantage_spec(cfg.algorithm.adv_type).needs_bootstrap
-        self.bootstrap_on = "truncations" if cfg.algorithm.bootstrap_type == "truncated" else "dones"
+        self.bootstrap_on = (
+            "truncations" if cfg.algorithm.bootstrap_type == "truncated" else "dones"
+        )
         self.envs = [
-            ChunkedEnv(self._make(self.stage_envs), env.auto_reset, self._seeds(s, self.stage_envs, env.group_size))
+            ChunkedEnv(
+                self._make(self.stage_envs),
+                env.auto_reset,
+                self._seeds(s, self.stage_envs, env.group_size),
+            )
             for s in range(self.stages)
         ]
         first_env = [(self.rank * self.stages + s) * self.stage_envs for s in range(self.stages)]
-        self._guards = [NonFiniteGuard(self.rank, first, self.stage_envs, env.max_nonfinite_steps)
-                        for first in first_env]
+        self._guards = [
+            NonFiniteGuard(self.rank, first, self.stage_envs, env.max_nonfinite_steps)
+            for first in first_env
+        ]
         eval_envs = env.eval_num_envs // self.world_size
         # evaluation only names and zeroes non-finite values (no restarts, never aborts)
         self._eval_guard = NonFiniteGuard(self.rank, self.rank * eval_envs, eval_envs, limit=2**62)
         self._eval_obs = None  # where the running evaluation has got to
-        self.eval_env = ChunkedEnv(self._make(eval_envs), False, [cfg.runner.seed + 10**6 + self.rank * eval_envs + i for i in range(eval_envs)])
+        self.eval_env = ChunkedEnv(
+            self._make(eval_envs),
+            False,
+            [cfg.runner.seed + 10**6 + self.rank * eval_envs + i for i in range(eval_envs)],
+        )
         self.epoch = 0
         self._prefetched = False  # the next epoch's first observations were already sent
         self._obs = [e.reset().obs for e in self.envs]
         chunk = env.num_action_chunks
-        self._last_dones = [torch.zeros(self.stage_envs, chunk, dtype=torch.bool) for _ in range(self.stages)]
+        self._last_dones = [
+            torch.zeros(self.stage_envs, chunk, dtype=torch.bool) for _ in range(self.stages)
+        ]
         self.max_episode_steps = self.envs[0].env.max_episode_steps
 
     def _make(self, num_envs: int):
@@ -111,8 +125,14 @@ class EnvWorker(Worker):
 
     # -- one training epoch -------------------------------------------------------------
 
-    async def interact(self, rollout_ch: Channel, env_ch: Channel, actor_ch: Channel,
-                       reward_ch: Channel | None = None, timeout: float = 600.0) -> dict:
+    async def interact(
+        self,
+        rollout_ch: Channel,
+        env_ch: Channel,
+        actor_ch: Channel,
+        reward_ch: Channel | None = None,
+        timeout: float = 600.0,
+    ) -> dict:
         """Step ``rollout.num_steps`` chunks per env, then send the trajectories to the actor."""
         steps = self.cfg.rollout.num_steps
         outbox = Outbox()
@@ -135,20 +155,37 @@ class EnvWorker(Worker):
                 where = f"training step {self.epoch + 1}, chunk step {t}"
                 bad = self._guards[s].check(out, ("obs", "final_obs", "rewards"), "env", where)
                 if reward_ch is not None:
-                    out.rewards = await self._model_rewards(outbox, reward_ch, env_ch, out, s, timeout)
+                    out.rewards = await self._model_rewards(
+                        outbox, reward_ch, env_ch, out, s, timeout
+                    )
                     bad |= self._guards[s].check(out, ("rewards",), "reward model", where)
                 self._restart_bad(s, out, bad, rec, t, where)
-                needs[s] = getattr(out, self.bootstrap_on).any(-1) if self.bootstrap else torch.zeros_like(needs[s])
+                needs[s] = (
+                    getattr(out, self.bootstrap_on).any(-1)
+                    if self.bootstrap
+                    else torch.zeros_like(needs[s])
+                )
                 rec.add_env(out)
                 self._obs[s] = out.obs
                 # final_obs always travels (a copy of obs where nothing ended): shards merge alike
                 final_obs = out.final_obs if out.final_obs is not None else out.obs
-                await self._send_obs(outbox, rollout_ch,
-                                     EnvOutput(obs=out.obs, final_obs=final_obs, needs_bootstrap=needs[s]), "train", s)
+                await self._send_obs(
+                    outbox,
+                    rollout_ch,
+                    EnvOutput(obs=out.obs, final_obs=final_obs, needs_bootstrap=needs[s]),
+                    "train",
+                    s,
+                )
         for s, rec in enumerate(recorders):
             self._last_dones[s] = rec.dones[-1]
-            await outbox.send(actor_ch, rec.trajectory(), self.rank * self.stages + s,
-                              self.world_size * self.stages, self.topo.actor, tag=TRAJECTORY_TAG)
+            await outbox.send(
+                actor_ch,
+                rec.trajectory(),
+                self.rank * self.stages + s,
+                self.world_size * self.stages,
+                self.topo.actor,
+                tag=TRAJECTORY_TAG,
+            )
         await outbox.flush()
         self.epoch += 1
         episodes = [e.stats.drain() for e in self.envs]
@@ -163,8 +200,15 @@ class EnvWorker(Worker):
             "nonfinite": sum(g.drain() for g in self._guards),
         }
 
-    def _restart_bad(self, stage: int, out: EnvOutput, bad: np.ndarray, rec: _StageRecorder,
-                     step: int, where: str) -> None:
+    def _restart_bad(
+        self,
+        stage: int,
+        out: EnvOutput,
+        bad: np.ndarray,
+        rec: _StageRecorder,
+        step: int,
+        where: str,
+    ) -> None:
         """Copies that returned a non-finite value restart; their samples up to here are masked."""
         if bad.any():
             out.obs = self.envs[stage].restart(bad, out.obs)
@@ -175,7 +219,9 @@ class EnvWorker(Worker):
         """Reset when every epoch starts fresh episodes (same seed per group), then send each
         stage's first observation to the rollout."""
         if not self.cfg.env.auto_reset:
-            self._obs = [e.reset(seed_offset=self.epoch * self.cfg.env.total_num_envs).obs for e in self.envs]
+            self._obs = [
+                e.reset(seed_offset=self.epoch * self.cfg.env.total_num_envs).obs for e in self.envs
+            ]
             self._last_dones = [torch.zeros_like(d) for d in self._last_dones]
         for s in range(self.stages):
             await self._send_obs(outbox, rollout_ch, EnvOutput(obs=self._obs[s]), "train", s)
@@ -192,8 +238,14 @@ class EnvWorker(Worker):
         """Chunk steps that take every eval env through one whole episode."""
         return math.ceil((self.max_episode_steps or 1000) / self.cfg.env.num_action_chunks)
 
-    async def evaluate(self, rollout_ch: Channel, env_ch: Channel, num_steps: int, start: bool,
-                       timeout: float = 600.0) -> dict:
+    async def evaluate(
+        self,
+        rollout_ch: Channel,
+        env_ch: Channel,
+        num_steps: int,
+        start: bool,
+        timeout: float = 600.0,
+    ) -> dict:
         """Step the eval envs ``num_steps`` chunks with the rollout's deterministic policy
         (``start``: reset them first). The runner calls it in segments until every eval env
         has finished its episode, so short episodes end an evaluation early."""
@@ -220,19 +272,46 @@ class EnvWorker(Worker):
 
     # -- routing ------------------------------------------------------------------------
 
-    async def _send_obs(self, outbox: Outbox, rollout_ch: Channel, out: EnvOutput, mode: str, stage: int) -> None:
-        await outbox.send(rollout_ch, out, self.rank, self.world_size, self.topo.rollout, tag=obs_tag(mode, stage))
+    async def _send_obs(
+        self, outbox: Outbox, rollout_ch: Channel, out: EnvOutput, mode: str, stage: int
+    ) -> None:
+        await outbox.send(
+            rollout_ch, out, self.rank, self.world_size, self.topo.rollout, tag=obs_tag(mode, stage)
+        )
 
-    async def _recv_actions(self, env_ch: Channel, mode: str, stage: int, timeout: float) -> ChunkActions:
-        return await async_recv_batch(env_ch, self.rank, self.topo.rollout, self.world_size,
-                                      self.topo.stage_batch(mode), tag=action_tag(mode, stage), timeout=timeout)
+    async def _recv_actions(
+        self, env_ch: Channel, mode: str, stage: int, timeout: float
+    ) -> ChunkActions:
+        return await async_recv_batch(
+            env_ch,
+            self.rank,
+            self.topo.rollout,
+            self.world_size,
+            self.topo.stage_batch(mode),
+            tag=action_tag(mode, stage),
+            timeout=timeout,
+        )
 
-    async def _model_rewards(self, outbox: Outbox, reward_ch: Channel, env_ch: Channel, out: EnvOutput, stage: int,
-                             timeout: float) -> torch.Tensor:
+    async def _model_rewards(
+        self,
+        outbox: Outbox,
+        reward_ch: Channel,
+        env_ch: Channel,
+        out: EnvOutput,
+        stage: int,
+        timeout: float,
+    ) -> torch.Tensor:
         tag_in, tag_out = reward_tags(stage)
         await outbox.send(reward_ch, out, self.rank, self.world_size, self.topo.reward, tag=tag_in)
-        rewards = await async_recv_batch(env_ch, self.rank, self.topo.reward, self.world_size,
-                                         self.topo.stage_batch("train"), tag=tag_out, timeout=timeout)
+        rewards = await async_recv_batch(
+            env_ch,
+            self.rank,
+            self.topo.reward,
+            self.world_size,
+            self.topo.stage_batch("train"),
+            tag=tag_out,
+            timeout=timeout,
+        )
         return rewards["rewards"]
 
     # -- checkpoints --------------------------------------------------------------------
@@ -244,17 +323,24 @@ class EnvWorker(Worker):
         is for the runner to redo on resume: its resets are seeded, so it sends the same
         observations."""
         envs, missed = zip(*(e.state_dict() for e in self.envs))
-        return {"epoch": self.epoch, "obs": list(self._obs), "last_dones": list(self._last_dones),
-                "envs": list(envs), "missed": sorted({m for ms in missed for m in ms}),
-                "prefetched": self._prefetched}
+        return {
+            "epoch": self.epoch,
+            "obs": list(self._obs),
+            "last_dones": list(self._last_dones),
+            "envs": list(envs),
+            "missed": sorted({m for ms in missed for m in ms}),
+            "prefetched": self._prefetched,
+        }
 
     def load_state_dict(self, state: dict) -> list[str]:
         """Restore what ``state_dict`` saved; returns what it could not capture or restore."""
         self.epoch = state["epoch"]
         saved = (len(state["envs"]), state["obs"][0].shape[0])
         if saved != (self.stages, self.stage_envs):  # another layout: keep the fresh envs
-            return [f"the checkpoint has {saved[0]} stages of {saved[1]} envs, this run "
-                    f"{self.stages} of {self.stage_envs}; the envs restart from their seeds"]
+            return [
+                f"the checkpoint has {saved[0]} stages of {saved[1]} envs, this run "
+                f"{self.stages} of {self.stage_envs}; the envs restart from their seeds"
+            ]
         for env, env_state in zip(self.envs, state["envs"]):
             env.load_state_dict(env_state)
         self._prefetched = False

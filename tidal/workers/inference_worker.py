@@ -11,15 +11,24 @@ from tidal.runtime import Channel, Worker, recv_weights
 
 
 class InferenceServerWorker(Worker):
-    def __init__(self, model_dir: str, host: str = "127.0.0.1", api_key: str | None = None,
-                 max_batch_size: int = 64, allowed_dirs: list[str] | None = None, torch_threads: int = 1,
-                 dtype: str = "float32", attn_implementation: str | None = None):
+    def __init__(
+        self,
+        model_dir: str,
+        host: str = "127.0.0.1",
+        api_key: str | None = None,
+        max_batch_size: int = 64,
+        allowed_dirs: list[str] | None = None,
+        torch_threads: int = 1,
+        dtype: str = "float32",
+        attn_implementation: str | None = None,
+    ):
         torch.set_num_threads(torch_threads)
         engine = GenerationEngine(model_dir, max_batch_size=max_batch_size, dtype=DTYPES[dtype])
         if attn_implementation is not None:  # model.attn_implementation, as the trainer loads it
             engine.model.set_attn_implementation(attn_implementation)
-        self.server = InferenceServer(engine, host=host, port=0, api_key=api_key,
-                                      allowed_dirs=allowed_dirs or [model_dir]).start()
+        self.server = InferenceServer(
+            engine, host=host, port=0, api_key=api_key, allowed_dirs=allowed_dirs or [model_dir]
+        ).start()
 
     def address(self) -> str:
         return self.server.address
@@ -64,8 +73,13 @@ class VLLMServerWorker(Worker):
     safetensors folder the trainer writes (``InferenceClient(..., protocol=VLLMProtocol())``
     then ``update_weights(version, model_path=folder)``)."""
 
-    def __init__(self, model_dir: str, max_model_len: int | None = None, start_timeout_s: float = 600.0,
-                 extra_args: list[str] | None = None):
+    def __init__(
+        self,
+        model_dir: str,
+        max_model_len: int | None = None,
+        start_timeout_s: float = 600.0,
+        extra_args: list[str] | None = None,
+    ):
         from tidal.inference.vllm import VLLMServer
 
         self.server = VLLMServer(model_dir, max_model_len=max_model_len, extra_args=extra_args)

@@ -23,7 +23,9 @@ from tidal.models.lm import load_causal_lm
 from tidal.runtime import Channel, Worker, send_weights
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+def token_logprobs(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """``out[:, t]`` = log-prob of ``input_ids[:, t]`` given the tokens before it, under
     ``softmax(logits / temperature)`` (the engine's definition); column 0 is 0."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits[:, :-1].float()
@@ -46,14 +48,18 @@ def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
-def length_grouped_micro_batches(attention_mask: torch.Tensor, rows: torch.Tensor, budget: int) -> list[tuple[torch.Tensor, int]]:
+def length_grouped_micro_batches(
+    attention_mask: torch.Tensor, rows: torch.Tensor, budget: int
+) -> list[tuple[torch.Tensor, int]]:
     """``rows`` sorted by length and packed by token budget, each micro-batch with the width
     of its longest sequence: right padding beyond it is never computed."""
     lengths = attention_mask[rows].sum(1)
     order = lengths.argsort(stable=True)
     sorted_lengths = lengths[order].tolist()
-    return [(rows[order[idx]], max(sorted_lengths[j] for j in idx))
-            for idx in pack_by_tokens(sorted_lengths, budget)]
+    return [
+        (rows[order[idx]], max(sorted_lengths[j] for j in idx))
+        for idx in pack_by_tokens(sorted_lengths, budget)
+    ]
 
 
 class LMActor(Worker):
@@ -62,11 +68,19 @@ class LMActor(Worker):
         torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.runner.seed)
         m = cfg.model
-        self.model, _ = load_causal_lm(m.path, m.dtype, m.attn_implementation, m.gradient_checkpointing)
-        self.ref = copy.deepcopy(self.model).eval().requires_grad_(False) if cfg.algorithm.kl_coef > 0 else None
+        self.model, _ = load_causal_lm(
+            m.path, m.dtype, m.attn_implementation, m.gradient_checkpointing
+        )
+        self.ref = (
+            copy.deepcopy(self.model).eval().requires_grad_(False)
+            if cfg.algorithm.kl_coef > 0
+            else None
+        )
         if self.world_size > 1:
             self.init_distributed()
-        self.engine = TrainEngine(self.model, cfg.actor, cfg.runner.max_steps, distributed=self.world_size > 1)
+        self.engine = TrainEngine(
+            self.model, cfg.actor, cfg.runner.max_steps, distributed=self.world_size > 1
+        )
         self.temperature = cfg.rollout.temperature
 
     def send_weights(self, weights_ch: Channel, num_servers: int) -> int:
@@ -85,17 +99,23 @@ class LMActor(Worker):
     def my_rows(self, minibatch: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous block of a global minibatch's rows."""
         per_rank = len(minibatch) // self.world_size
-        return minibatch[self.rank * per_rank:(self.rank + 1) * per_rank]
+        return minibatch[self.rank * per_rank : (self.rank + 1) * per_rank]
 
     @torch.no_grad()
-    def compute_logp(self, batch: LMBatch, model=None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logp(
+        self, batch: LMBatch, model=None, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Token log-probs of ``rows`` (default all) under ``model``; other rows stay 0."""
         model = model or self.model
         model.eval()
         out = torch.zeros(batch.input_ids.shape)
         rows = torch.arange(out.shape[0]) if rows is None else rows
-        for i, w in length_grouped_micro_batches(batch.attention_mask, rows, self.cfg.actor.max_tokens_per_mb):
-            out[i, :w] = token_logprobs(model, batch.input_ids[i, :w], batch.attention_mask[i, :w], self.temperature)
+        for i, w in length_grouped_micro_batches(
+            batch.attention_mask, rows, self.cfg.actor.max_tokens_per_mb
+        ):
+            out[i, :w] = token_logprobs(
+                model, batch.input_ids[i, :w], batch.attention_mask[i, :w], self.temperature
+            )
         return out
 
     def advantages(self, batch: LMBatch, ref_logp: torch.Tensor | None) -> torch.Tensor:
@@ -109,8 +129,12 @@ class LMActor(Worker):
         if self.ref is not None and alg.kl_in == "reward":
             kl = kl_estimate(batch.logprobs, ref_logp, alg.kl_kind)
             token_rewards = token_rewards - alg.kl_coef * torch.where(mask, kl, 0.0)
-        adv, _ = get_advantage(alg.adv_type)(rewards=token_rewards.T, mask=mask.T, group_size=self.cfg.rollout.group_size,
-                                             gamma=alg.gamma)
+        adv, _ = get_advantage(alg.adv_type)(
+            rewards=token_rewards.T,
+            mask=mask.T,
+            group_size=self.cfg.rollout.group_size,
+            gamma=alg.gamma,
+        )
         return adv.T.float()
 
     def train_step(self, batch: LMBatch) -> dict[str, float]:
@@ -127,49 +151,84 @@ class LMActor(Worker):
         if self.ref is not None:
             # KL in the reward shapes the advantages, which every rank computes over all rows
             ref_logp = self.compute_logp(batch, self.ref, None if alg.kl_in == "reward" else mine)
-        need_forward = (alg.use_decoupled_loss and alg.prox_logp_method in ("recompute", "metrics")) or (
-            not alg.use_decoupled_loss and alg.recompute_logprob)
+        need_forward = (
+            alg.use_decoupled_loss and alg.prox_logp_method in ("recompute", "metrics")
+        ) or (not alg.use_decoupled_loss and alg.recompute_logprob)
         prox = self.compute_logp(batch, rows=mine) if need_forward else None
         adv = self.advantages(batch, ref_logp)
         for minibatch in minibatches:
             # DDP averages gradients over ranks: weigh by the global minibatch, times world size
             mb_tokens = mask[minibatch].sum().clamp(min=1) / self.world_size
             minibatch = self.my_rows(minibatch)
-            micro_batches = length_grouped_micro_batches(batch.attention_mask, minibatch, a.max_tokens_per_mb)
-            loss_fn = functools.partial(self._micro_batch_loss, batch=batch, prox=prox, ref_logp=ref_logp, adv=adv,
-                                        mb_tokens=mb_tokens, mb_rows=len(minibatch))
+            micro_batches = length_grouped_micro_batches(
+                batch.attention_mask, minibatch, a.max_tokens_per_mb
+            )
+            loss_fn = functools.partial(
+                self._micro_batch_loss,
+                batch=batch,
+                prox=prox,
+                ref_logp=ref_logp,
+                adv=adv,
+                mb_tokens=mb_tokens,
+                mb_rows=len(minibatch),
+            )
             for k, v in self.engine.train_batch(micro_batches, loss_fn).items():
                 metrics.setdefault(k, []).extend(v)
         out = {f"train/{k}": float(np.mean(v)) for k, v in metrics.items()}
-        out.update({
-            **self.engine.end_step(),
-            "staleness/mean": float(stale.mean()) if len(stale) else 0.0,
-            "staleness/max": float(stale.max()) if len(stale) else 0.0,
-            **{f"staleness/frac_{k}": float((stale == k).float().mean()) if len(stale) else 0.0 for k in range(1, 5)},
-        })
+        out.update(
+            {
+                **self.engine.end_step(),
+                "staleness/mean": float(stale.mean()) if len(stale) else 0.0,
+                "staleness/max": float(stale.max()) if len(stale) else 0.0,
+                **{
+                    f"staleness/frac_{k}": float((stale == k).float().mean()) if len(stale) else 0.0
+                    for k in range(1, 5)
+                },
+            }
+        )
         out = self.all_reduce_mean(out)
         out["train/tokens"] = float(mask.sum())
         return out
 
-    def _micro_batch_loss(self, model, micro, *, batch, prox, ref_logp, adv, mb_tokens, mb_rows) -> tuple[torch.Tensor, dict]:
+    def _micro_batch_loss(
+        self, model, micro, *, batch, prox, ref_logp, adv, mb_tokens, mb_rows
+    ) -> tuple[torch.Tensor, dict]:
         """The loss of a micro-batch's rows ``i`` (trimmed to width ``w``), weighted as their
         share of the minibatch, and its terms. The version is the weights' before this step."""
         i, w = micro
         alg, mask, behave = self.cfg.algorithm, batch.loss_mask, batch.logprobs
-        logp = token_logprobs(model, batch.input_ids[i, :w], batch.attention_mask[i, :w], self.temperature)
+        logp = token_logprobs(
+            model, batch.input_ids[i, :w], batch.attention_mask[i, :w], self.temperature
+        )
         m, b, ad = mask[i, :w], behave[i, :w], adv[i, :w]
         if alg.use_decoupled_loss:
             approx = loglinear_prox_logp(b, logp, batch.versions[i, :w], self.version)
             p = approx if alg.prox_logp_method == "loglinear" else prox[i, :w]
-            loss, info = decoupled_ppo_loss(logp, p, b, ad, m, alg.clip_ratio_low, alg.clip_ratio_high,
-                                            behav_weight_cap=alg.behav_weight_cap, cap_mode=alg.cap_mode, agg=alg.loss_agg)
+            loss, info = decoupled_ppo_loss(
+                logp,
+                p,
+                b,
+                ad,
+                m,
+                alg.clip_ratio_low,
+                alg.clip_ratio_high,
+                behav_weight_cap=alg.behav_weight_cap,
+                cap_mode=alg.cap_mode,
+                agg=alg.loss_agg,
+            )
             if alg.prox_logp_method == "metrics":
-                info["prox_approx_abs_err"] = (approx - prox[i, :w])[m].abs().mean() if m.any() else torch.zeros(())
+                info["prox_approx_abs_err"] = (
+                    (approx - prox[i, :w])[m].abs().mean() if m.any() else torch.zeros(())
+                )
         else:
             old = prox[i, :w] if alg.recompute_logprob else b
-            loss, info = ppo_policy_loss(logp, old, ad, m, alg.clip_ratio_low, alg.clip_ratio_high, agg=alg.loss_agg)
+            loss, info = ppo_policy_loss(
+                logp, old, ad, m, alg.clip_ratio_low, alg.clip_ratio_high, agg=alg.loss_agg
+            )
         if self.ref is not None and alg.kl_in == "loss":
-            kl = torch.where(m, kl_estimate(logp, ref_logp[i, :w], alg.kl_kind), 0.0).sum() / m.sum().clamp(min=1)
+            kl = torch.where(
+                m, kl_estimate(logp, ref_logp[i, :w], alg.kl_kind), 0.0
+            ).sum() / m.sum().clamp(min=1)
             loss = loss + alg.kl_coef * kl
             info["kl_ref"] = kl.detach()
         # the micro-batch's share of the minibatch, so the sum equals the loss over it

@@ -40,7 +40,9 @@ class RewardWorker(Worker):
         self.model = build_reward_model(cfg.reward.name, **dict(cfg.reward.kwargs))
         self.mode = cfg.reward.mode
 
-    async def compute_rewards(self, reward_ch: Channel, env_ch: Channel, timeout: float = 600.0) -> int:
+    async def compute_rewards(
+        self, reward_ch: Channel, env_ch: Channel, timeout: float = 600.0
+    ) -> int:
         """Serve every env step of one rollout epoch, stage by stage."""
         batch = self.topo.stage_batch("train")
         served = 0
@@ -48,13 +50,27 @@ class RewardWorker(Worker):
         for _ in range(self.cfg.rollout.num_steps):
             for s in range(self.topo.stages):
                 tag_in, tag_out = reward_tags(s)
-                out: EnvOutput = await async_recv_batch(reward_ch, self.rank, self.topo.env, self.world_size,
-                                                        batch, tag=tag_in, timeout=timeout)
+                out: EnvOutput = await async_recv_batch(
+                    reward_ch,
+                    self.rank,
+                    self.topo.env,
+                    self.world_size,
+                    batch,
+                    tag=tag_in,
+                    timeout=timeout,
+                )
                 with torch.no_grad():
                     rewards = self.model(out).float()
                 if self.mode == "add":
                     rewards = out.rewards + rewards
-                await outbox.send(env_ch, {"rewards": rewards}, self.rank, self.world_size, self.topo.env, tag=tag_out)
+                await outbox.send(
+                    env_ch,
+                    {"rewards": rewards},
+                    self.rank,
+                    self.world_size,
+                    self.topo.env,
+                    tag=tag_out,
+                )
                 served += 1
         await outbox.flush()
         return served

@@ -19,7 +19,13 @@ def make_policy(cfg: EmbodiedConfig, observation_space: gym.Space, action_space:
 
 
 class RolloutWorker(Worker):
-    def __init__(self, cfg: EmbodiedConfig, topology: Topology, observation_space: gym.Space, action_space: gym.Space):
+    def __init__(
+        self,
+        cfg: EmbodiedConfig,
+        topology: Topology,
+        observation_space: gym.Space,
+        action_space: gym.Space,
+    ):
         self.cfg, self.topo = cfg, topology
         torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.runner.seed + 7 * self.rank + 1)
@@ -32,8 +38,14 @@ class RolloutWorker(Worker):
         self.version = update.version
         return self.version
 
-    async def generate(self, rollout_ch: Channel, env_ch: Channel, mode: str = "train",
-                       num_steps: int | None = None, timeout: float = 600.0) -> int:
+    async def generate(
+        self,
+        rollout_ch: Channel,
+        env_ch: Channel,
+        mode: str = "train",
+        num_steps: int | None = None,
+        timeout: float = 600.0,
+    ) -> int:
         """Answer ``num_steps`` chunk steps of every pipeline stage (train: ``rollout.num_steps``
         plus one whose values bootstrap the last step)."""
         stages = self.topo.stages if mode == "train" else 1
@@ -43,10 +55,24 @@ class RolloutWorker(Worker):
         outbox = Outbox()
         for _ in range(steps):
             for s in range(stages):
-                out: EnvOutput = await async_recv_batch(rollout_ch, self.rank, self.topo.env, self.world_size,
-                                                        batch, tag=obs_tag(mode, s), timeout=timeout)
+                out: EnvOutput = await async_recv_batch(
+                    rollout_ch,
+                    self.rank,
+                    self.topo.env,
+                    self.world_size,
+                    batch,
+                    tag=obs_tag(mode, s),
+                    timeout=timeout,
+                )
                 answer = self._act(out, deterministic, with_values=mode == "train")
-                await outbox.send(env_ch, answer, self.rank, self.world_size, self.topo.env, tag=action_tag(mode, s))
+                await outbox.send(
+                    env_ch,
+                    answer,
+                    self.rank,
+                    self.world_size,
+                    self.topo.env,
+                    tag=action_tag(mode, s),
+                )
         await outbox.flush()
         return steps
 

@@ -119,7 +119,9 @@ class RayBackend(Backend):
             self._started_ray = False
 
     def create_channel(self, name: str, maxsize: int) -> RayTransport:
-        return RayTransport(name, create_channel_actor(name, self.options.namespace, maxsize), maxsize)
+        return RayTransport(
+            name, create_channel_actor(name, self.options.namespace, maxsize), maxsize
+        )
 
     def launch_ranks(self, group, ranks, infos, timeout):
         import ray
@@ -131,7 +133,9 @@ class RayBackend(Backend):
             _kill_all(actors)
             missing = [i for i, ref in enumerate(refs) if ref in not_ready]
             raise WorkerError(
-                group, missing[0], "__init__",
+                group,
+                missing[0],
+                "__init__",
                 f"ranks {missing} could not be scheduled within {timeout:g} s (Ray resources: "
                 f"{ray.available_resources()})",
             )
@@ -151,12 +155,18 @@ class RayBackend(Backend):
         env_vars = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **dict(info.env)}
         if placement.node.device_kind == "gpu":
             env_vars["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
-        return ray.remote(RayRankActor).options(
-            num_cpus=0,  # placement is tidal's job; Ray's CPU accounting would leave actors pending
-            scheduling_strategy=NodeAffinitySchedulingStrategy(placement.node.node_id, soft=False),
-            runtime_env={"env_vars": env_vars},
-            max_concurrency=1000,
-        ).remote()
+        return (
+            ray.remote(RayRankActor)
+            .options(
+                num_cpus=0,  # placement is tidal's job; Ray's CPU accounting would leave actors pending
+                scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    placement.node.node_id, soft=False
+                ),
+                runtime_env={"env_vars": env_vars},
+                max_concurrency=1000,
+            )
+            .remote()
+        )
 
 
 def _kill_all(actors) -> None:
@@ -175,5 +185,7 @@ def _check_reachable(address: str, timeout: float) -> None:
     try:
         socket.create_connection((host, int(port)), timeout=timeout).close()
     except (OSError, ValueError) as exc:
-        raise ClusterUnreachable(f"cluster.address: cannot reach a Ray cluster at {address!r} "
-                              f"within {timeout:g} s: {exc}") from None
+        raise ClusterUnreachable(
+            f"cluster.address: cannot reach a Ray cluster at {address!r} "
+            f"within {timeout:g} s: {exc}"
+        ) from None

@@ -80,7 +80,10 @@ class RayTransport(ChannelTransport):
             import ray
 
             shared = ByRef(ray.put(item))  # one object-store write; each rank reads it on arrival
-            works = [self._deliver(self.home[self._home_rank(k)], k, shared, weight, True, timeout) for k in keys]
+            works = [
+                self._deliver(self.home[self._home_rank(k)], k, shared, weight, True, timeout)
+                for k in keys
+            ]
         else:
             boxed = box(item, force_ref=True)
             works = [self._deliver(self.actor, k, boxed, weight, True, timeout) for k in keys]
@@ -102,7 +105,9 @@ class RayTransport(ChannelTransport):
             return ray.get(self.actor.qsize.remote(key), timeout=DEFAULT_TIMEOUT_S)
         if self._is_here(dst):
             return MAILBOX.store(self.name, self.maxsize).qsize(key)
-        return ray.get(self.home[dst].mailbox_qsize.remote(self.name, key), timeout=DEFAULT_TIMEOUT_S)
+        return ray.get(
+            self.home[dst].mailbox_qsize.remote(self.name, key), timeout=DEFAULT_TIMEOUT_S
+        )
 
     def close(self) -> None:
         self.__dict__["_unacknowledged"] = []
@@ -137,7 +142,9 @@ class RayTransport(ChannelTransport):
         ref = self.home[dst].mailbox_take.remote(self.name, self.maxsize, key, target, limit)
         if not async_op:
             self._confirm_sent()
-        return self._reply(ref, op, key, limit, async_op, lambda status: self._unpack(status, op, key, limit))
+        return self._reply(
+            ref, op, key, limit, async_op, lambda status: self._unpack(status, op, key, limit)
+        )
 
     def _deliver(self, target, key, item, weight: float, async_op: bool, timeout: float | None):
         """One call to the actor holding the key (a rank's mailbox, or the channel actor), its
@@ -159,8 +166,14 @@ class RayTransport(ChannelTransport):
             # a put that cannot wait for room returns once sent; this process's next get or
             # qsize on the channel reads its acknowledgement (errors surface, writes are seen)
             sent = self._sent()
-            sent.append(RefWork(ref, decode, timeout_error(self.name, "put (no answer)", key, limit),
-                                limit + REPLY_MARGIN_S))
+            sent.append(
+                RefWork(
+                    ref,
+                    decode,
+                    timeout_error(self.name, "put (no answer)", key, limit),
+                    limit + REPLY_MARGIN_S,
+                )
+            )
             if len(sent) >= MAX_UNCONFIRMED:  # a process that only puts: read them now and then
                 self._confirm_sent()
             return _DONE
@@ -186,8 +199,12 @@ class RayTransport(ChannelTransport):
         return state
 
     def _reply(self, ref, op: str, key, limit: float, async_op: bool, decode):
-        work = RefWork(ref, decode, timeout_error(self.name, op + " (no answer from the rank)", key, limit),
-                       limit + REPLY_MARGIN_S)
+        work = RefWork(
+            ref,
+            decode,
+            timeout_error(self.name, op + " (no answer from the rank)", key, limit),
+            limit + REPLY_MARGIN_S,
+        )
         return work if async_op else work.wait()
 
     def _call(self, op: str, key, async_op: bool, timeout: float | None, *args):
@@ -200,7 +217,9 @@ class RayTransport(ChannelTransport):
         no_answer = op + " (no answer from the channel actor)"
         if async_op:
             fut = _chain(reply.future(), lambda status: self._unbox_async(status, op, key, limit))
-            return AsyncWork(fut, timeout_error(self.name, no_answer, key, limit), limit + REPLY_MARGIN_S)
+            return AsyncWork(
+                fut, timeout_error(self.name, no_answer, key, limit), limit + REPLY_MARGIN_S
+            )
         self._confirm_sent()  # while the get is under way
         try:
             status = ray.get(reply, timeout=limit + REPLY_MARGIN_S)
@@ -235,8 +254,10 @@ def _refuse_blocking_on_loop(channel: str, op: str, key) -> None:
         asyncio.get_running_loop()
     except RuntimeError:
         return
-    raise RuntimeError(f"channel {channel!r}: blocking {op}(key={key!r}) inside an async method; "
-                       f"use `await channel.{op}(..., async_op=True)`")
+    raise RuntimeError(
+        f"channel {channel!r}: blocking {op}(key={key!r}) inside an async method; "
+        f"use `await channel.{op}(..., async_op=True)`"
+    )
 
 
 class ByRef:
@@ -269,8 +290,9 @@ class RefWork:
     """An ``AsyncWork`` whose reply is a Ray object ref, awaited as such (no thread-safe future
     in between). ``done()`` does not ask Ray: it says False until the reply was read."""
 
-    def __init__(self, ref, decode: Callable[[Any], Any], on_timeout: Callable[[], Exception],
-                 limit: float):
+    def __init__(
+        self, ref, decode: Callable[[Any], Any], on_timeout: Callable[[], Exception], limit: float
+    ):
         self._ref, self._decode, self._on_timeout, self._limit = ref, decode, on_timeout, limit
         self._done, self._value = False, None
 
@@ -291,7 +313,9 @@ class RefWork:
     async def async_wait(self, timeout: float | None = None) -> Any:
         if not self._done:
             try:
-                reply = await asyncio.wait_for(self._ref, self._limit if timeout is None else timeout)
+                reply = await asyncio.wait_for(
+                    self._ref, self._limit if timeout is None else timeout
+                )
             except TimeoutError:
                 raise self._on_timeout() from None
             self._value, self._done = self._decode(reply), True
