@@ -537,3 +537,53 @@ def test_data_parallel_trainer_takes_the_same_step_as_one_rank(arith_model):
                 assert torch.allclose(value, w2[0][name], atol=2e-6), (agg, name)
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.ray
+def test_a_killed_inference_server_restarts_the_llm_run(arith_model, tmp_path):
+    """The inference server's Ray actor killed after the first checkpoint: the run restarts its
+    groups, resumes from the newest checkpoint and finishes, each step logged once."""
+    import time
+
+    import ray
+
+    from tidal.runners.loop import run_with_restarts
+    from tidal.runners.reasoning import ReasoningRunner
+
+    overrides = [
+        f"model.path={arith_model}",
+        f"runner.run_dir={tmp_path}",
+        "runner.progress=false",
+        "runner.max_steps=4",
+        "runner.eval_interval=0",
+        "runner.save_interval=1",
+        "runner.max_restarts=1",
+        "runner.timeout_s=60",
+        "rollout.batch_size=2",
+        "rollout.group_size=2",
+        "cluster.backend=ray",
+        "cluster.devices_per_node=2",
+        "cluster.placement={rollout: '0', actor: '1'}",
+    ]
+    runners = []
+
+    def kill_server_after_first_checkpoint():
+        deadline = time.time() + 240
+        while time.time() < deadline and not (
+            runners and list(runners[0].run_dir.glob("checkpoints/step_000001"))
+        ):
+            time.sleep(0.05)
+        ray.kill(runners[0].servers._ranks[0].actor, no_restart=True)
+
+    killer = threading.Thread(target=kill_server_after_first_checkpoint, daemon=True)
+    killer.start()
+    summary = run_with_restarts(
+        lambda c: runners.append(ReasoningRunner(c)) or runners[-1],
+        load_config(LLMConfig, None, overrides),
+    )
+    killer.join(5)
+    assert summary["restarts"] == 1 and summary["steps"] == 4 and len(runners) == 2
+    rows = [
+        json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
