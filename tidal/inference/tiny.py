@@ -31,6 +31,20 @@ def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     )
 
 
+def _tiny_sizes(vocab_size: int, hidden: int, layers: int, heads: int, max_positions: int) -> dict:
+    """The shape every tiny decoder here shares (GQA with half the heads, untied embeddings)."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 2),
+        "max_position_embeddings": max_positions,
+        "tie_word_embeddings": False,
+    }
+
+
 def tiny_llama(
     vocab_size: int,
     hidden: int = 64,
@@ -43,14 +57,7 @@ def tiny_llama(
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=False,
+        **_tiny_sizes(vocab_size, hidden, layers, heads, max_positions),
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
@@ -123,14 +130,7 @@ def tiny_qwen2(
     torch.manual_seed(seed)
     ids = special_ids or {}
     cfg = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=False,
+        **_tiny_sizes(vocab_size, hidden, layers, heads, max_positions),
         **ids,
     )
     return Qwen2ForCausalLM(cfg)

@@ -84,7 +84,7 @@ class RunLoop(ABC):
             self.logger = MetricLogger(
                 self.run_dir,
                 r.loggers,
-                config=_plain(cfg),
+                config=cfg,
                 settings={"wandb": dict(r.wandb), "mlflow": dict(r.mlflow)},
             )
         except BaseException:
@@ -330,12 +330,6 @@ def run_folder(runner, checkpoint: Path | None) -> Path:
         n += 1
         candidate = base.with_name(f"{base.name}-{n}")
     return candidate
-
-
-def _plain(cfg) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(OmegaConf.structured(cfg))
 
 
 def fmt(v) -> str:
