@@ -149,12 +149,26 @@ def _wandb_records(path: Path):
             pos += 32768 - pos % 32768
             continue
         length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):  # a chunk still being written
+            return
         chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):  # full or last chunk
             record = pb.Record()
             record.ParseFromString(pending)
             yield record
+
+
+def _complete_wandb_records(path: Path, timeout: float = 60.0) -> list:
+    """The file's records once W&B's service has written the exit record: ``finish()`` can
+    return before the service (another process) flushes its buffered writes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = list(_wandb_records(path))
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        assert time.monotonic() < deadline, f"{path} has no exit record after {timeout} s"
+        time.sleep(0.2)
 
 
 def test_wandb_offline_run_in_the_run_folder(tmp_path, monkeypatch):
@@ -174,7 +188,7 @@ def test_wandb_offline_run_in_the_run_folder(tmp_path, monkeypatch):
 
     (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")  # offline despite "online"
     history, summary, config, run = [], {}, {}, None
-    for record in _wandb_records(run_file):
+    for record in _complete_wandb_records(run_file):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             history.append(
