@@ -4,6 +4,7 @@ train`` from that folder, with success rates in the metrics; config errors that 
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tidal.cli import main
@@ -48,8 +49,10 @@ def test_sft_then_train_from_the_saved_policy_reports_success(tmp_path, capsys):
     bc_rows = rows(Path(sft["run_dir"]) / "metrics.jsonl")
     assert [r["step"] for r in bc_rows if "bc/loss" in r] == [1, 10, 20, 30]
 
-    assert main(["train", str(VLA), *overrides]) == 0
+    video = ["runner.eval_video=true", "runner.eval_video_envs=2", "runner.eval_video_size=32"]
+    assert main(["train", str(VLA), *overrides, *video]) == 0
     summary = json.loads(capsys.readouterr().out)
+    _assert_eval_videos(Path(summary["run_dir"]), steps=[0, 2], episode_steps=50)
     metrics = rows(Path(summary["run_dir"]) / "metrics.jsonl")
     first = metrics[0]  # the saved policy, evaluated before any RL step on sft's episodes
     assert first["eval/success_rate"] == sft["eval/success_rate"]
@@ -65,6 +68,25 @@ def test_sft_then_train_from_the_saved_policy_reports_success(tmp_path, capsys):
     assert (
         summary["best_value"] == steps[-1]["eval/success_rate"]
     )  # the one evaluation after a step
+
+
+def _assert_eval_videos(run_dir: Path, steps: list[int], episode_steps: int) -> None:
+    """One GIF per evaluation: two envs side by side, a frame per action (not per chunk), and
+    frames that change (the arm moves)."""
+    from PIL import Image, ImageSequence
+
+    videos = sorted((run_dir / "videos").glob("*.gif"))
+    assert [v.name for v in videos] == [f"eval_step{s:06d}.gif" for s in steps]
+    for path in videos:
+        with Image.open(path) as gif:  # Pillow merges repeated frames, adding their durations
+            frames, durations = [], []
+            for frame in ImageSequence.Iterator(gif):
+                frames.append(np.asarray(frame.convert("RGB")))
+                durations.append(frame.info["duration"])
+        assert frames[0].shape == (32, 64, 3)
+        # the reset, then every action, at 30 fps (GIF stores whole centiseconds: 30 ms)
+        assert sum(durations) >= (episode_steps + 1) * 30
+        assert any(not np.array_equal(frames[0], f) for f in frames[1:])
 
 
 def test_target_success_rate_stops_the_run(tmp_path, capsys):

@@ -103,3 +103,21 @@ def test_evaluation_video_of_a_state_only_env(tmp_path):
     env.close()
     with pytest.raises(ValueError, match="expected a .gif or .mp4 path"):
         write_video(frames, tmp_path / "eval.avi")
+
+
+def test_gymnasium_mujoco_envs_film_every_action_and_others_are_refused():
+    from tidal.envs.video import FrameRecorder
+
+    env = FrameRecorder(make_env("gymnasium", 3, env_id="HalfCheetah-v5"), rows=2, size=32)
+    env.start()
+    env.reset(seeds=[0, 1, 2])
+    for _ in range(4):
+        env.step(np.ones((3, 6), dtype=np.float32))
+    frames = env.take()
+    assert frames.shape == (5, 32, 64, 3) and frames.dtype == np.uint8
+    assert not np.array_equal(frames[0], frames[-1])  # the cheetah moved
+    assert env.take() is None and env.num_envs == 3  # drained; the rest passes through
+    env.close()
+
+    with pytest.raises(ValueError, match="runner.eval_video: only MuJoCo envs"):
+        FrameRecorder(make_env("gymnasium", 1, env_id="CartPole-v1"), 1, 32)

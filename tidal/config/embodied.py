@@ -30,6 +30,12 @@ class EmbodiedRunnerConfig(RunnerConfig):
     overlap_env_bootstrap: bool = setting(
         False, "while the actor trains, envs start the next epoch (resets, first observations)"
     )
+    eval_video: bool = setting(
+        False, "at each evaluation, write a video of eval episodes to run_folder/videos"
+    )
+    eval_video_envs: int = setting(2, "eval envs shown side by side in the video")
+    eval_video_size: int = setting(128, "side of each env's square frame, in pixels")
+    eval_video_format: str = setting("gif", "gif | mp4 (mp4 needs imageio-ffmpeg)")
 
 
 @dataclass
@@ -198,6 +204,7 @@ def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
     one_of(alg.bootstrap_type, ("truncated", "always"), "algorithm.bootstrap_type")
     one_of(env.adapter, list_env_adapters(), "env.adapter")
     one_of(cfg.reward.mode, ("replace", "add"), "reward.mode")
+    one_of(cfg.runner.eval_video_format, ("gif", "mp4"), "runner.eval_video_format")
     for key, value in (
         ("env.total_num_envs", env.total_num_envs),
         ("env.pipeline_stage_num", env.pipeline_stage_num),
@@ -211,6 +218,8 @@ def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
         ("env.group_size", env.group_size),
         ("runner.weight_sync_interval", cfg.runner.weight_sync_interval),
         ("env.max_nonfinite_steps", env.max_nonfinite_steps),
+        ("runner.eval_video_envs", cfg.runner.eval_video_envs),
+        ("runner.eval_video_size", cfg.runner.eval_video_size),
     ):
         require(value >= 1, key, f"must be >= 1, got {value}")
     require(

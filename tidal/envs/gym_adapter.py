@@ -50,6 +50,7 @@ class GymnasiumVectorEnv:
         self.action_space = self.env.single_action_space
         self.max_episode_steps = max_episode_steps or spec.max_episode_steps
         self._ended = np.zeros(num_envs, dtype=bool)
+        self._cameras: dict[int, object] = {}
 
     def reset(self, seeds: list[int] | None = None, mask: np.ndarray | None = None) -> np.ndarray:
         if mask is not None:
@@ -76,8 +77,35 @@ class GymnasiumVectorEnv:
         restore_vector_env(self.env, state["vector_env"])
         self._ended = from_plain(state["ended"])
 
+    def render(self, size: int = 128, rows: list[int] | None = None) -> np.ndarray:
+        """Frames ``[n, size, size, 3]`` of the copies ``rows`` (MuJoCo envs of a sync vector
+        env), from the model's ``track`` camera when it has one, else its first camera."""
+        rows = list(range(self.num_envs)) if rows is None else rows
+        for i in rows:
+            if (i, size) not in self._cameras:
+                self._cameras[(i, size)] = _mujoco_camera(self.env, i, size)
+        return np.stack([self._cameras[(i, size)].render() for i in rows])
+
     def close(self) -> None:
+        for camera in self._cameras.values():
+            camera.close()
+        self._cameras = {}
         self.env.close()
+
+
+def _mujoco_camera(vector_env, index: int, size: int):
+    from tidal.envs.rendering import FastCamera
+
+    env = getattr(vector_env, "envs", [None] * (index + 1))[index]
+    model = getattr(getattr(env, "unwrapped", None), "model", None)
+    if model is None or model.ncam == 0:
+        raise ValueError(
+            "runner.eval_video: only MuJoCo envs with a camera render here "
+            "(with env.vectorization_mode: sync)"
+        )
+    names = [model.camera(c).name for c in range(model.ncam)]
+    camera = "track" if "track" in names else names[0]
+    return FastCamera(model, env.unwrapped.data, camera, size)
 
 
 def import_env_module(env_id: str) -> str:

@@ -13,6 +13,7 @@ from tidal.checkpoint import load_extra
 from tidal.config import ConfigError, EmbodiedConfig, validate_embodied
 from tidal.config.embodied import env_make_kwargs, saved_policy_config, validate_saved_policy
 from tidal.envs import make_env, success_metrics
+from tidal.envs.video import write_video
 from tidal.models.saving import space_from_json
 from tidal.runners.loop import RunLoop, fmt
 from tidal.runtime import Channel, wait_all
@@ -199,7 +200,7 @@ class EmbodiedRunner(RunLoop):
         if self.rollout_version != step:
             self.sync_weights()
         c, timeout = self.channels, self.cfg.runner.timeout_s
-        returns, done, outcomes = [], 0, []
+        returns, done, outcomes, videos = [], 0, [], []
         while done < self.eval_horizon:
             steps = min(EVAL_SEGMENT, self.eval_horizon - done)
             results = wait_all(
@@ -210,16 +211,25 @@ class EmbodiedRunner(RunLoop):
                 timeout,
             )[0]
             returns += [r for res in results for r in res["returns"]]
+            videos += [res["video"] for res in results if res.get("video") is not None]
             outcomes += results
             done += steps
             if all(res["finished"] for res in results):
                 break
+        if videos:
+            self.write_eval_video(step, np.concatenate(videos))
         return {
             **_success(outcomes, "eval"),
             "eval/return_mean": float(np.mean(returns)) if returns else None,
             "eval/return_std": float(np.std(returns)) if returns else None,
             "eval/episodes": len(returns),
         }
+
+    def write_eval_video(self, step: int, frames: np.ndarray) -> None:
+        runner = self.cfg.runner
+        path = self.run_dir / "videos" / f"eval_step{step:06d}.{runner.eval_video_format}"
+        write_video(frames, path, fps=30)
+        log.info("evaluation video: %s (%d frames)", path, len(frames))
 
     def save(self, path: Path, meta: dict) -> str:
         """The actor's checkpoint, with the env and rollout ranks' state in ``workers.pt``."""

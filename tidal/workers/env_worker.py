@@ -14,6 +14,7 @@ from tidal.config.embodied import env_make_kwargs
 from tidal.data import ChunkActions, EnvOutput, Trajectory
 from tidal.envs import ChunkedEnv, make_env
 from tidal.envs.checks import NonFiniteGuard
+from tidal.envs.video import FrameRecorder
 from tidal.runtime import Channel, Outbox, Worker, async_recv_batch
 from tidal.workers.routes import TRAJECTORY_TAG, Topology, action_tag, obs_tag, reward_tags
 
@@ -100,8 +101,10 @@ class EnvWorker(Worker):
         # evaluation only names and zeroes non-finite values (no restarts, never aborts)
         self._eval_guard = NonFiniteGuard(self.rank, self.rank * eval_envs, eval_envs, limit=2**62)
         self._eval_obs = None  # where the running evaluation has got to
+        eval_adapter = self._make(eval_envs)
+        self.video = self._video_recorder(eval_adapter)
         self.eval_env = ChunkedEnv(
-            self._make(eval_envs),
+            eval_adapter if self.video is None else self.video,
             False,
             [cfg.runner.seed + 10**6 + self.rank * eval_envs + i for i in range(eval_envs)],
         )
@@ -117,6 +120,13 @@ class EnvWorker(Worker):
     def _make(self, num_envs: int):
         env = self.cfg.env
         return make_env(env.adapter, num_envs, **env_make_kwargs(env))
+
+    def _video_recorder(self, eval_adapter) -> FrameRecorder | None:
+        """Rank 0 films its first eval envs when ``runner.eval_video`` is on."""
+        runner = self.cfg.runner
+        if not runner.eval_video or self.rank != 0:
+            return None
+        return FrameRecorder(eval_adapter, runner.eval_video_envs, runner.eval_video_size)
 
     def _seeds(self, stage: int, count: int, group_size: int) -> list[int]:
         """Envs ``g * group_size .. (g + 1) * group_size - 1`` (global numbering) share a seed."""
@@ -250,6 +260,8 @@ class EnvWorker(Worker):
         (``start``: reset them first). The runner calls it in segments until every eval env
         has finished its episode, so short episodes end an evaluation early."""
         if start:
+            if self.video is not None:
+                self.video.start()
             self._eval_obs = self.eval_env.reset(seed_offset=self.epoch * 7919).obs
             self.eval_env.stats.drain()
         outbox = Outbox()
@@ -261,7 +273,11 @@ class EnvWorker(Worker):
             self._eval_guard.check(out, ("obs", "rewards"), "eval env", where)
             self._eval_obs = out.obs
         await outbox.flush()
-        return {"finished": self.eval_env.all_reported(), **self.eval_env.stats.drain()}
+        finished = self.eval_env.all_reported()
+        video = None if self.video is None else self.video.take()
+        if finished and self.video is not None:
+            self.video.stop()
+        return {"finished": finished, "video": video, **self.eval_env.stats.drain()}
 
     async def _step(self, env: ChunkedEnv, actions):
         """With several pipeline stages the simulator steps off the event loop, so the rollout
