@@ -333,7 +333,6 @@ class EmbodiedRunner(RunLoop):
                 sent = self.actor.execute_on(0).send_weights(self.channels["weights"])
                 self.rollout_version = sent.wait(timeout)[0]
                 self.staleness.set_version(self.rollout_version)
-                collection.poll()
         metrics.update(self.timer.pop())
         metrics.update(
             {
