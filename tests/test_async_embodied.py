@@ -73,6 +73,25 @@ def test_eta_zero_on_the_async_path_reproduces_the_synchronous_loop(tmp_path):
     assert all(torch.equal(w_sync[k], w_async[k]) for k in w_sync)
 
 
+def test_async_cartpole_ppo_with_decoupled_loss_solves_within_100k_steps(tmp_path):
+    """Like the synchronous demo test (tests/test_embodied.py): eta = 2, decoupled PPO."""
+    cfg = load_config(
+        EmbodiedConfig,
+        CARTPOLE,
+        [
+            f"runner.run_dir={tmp_path}",
+            "runner.progress=false",
+            "runner.max_steps=390",  # 390 x 8 envs x 32 steps: 100k env steps
+            "rollout.max_staleness=2",
+            "algorithm.use_decoupled_loss=true",
+        ],
+    )
+    summary, rows = run(EmbodiedRunner, cfg)
+    assert summary["best_value"] >= 475, summary
+    assert summary["solved_at_env_steps"] <= 100_000
+    assert 1 <= max(r["staleness/max"] for r in rows) <= 2
+
+
 @pytest.fixture
 def trained_versions(monkeypatch):
     """(trainer version, versions of the samples in the loss) of every training step."""
