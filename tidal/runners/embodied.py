@@ -158,10 +158,7 @@ class EmbodiedRunner(RunLoop):
                 )
 
     def checkpoint_meta(self) -> dict:
-        meta = {"env_steps": self.env_steps}
-        if self.staleness is not None:
-            meta["staleness"] = self.staleness.snapshot()
-        return meta
+        return {"env_steps": self.env_steps}
 
     def should_stop(self, metrics: dict) -> bool:
         return (
@@ -280,10 +277,11 @@ class EmbodiedRunner(RunLoop):
 
     def save(self, path: Path, meta: dict) -> str:
         """The actor's checkpoint, with the env and rollout ranks' state in ``workers.pt``
-        (asynchronous runs: taken between collections)."""
+        (asynchronous runs: taken between collections, with the staleness counters)."""
         timeout = self.cfg.runner.timeout_s
         if self.collection is not None:
             self.current_rollout_weights(meta["step"])
+            meta = {**meta, "staleness": self.staleness.snapshot()}
         stale_weights = self.rollout_version != meta["step"]
         handles = [self.env.state_dict(), self.rollout.state_dict(stale_weights)]
         envs, rollouts = wait_all(handles, timeout)
