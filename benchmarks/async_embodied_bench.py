@@ -9,8 +9,10 @@ For every run: final and best eval return, env steps to the target, wall time, e
 the mean time per phase. From the synchronous run's own timers (collection: sync_weights +
 generate_rollouts; training: compute_advantages + train) the ceiling an overlap can reach,
 ``(t_collect + t_train) / max(t_collect, t_train)``; for each asynchronous run its speed-up
-(synchronous wall time / its wall time, both per env step) and that speed-up as a fraction of
-the ceiling. Prints a table and writes JSON (--out).
+(its env-steps/s over the synchronous run's, both over training steps, evaluations excluded),
+that speed-up as a fraction of the ceiling, and ``step_over_actor_time`` (its step time over the actor's own work: 1.0 when
+collection is entirely hidden; unlike the speed-up it does not depend on the load staying the
+same between runs). Prints a line per run and writes JSON (--out).
 
   python benchmarks/async_embodied_bench.py pendulum halfcheetah [--etas 0 1 2]
       [--env-steps 1000000] [--out async_embodied_bench.json]
@@ -96,7 +98,15 @@ def compare(runs: list[dict]) -> dict:
         if r["eta"] == 0:
             continue
         speedup = r["env_steps_per_s"] / sync["env_steps_per_s"]
-        out["speedups"][r["eta"]] = {"speedup": speedup, "of_ceiling": speedup / ceiling}
+        totals = r["phase_total_s"]
+        actor_busy = sum(totals.get(k, 0.0) for k in (*TRAIN, "time/update_weights"))
+        out["speedups"][r["eta"]] = {
+            "speedup": speedup,
+            "of_ceiling": speedup / ceiling,
+            # within the run itself (immune to load changing between runs): 1.0 means the
+            # steps took only as long as the actor's own work, collection entirely hidden
+            "step_over_actor_time": totals["time/step"] / actor_busy,
+        }
     return out
 
 
