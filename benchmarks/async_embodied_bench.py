@@ -43,6 +43,8 @@ TASKS = {
 
 
 def run_one(config: str, eta: int, env_steps: int, target: float | None, extra: list[str]) -> dict:
+    """One run; asynchronous ones use the decoupled loss unless ``extra`` says otherwise."""
+    decoupled = ["algorithm.use_decoupled_loss=true"] if eta > 0 else []
     overrides = [
         f"runner.run_dir={RUN_DIR}",
         f"runner.experiment={Path(config).stem}-eta{eta}",
@@ -52,6 +54,7 @@ def run_one(config: str, eta: int, env_steps: int, target: float | None, extra: 
         "runner.max_steps=100000",
         f"runner.target_value={'null' if target is None else target}",
         f"rollout.max_staleness={eta}",
+        *decoupled,
         *extra,
     ]
     cfg = load_config(EmbodiedConfig, EXAMPLES / config, overrides)
@@ -61,14 +64,17 @@ def run_one(config: str, eta: int, env_steps: int, target: float | None, extra: 
         summary = runner.run()
     finally:
         runner.close()
-    wall = time.perf_counter() - start
-    rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").open()]
+    return summarize(summary["run_dir"], eta, time.perf_counter() - start, target)
+
+
+def summarize(run_dir: str, eta: int, wall: float, target: float | None) -> dict:
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").open()]
     evals = [(r["env_steps"], r["eval/return_mean"]) for r in rows if r.get("eval/return_mean")]
     phases = sorted({k for r in rows for k in r if k.startswith("time/") and k != "time/elapsed"})
     reached = [s for s, v in evals if target is not None and v >= target]
     return {
         "eta": eta,
-        "run_dir": summary["run_dir"],
+        "run_dir": run_dir,
         "steps": len(rows),
         "env_steps": rows[-1]["env_steps"],
         "wall_s": wall,
@@ -118,12 +124,17 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=-250.0, help="pendulum eval target")
     parser.add_argument("--extra", nargs="*", default=[], help="more config overrides")
     parser.add_argument("--out", default="async_embodied_bench.json")
+    parser.add_argument(
+        "--sync-run", nargs=2, metavar=("RUN_DIR", "WALL_S"), help="reuse a finished eta=0 run"
+    )
     args = parser.parse_args()
     report = {}
     for task in args.tasks:
         config, etas, steps = TASKS[task]
         target = args.target if task == "pendulum" else None
         runs = []
+        if args.sync_run:
+            runs.append(summarize(args.sync_run[0], 0, float(args.sync_run[1]), target))
         for eta in args.etas if args.etas else etas:
             r = run_one(config, eta, args.env_steps or steps, target, args.extra)
             runs.append(r)
