@@ -24,7 +24,7 @@ from tidal.algorithms.losses import (
     reshape_logprobs,
     value_loss,
 )
-from tidal.algorithms.prox import loglinear_prox_logp
+from tidal.algorithms.prox import loglinear_prox_logp, within_staleness
 
 __all__ = [
     "EstimatorSpec",
@@ -45,4 +45,5 @@ __all__ = [
     "register_advantage",
     "reshape_logprobs",
     "value_loss",
+    "within_staleness",
 ]

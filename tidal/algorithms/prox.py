@@ -30,3 +30,11 @@ def loglinear_prox_logp(
     alpha = torch.where(valid, ((current_version - 1) - v_b) / torch.where(valid, gap, 1.0), 0.0)
     alpha = alpha.clamp(0.0, 1.0)
     return behave + alpha * (logp.detach().to(dtype) - behave)
+
+
+def within_staleness(
+    versions: torch.Tensor, current_version: int, max_staleness: int
+) -> torch.Tensor:
+    """Which samples a trainer at ``current_version`` may train on: those generated at most
+    ``max_staleness`` versions earlier (``current_version - v_b <= max_staleness``)."""
+    return (current_version - versions) <= max_staleness

@@ -126,6 +126,15 @@ class AlgorithmConfig:
         "token-mean",
         "loss aggregation: token-mean | seq-mean-token-sum | seq-mean-token-mean | ...",
     )
+    use_decoupled_loss: bool = setting(
+        False, "the decoupled PPO objective (proximal policy + behaviour weights)"
+    )
+    prox_logp_method: str = setting(
+        "recompute",
+        "proximal log-probs: recompute | loglinear | metrics (language: both, compared)",
+    )
+    behav_weight_cap: float | None = setting(5.0, "cap on the behaviour importance weight")
+    cap_mode: str = setting("mask", "above the cap: mask the token or clamp the weight")
 
 
 def one_of(value, allowed, key: str) -> None:
@@ -139,6 +148,12 @@ def validate_common(
     from tidal.algorithms import list_advantages
 
     one_of(cluster.backend, ("local", "ray"), "cluster.backend")
+    one_of(algorithm.cap_mode, ("mask", "clamp"), "algorithm.cap_mode")
+    require(
+        algorithm.behav_weight_cap is None or algorithm.behav_weight_cap > 0,
+        "algorithm.behav_weight_cap",
+        f"must be > 0, got {algorithm.behav_weight_cap}",
+    )
     require(
         cluster.torch_threads >= 1,
         "cluster.torch_threads",

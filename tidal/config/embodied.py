@@ -79,6 +79,17 @@ class RolloutConfig:
     """The policy's inference side."""
 
     num_steps: int = setting(128, "chunk steps per env per training step")
+    max_staleness: int = setting(
+        0,
+        "eta: how many versions behind a trained sample may be; 0 is synchronous RL, > 0 keeps "
+        "the envs collecting while the actor trains",
+    )
+    staleness_policy: str = setting(
+        "wait",
+        "a segment that would exceed eta: wait (collection pauses until the actor catches up) "
+        "or drop (collection never pauses; samples older than eta are left out of the loss, "
+        "counted)",
+    )
     eval_deterministic: bool = setting(True, "evaluate with the mode of the action distribution")
 
 
@@ -205,6 +216,18 @@ def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
     one_of(env.adapter, list_env_adapters(), "env.adapter")
     one_of(cfg.reward.mode, ("replace", "add"), "reward.mode")
     one_of(cfg.runner.eval_video_format, ("gif", "mp4"), "runner.eval_video_format")
+    one_of(alg.prox_logp_method, ("recompute", "loglinear"), "algorithm.prox_logp_method")
+    one_of(cfg.rollout.staleness_policy, ("wait", "drop"), "rollout.staleness_policy")
+    require(
+        cfg.rollout.max_staleness >= 0,
+        "rollout.max_staleness",
+        f"must be >= 0, got {cfg.rollout.max_staleness}",
+    )
+    require(
+        cfg.rollout.max_staleness == 0 or cfg.runner.weight_sync_interval == 1,
+        "runner.weight_sync_interval",
+        "asynchronous runs (rollout.max_staleness > 0) send weights after every step: set it to 1",
+    )
     for key, value in (
         ("env.total_num_envs", env.total_num_envs),
         ("env.pipeline_stage_num", env.pipeline_stage_num),

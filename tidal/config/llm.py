@@ -138,17 +138,9 @@ class LMAlgorithmConfig(AlgorithmConfig):
 
     adv_type: str = setting("grpo", "a critic-free advantage estimator from the registry")
     gamma: float = setting(1.0, "discount over tokens")
-    use_decoupled_loss: bool = setting(
-        False, "the decoupled PPO objective (proximal policy + behaviour weights)"
-    )
-    prox_logp_method: str = setting(
-        "recompute", "proximal log-probs: recompute | loglinear | metrics (both, compared)"
-    )
     recompute_logprob: bool = setting(
         True, "standard PPO: old log-probs from a forward pass (else from inference)"
     )
-    behav_weight_cap: float | None = setting(5.0, "cap on the behaviour importance weight")
-    cap_mode: str = setting("mask", "above the cap: mask the token or clamp the weight")
     kl_coef: float = setting(0.0, "KL penalty to a frozen reference model (> 0 keeps one)")
     kl_kind: str = setting("k3", "KL estimator: k1 | k2 | k3 | ...")
     kl_in: str = setting("loss", "apply the KL in the loss or shape it into the reward")
@@ -219,7 +211,6 @@ def validate_llm(cfg: LLMConfig) -> None:
     one_of(
         alg.prox_logp_method, ("recompute", "loglinear", "metrics"), "algorithm.prox_logp_method"
     )
-    one_of(alg.cap_mode, ("mask", "clamp"), "algorithm.cap_mode")
     one_of(alg.loss_agg, AGGREGATIONS[:3], "algorithm.loss_agg")
     one_of(alg.kl_kind, KL_KINDS, "algorithm.kl_kind")
     one_of(alg.kl_in, ("loss", "reward"), "algorithm.kl_in")

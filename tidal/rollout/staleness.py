@@ -3,7 +3,9 @@
 With trainer version ``v``, consumer batch size ``b`` and ``eta = max_staleness``, at most
 ``(eta + v + 1) * b`` samples may ever be accepted or running: a sample admitted now is
 consumed by a training step at most ``eta`` versions after the one it started under.
-``eta = 0`` is synchronous RL.
+``eta = 0`` is synchronous RL. A "rollout" is whatever the consumer counts its batch in: a
+language episode, or an embodied trajectory segment (one env's chunk steps of one training
+step; the hooks take a count, a whole collection at once).
 """
 
 from __future__ import annotations
@@ -70,24 +72,24 @@ class StalenessManager:
 
     # hooks ----------------------------------------------------------------------------
 
-    def on_rollout_enqueued(self) -> None:
+    def on_rollout_enqueued(self, count: int = 1) -> None:
         with self.lock:
-            self.stat.enqueued += 1
+            self.stat.enqueued += count
 
-    def on_rollout_submitted(self) -> None:
+    def on_rollout_submitted(self, count: int = 1) -> None:
         with self.lock:
-            self.stat.enqueued -= 1
-            self.stat.running += 1
+            self.stat.enqueued -= count
+            self.stat.running += count
 
-    def on_rollout_accepted(self) -> None:
+    def on_rollout_accepted(self, count: int = 1) -> None:
         with self.lock:
-            self.stat.running -= 1
-            self.stat.accepted += 1
+            self.stat.running -= count
+            self.stat.accepted += count
 
-    def on_rollout_rejected(self) -> None:
+    def on_rollout_rejected(self, count: int = 1) -> None:
         with self.lock:
-            self.stat.running -= 1
-            self.stat.rejected += 1
+            self.stat.running -= count
+            self.stat.rejected += count
 
     def snapshot(self) -> dict[str, int]:
         with self.lock:

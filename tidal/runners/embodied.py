@@ -1,5 +1,11 @@
 """The embodied training loop: sync weights → generate rollouts (env, rollout, reward and actor
-groups over channels) → advantages → train → evaluate / checkpoint / log (the shared run loop)."""
+groups over channels) → advantages → train → evaluate / checkpoint / log (the shared run loop).
+
+With ``rollout.max_staleness`` (eta) > 0 it is asynchronous: the env and rollout groups keep
+collecting while the actor trains (tidal.runners.collection, admitted by the language half's
+``StalenessManager``), the rollout takes the weights sent after every step between chunk steps,
+and no sample is trained on more than eta versions after the version that produced it.
+``eta = 0`` is the synchronous loop."""
 
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ from tidal.config.embodied import env_make_kwargs, saved_policy_config, validate
 from tidal.envs import make_env, success_metrics
 from tidal.envs.video import write_video
 from tidal.models.saving import space_from_json
+from tidal.rollout.staleness import StalenessManager
+from tidal.runners.collection import Collection
 from tidal.runners.loop import RunLoop, fmt
 from tidal.runtime import Channel, wait_all
 from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker, Topology
@@ -41,7 +49,13 @@ class EmbodiedRunner(RunLoop):
         self.cluster = self.env = self.rollout = self.actor = self.reward = None
         self.channels: dict[str, Channel] = {}
         self.env_steps, self.rollout_version = 0, None
+        self.staleness: StalenessManager | None = None
+        self.collection: Collection | None = None
         super().__init__(cfg)
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.cfg.rollout.max_staleness > 0
 
     @property
     def initial_evaluation(self) -> bool:
@@ -76,11 +90,30 @@ class EmbodiedRunner(RunLoop):
             for name in ("env", "rollout", "actor", "weights", "reward")
         }
         self.eval_horizon = self.env.execute_on(0).eval_horizon().wait(cfg.runner.timeout_s)[0]
+        if self.asynchronous:
+            self.build_collection()
+
+    def build_collection(self) -> None:
+        """Admission in trajectory segments (one env's chunk steps of one training step): a
+        training step consumes ``total_num_envs`` of them, one collection runs at a time."""
+        segments, r = self.cfg.env.total_num_envs, self.cfg.rollout
+        self.staleness = StalenessManager(r.max_staleness, segments, segments)
+        c = self.channels
+        self.collection = Collection(
+            self.staleness,
+            segments,
+            r.staleness_policy,
+            lambda: self.collection_handles(c["weights"]),
+            self.cfg.runner.timeout_s,
+        )
 
     def restore(self, checkpoint: Path) -> dict:
         meta = self.actor.load(str(checkpoint)).wait(self.cfg.runner.timeout_s)[0]
         self.env_steps = meta["env_steps"]
         self.restore_workers(checkpoint)
+        if self.collection is not None:  # collected but untrained segments were not saved
+            self.staleness.restore(meta["step"])
+            self.collection.consumed = meta["step"]
         return meta
 
     def restore_workers(self, checkpoint: Path) -> None:
@@ -167,18 +200,30 @@ class EmbodiedRunner(RunLoop):
         )
         self.rollout_version = sent[0]
 
-    def generate_rollouts(self) -> dict:
+    def collection_handles(self, weights_ch: Channel | None = None) -> list:
+        """One epoch of every env: env, rollout (and reward) calls; the env's results first.
+        With ``weights_ch`` the rollout takes newer weights between chunk steps."""
         c, timeout = self.channels, self.cfg.runner.timeout_s
         handles = [
             self.env.interact(
                 c["rollout"], c["env"], c["actor"], c["reward"] if self.reward else None, timeout
             ),
-            self.rollout.generate(c["rollout"], c["env"], "train", timeout=timeout),
-            self.actor.recv_trajectories(c["actor"], timeout),
+            self.rollout.generate(
+                c["rollout"], c["env"], "train", timeout=timeout, weights_ch=weights_ch
+            ),
         ]
         if self.reward is not None:
             handles.append(self.reward.compute_rewards(c["reward"], c["env"], timeout))
-        env_results = wait_all(handles, timeout)[0]
+        return handles
+
+    def generate_rollouts(self) -> dict:
+        timeout = self.cfg.runner.timeout_s
+        handles = self.collection_handles()
+        handles.insert(2, self.actor.recv_trajectories(self.channels["actor"], timeout))
+        return self.rollout_metrics(wait_all(handles, timeout)[0])
+
+    def rollout_metrics(self, env_results: list[dict]) -> dict:
+        """What the env ranks report of an epoch; counts its env steps."""
         returns = [r for res in env_results for r in res["returns"]]
         lengths = [n for res in env_results for n in res["lengths"]]
         self.env_steps += sum(res["env_steps"] for res in env_results)
@@ -197,8 +242,7 @@ class EmbodiedRunner(RunLoop):
         """The policy just trained: every eval env through one episode, in segments of at most
         ``EVAL_SEGMENT`` chunk steps (the evaluation ends with the last episode, not at the
         time limit)."""
-        if self.rollout_version != step:
-            self.sync_weights()
+        self.current_rollout_weights(step)
         c, timeout = self.channels, self.cfg.runner.timeout_s
         returns, done, outcomes, videos = [], 0, [], []
         while done < self.eval_horizon:
@@ -231,9 +275,23 @@ class EmbodiedRunner(RunLoop):
         write_video(frames, path, fps=30)
         log.info("evaluation video: %s (%d frames)", path, len(frames))
 
+    def current_rollout_weights(self, step: int) -> None:
+        """Give the rollout the weights after ``step`` steps (asynchronous runs: once the running
+        collection has finished, the update already sent is taken)."""
+        if self.collection is not None and self.rollout_version is not None:
+            self.collection.drain()
+            taken = self.rollout.take_weights(self.channels["weights"])
+            self.rollout_version = taken.wait(self.cfg.runner.timeout_s)[0]
+        if self.rollout_version != step:
+            self.sync_weights()
+
     def save(self, path: Path, meta: dict) -> str:
-        """The actor's checkpoint, with the env and rollout ranks' state in ``workers.pt``."""
+        """The actor's checkpoint, with the env and rollout ranks' state in ``workers.pt``
+        (asynchronous runs: taken between collections, with the staleness counters)."""
         timeout = self.cfg.runner.timeout_s
+        if self.collection is not None:
+            self.current_rollout_weights(meta["step"])
+            meta = {**meta, "staleness": self.staleness.snapshot()}
         stale_weights = self.rollout_version != meta["step"]
         handles = [self.env.state_dict(), self.rollout.state_dict(stale_weights)]
         envs, rollouts = wait_all(handles, timeout)
@@ -241,6 +299,8 @@ class EmbodiedRunner(RunLoop):
         return self.actor.save(str(path), meta, {WORKERS_FILE: workers}).wait(timeout)[0]
 
     def train_step(self, step: int) -> dict:
+        if self.collection is not None:
+            return self.async_train_step(step)
         timeout = self.cfg.runner.timeout_s
         with self.timer("step"):
             with self.timer("sync_weights"):
@@ -260,6 +320,49 @@ class EmbodiedRunner(RunLoop):
         metrics["env_steps_per_s"] = self.env_steps_this_step(metrics)
         return metrics
 
+    def async_train_step(self, step: int) -> dict:
+        """Train on the oldest collected epoch while the next is collected; then send the
+        weights (the rollout takes them between chunk steps) and advance the version. The
+        ``version`` logged is the one trained from, as in the synchronous loop."""
+        timeout, collection = self.cfg.runner.timeout_s, self.collection
+        version = self.staleness.get_version()
+        with self.timer("step"):
+            if self.rollout_version is None:  # a fresh or resumed run: the first weights
+                self.sync_weights()
+            with self.timer("wait_rollouts"):
+                metrics = self.next_collected()
+            with self.timer("compute_advantages"):
+                handles = [self.actor.recv_trajectories(self.channels["actor"], timeout)]
+                collection.wait_polling(handles)
+                metrics.update(collection.wait_polling([self.actor.compute_advantages()])[0][0])
+            with self.timer("train"):
+                metrics.update(collection.wait_polling([self.actor.run_training()])[0][0])
+            with self.timer("update_weights"):
+                sent = self.actor.execute_on(0).send_weights(self.channels["weights"])
+                self.rollout_version = sent.wait(timeout)[0]
+                self.staleness.set_version(self.rollout_version)
+        metrics.update(self.timer.pop())
+        metrics.update(
+            {
+                "env_steps": self.env_steps,
+                "version": version,
+                **{f"rollout/{k}": v for k, v in self.staleness.snapshot().items()},
+            }
+        )
+        metrics["env_steps_per_s"] = self.env_steps_this_step(metrics)
+        return metrics
+
+    def next_collected(self) -> dict:
+        """The rollout metrics of the next collection to train on; dropped ones (too stale,
+        ``staleness_policy=drop``) are received by the actor and discarded on the way."""
+        timeout = self.cfg.runner.timeout_s
+        while True:
+            item = self.collection.next()
+            metrics = self.rollout_metrics(item.results[0])
+            if not item.dropped:
+                return metrics
+            self.actor.discard_trajectories(self.channels["actor"], timeout).wait(timeout)
+
     def env_steps_this_step(self, metrics: dict) -> float:
         per_step = (
             self.cfg.env.total_num_envs
@@ -270,6 +373,8 @@ class EmbodiedRunner(RunLoop):
 
     def cleanup_steps(self, graceful: bool) -> list:
         steps = []
+        if graceful and self.collection is not None:
+            steps.append(("running collection", self.collection.drain))
         if graceful and self.env is not None:
             steps.append(("env close", lambda: self.env.close().wait(self.cfg.runner.timeout_s)))
         for name, group in (

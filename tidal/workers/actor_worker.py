@@ -11,13 +11,16 @@ import torch
 
 from tidal.algorithms import (
     advantage_spec,
+    decoupled_ppo_loss,
     get_advantage,
+    loglinear_prox_logp,
     loss_mask_from_dones,
     masked_whiten,
     ppo_policy_loss,
     reduce_chunk_level,
     reshape_logprobs,
     value_loss,
+    within_staleness,
 )
 from tidal.config import EmbodiedConfig
 from tidal.data import Trajectory
@@ -64,8 +67,13 @@ class ActorWorker(Worker):
     # -- weights -------------------------------------------------------------------------
 
     def send_weights(self, weights_ch: Channel) -> int:
+        """Rank 0 sends its weights to every rollout rank. Asynchronous runs send a copy: the
+        update may wait in the channel while the next step changes the weights in place."""
         if self.rank == 0:
-            send_weights(weights_ch, self.policy.state_dict(), self.engine.step, self.topo.rollout)
+            weights = self.policy.state_dict()
+            if self.cfg.rollout.max_staleness > 0:
+                weights = {k: v.detach().clone() for k, v in weights.items()}
+            send_weights(weights_ch, weights, self.engine.step, self.topo.rollout)
         return self.engine.step
 
     # -- data ----------------------------------------------------------------------------
@@ -85,6 +93,12 @@ class ActorWorker(Worker):
             shards.append(shard)
         self.traj = merge_batches(shards)
         return self.traj.rewards.shape[0]
+
+    async def discard_trajectories(self, actor_ch: Channel, timeout: float = 600.0) -> int:
+        """Receive the next trajectories and drop them (a collection too stale to train on)."""
+        count = await self.recv_trajectories(actor_ch, timeout)
+        self.traj = None
+        return count
 
     def compute_advantages(self) -> dict[str, float]:
         """Advantages and returns from the registry, then the flat, time-major sample batch."""
@@ -139,6 +153,26 @@ class ActorWorker(Worker):
         }
         if values is not None:
             self.batch["old_values"] = _flatten_steps(values[:-1])
+        self.batch["versions"] = _flatten_steps(_time_major(traj.versions))
+        metrics.update(self._staleness())
+        return metrics
+
+    def _staleness(self) -> dict[str, float]:
+        """How many versions behind the weights each sample is (``staleness/*``, the names the
+        language half uses). Asynchronous runs leave samples older than ``max_staleness`` out of
+        the loss (none with ``staleness_policy=wait``: admission already bounds them)."""
+        eta, version = self.cfg.rollout.max_staleness, self.engine.step
+        versions, mask = self.batch["versions"], self.batch["mask"]
+        metrics = {}
+        if eta > 0:
+            keep = within_staleness(versions, version, eta)
+            self.batch["mask"] = mask & keep.view(-1, *([1] * (mask.dim() - 1)))
+            metrics["rollout/stale_dropped"] = float((~keep).sum())
+            versions = versions[keep]
+        stale = (version - versions).float()
+        empty = len(stale) == 0
+        metrics["staleness/mean"] = 0.0 if empty else float(stale.mean())
+        metrics["staleness/max"] = 0.0 if empty else float(stale.max())
         return metrics
 
     # -- training ------------------------------------------------------------------------
@@ -157,6 +191,8 @@ class ActorWorker(Worker):
         generator = torch.Generator().manual_seed(self.cfg.runner.seed + 1000 * self.rank + step)
         critic_only = step < alg.critic_warmup_steps
         accumulation = per_rank // act.micro_batch_size
+        if alg.use_decoupled_loss and alg.prox_logp_method == "recompute":
+            self.batch["prox_logprobs"] = self._current_logprobs()
 
         def loss_fn(model, micro):
             loss, info = self._micro_loss(model, micro, critic_only)
@@ -178,28 +214,59 @@ class ActorWorker(Worker):
         out.update(self.engine.end_step())
         return self.all_reduce_mean(out)
 
+    @torch.no_grad()
+    def _current_logprobs(self) -> torch.Tensor:
+        """The batch's per-dimension log-probs under the weights before this step: the proximal
+        policy of the decoupled loss (``prox_logp_method=recompute``)."""
+        size, micro = self.batch["actions"].shape[0], self.cfg.actor.micro_batch_size
+        outs = []
+        for start in range(0, size, micro):
+            part = {k: v[start : start + micro] for k, v in self.batch.items()}
+            inputs = {k[3:]: v for k, v in part.items() if k.startswith("in.")}
+            outs.append(self.policy(inputs, part["actions"])["logprobs"].float())
+        return torch.cat(outs)
+
+    def _policy_loss(self, logp, micro, adv, mask, mask_sum):
+        """Standard PPO against the behaviour log-probs, or decoupled PPO (trust region around
+        the proximal policy, behaviour weights capped) with the language half's functions."""
+        alg = self.cfg.algorithm
+        old = reshape_logprobs(micro["old_logprobs"], alg.logprob_type)
+        clip = (alg.clip_ratio_low, alg.clip_ratio_high)
+        agg = {
+            "agg": alg.loss_agg,
+            "loss_mask_sum": mask_sum,
+            "max_episode_steps": self.max_chunk_steps,
+        }
+        if not alg.use_decoupled_loss:
+            return ppo_policy_loss(logp, old, adv, mask, *clip, alg.dual_clip, **agg)
+        if alg.prox_logp_method == "recompute":
+            prox = reshape_logprobs(micro["prox_logprobs"], alg.logprob_type)
+        else:
+            versions = self._broadcast(micro["versions"], logp)
+            prox = loglinear_prox_logp(old, logp, versions, self.engine.step)
+        return decoupled_ppo_loss(
+            logp,
+            prox,
+            old,
+            adv,
+            mask,
+            *clip,
+            behav_weight_cap=alg.behav_weight_cap,
+            cap_mode=alg.cap_mode,
+            dual_clip=alg.dual_clip,
+            **agg,
+        )
+
     def _micro_loss(self, model, micro: dict[str, torch.Tensor], critic_only: bool):
         alg = self.cfg.algorithm
         inputs = {k[3:]: v for k, v in micro.items() if k.startswith("in.")}
         out = model(inputs, micro["actions"])
         level = alg.logprob_type
         logp = reshape_logprobs(out["logprobs"].float(), level)
-        old = reshape_logprobs(micro["old_logprobs"], level)
         adv, mask, mask_sum = (
             self._broadcast(micro[k], logp) for k in ("advantages", "mask", "mask_sum")
         )
-        pg_loss, pg = ppo_policy_loss(
-            logp,
-            old,
-            adv,
-            mask,
-            alg.clip_ratio_low,
-            alg.clip_ratio_high,
-            alg.dual_clip,
-            agg=alg.loss_agg,
-            loss_mask_sum=mask_sum,
-            max_episode_steps=self.max_chunk_steps,
-        )
+        pg_loss, pg = self._policy_loss(logp, micro, adv, mask, mask_sum)
         entropy = reshape_logprobs(out["entropy"].float(), level)
         entropy_mean = torch.where(mask, entropy, 0.0).sum() / mask.sum().clamp(min=1)
         info = {

@@ -10,7 +10,14 @@ from tidal.checkpoint import rng_state, set_rng_state
 from tidal.config import EmbodiedConfig
 from tidal.data import ChunkActions, EnvOutput
 from tidal.models.policy import build_from_config
-from tidal.runtime import Channel, Outbox, Worker, async_recv_batch, async_recv_weights
+from tidal.runtime import (
+    Channel,
+    CommMapper,
+    Outbox,
+    Worker,
+    async_recv_batch,
+    async_recv_weights,
+)
 from tidal.workers.routes import Topology, action_tag, obs_tag
 
 
@@ -38,6 +45,14 @@ class RolloutWorker(Worker):
         self.version = update.version
         return self.version
 
+    async def take_weights(self, weights_ch: Channel) -> int:
+        """Load the newest update already waiting, without blocking (asynchronous runs: the
+        actor sends after every step, the rollout takes them between chunk steps)."""
+        key = CommMapper.build_channel_key(0, self.rank, "weights")
+        while weights_ch.qsize(key) > 0:
+            await self.sync_weights(weights_ch)
+        return self.version
+
     async def generate(
         self,
         rollout_ch: Channel,
@@ -45,15 +60,19 @@ class RolloutWorker(Worker):
         mode: str = "train",
         num_steps: int | None = None,
         timeout: float = 600.0,
+        weights_ch: Channel | None = None,
     ) -> int:
         """Answer ``num_steps`` chunk steps of every pipeline stage (train: ``rollout.num_steps``
-        plus one whose values bootstrap the last step)."""
+        plus one whose values bootstrap the last step). With ``weights_ch`` (asynchronous runs)
+        newer weights are taken between chunk steps; every answer carries its version."""
         stages = self.topo.stages if mode == "train" else 1
         steps = self.cfg.rollout.num_steps + 1 if mode == "train" else num_steps
         deterministic = mode == "eval" and self.cfg.rollout.eval_deterministic
         batch = self.topo.stage_batch(mode)
         outbox = Outbox()
         for _ in range(steps):
+            if weights_ch is not None:
+                await self.take_weights(weights_ch)
             for s in range(stages):
                 out: EnvOutput = await async_recv_batch(
                     rollout_ch,
