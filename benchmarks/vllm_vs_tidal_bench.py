@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from inference_bench import workload  # noqa: E402
@@ -83,7 +84,7 @@ def main() -> None:
         path = save_tiny_model(
             Path(tmp) / "m", hidden=args.hidden, layers=args.layers, heads=8, max_positions=512
         )
-        vocab = GenerationEngine(path, max_batch_size=1).model.config.vocab_size
+        vocab = AutoConfig.from_pretrained(path).vocab_size
         workloads = {
             "mixed": [(p, n, 1) for p, n in workload(args.requests, vocab)],
             "grpo": [(p, args.tokens, args.group) for p in grpo_workload(args.prompts, vocab)],

@@ -10,6 +10,7 @@ engine registers its name here.
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 
@@ -143,7 +144,8 @@ class VLLMEngine(RolloutEngine):
     def python(cfg: LLMConfig) -> str:
         from tidal.inference.vllm import REPO
 
-        return cfg.rollout.vllm_python or str(REPO / ".venv-vllm" / "bin" / "python")
+        # absolute (a rank may run elsewhere), but not resolved: a venv's python is a symlink
+        return os.path.abspath(cfg.rollout.vllm_python or REPO / ".venv-vllm" / "bin" / "python")
 
     def protocol(self):
         from tidal.inference.vllm import VLLMProtocol
