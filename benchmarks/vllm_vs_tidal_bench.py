@@ -77,9 +77,12 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8, help="grpo: samples per prompt")
     parser.add_argument("--tokens", type=int, default=64, help="grpo: new tokens per sample")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="tidal's torch threads (vLLM's CPU server takes 1)"
+    )
     parser.add_argument("--out", default="benchmarks/results/vllm_vs_tidal_bench.json")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = save_tiny_model(
             Path(tmp) / "m", hidden=args.hidden, layers=args.layers, heads=8, max_positions=512
@@ -99,6 +102,7 @@ def main() -> None:
             vllm = measure(vllm_server.address, VLLMProtocol(), workloads, args.repeats)
     result = {
         "model": {"hidden": args.hidden, "layers": args.layers, "heads": 8},
+        "tidal_torch_threads": args.threads,
         "workloads": {
             "mixed": f"{args.requests} requests, 8-128 new tokens (20% long)",
             "grpo": f"{args.prompts} prompts x {args.group} samples x {args.tokens} tokens",

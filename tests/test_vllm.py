@@ -22,6 +22,7 @@ from tidal.inference.vllm import VLLMProtocol, VLLMServer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "llm" / "arith_grpo.yaml"
+pytestmark = pytest.mark.timeout(600)  # the first test also waits for vLLM to start (~1-2 min)
 
 
 def test_vllm_without_its_virtualenv_is_a_config_error(tmp_path):
