@@ -166,7 +166,7 @@ class VLLMEngine(RolloutEngine):
         self.servers = VLLMServerWorker.create_group(
             self.cfg.model.path,
             start_timeout_s=r.vllm_start_timeout_s,
-            extra_args=list(r.vllm_args),
+            extra_args=self.server_args(),
             python=self.python(self.cfg),
             log_dir=str(self.run_dir),
         ).launch(
@@ -176,6 +176,15 @@ class VLLMEngine(RolloutEngine):
             launch_timeout=r.vllm_start_timeout_s + 60,
         )
         return self.servers.address().wait(self.timeout)
+
+    def server_args(self) -> list[str]:
+        """The run's keys in vLLM's words (later arguments win: rollout.vllm_args last)."""
+        cfg = self.cfg
+        return [
+            *("--dtype", cfg.model.dtype),
+            *("--max-num-seqs", str(cfg.rollout.max_batch_size)),
+            *cfg.rollout.vllm_args,
+        ]
 
     def _each(self, method: str, *args) -> None:
         """A control call on every server: through the ranks, or straight to the URLs."""
