@@ -17,6 +17,7 @@ distribution actually sampled from (after temperature), as with tidal's engine.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -30,6 +31,8 @@ import httpx
 from tidal.inference.client import ModelRequest, ModelResponse
 
 REPO = Path(__file__).resolve().parents[2]
+# httpx logs every request at INFO: three lines per server at each weight update in train.log
+logging.getLogger("httpx").setLevel(logging.WARNING)
 # rollout.pause_mode → vLLM's: in_place is SGLang's (and tidal's engine's) name for keep
 PAUSE_MODES = {"abort": "abort", "keep": "keep", "in_place": "keep"}
 
