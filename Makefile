@@ -46,7 +46,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 test: setup vllm lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	TIDAL_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest $(PYTEST_ARGS)
 
 train: setup
 	$(VENV)/bin/tidal train examples/embodied/cartpole_ppo.yaml

@@ -77,7 +77,7 @@ def run(tmp_path_factory):
     runner = ReasoningRunner(load_config(LLMConfig, DEMO, overrides))
     try:
         summary = runner.run()
-        yield runner, summary, model
+        yield runner, summary, model, overrides
     finally:
         runner.close()
 
@@ -109,7 +109,7 @@ def served(runner):
 
 
 def test_the_demo_trains_and_vllm_serves_the_new_weights(run):
-    runner, summary, start_model = run
+    runner, summary, start_model, _ = run
     rows = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     steps = [r for r in map(json.loads, rows) if r["step"] >= 0]
     assert [r["version"] for r in steps] == [1, 2]
@@ -210,6 +210,36 @@ def test_vllm_takes_weights_from_a_folder_only(run):
             await client.update_weights(version=3, state_dict={"w": torch.zeros(1)})
 
     run_client(run[0].client.addresses[0], body)
+
+
+def test_a_run_connects_to_running_servers(run, tmp_path):
+    """rollout.server_urls: no server launched; the run's weights reach the running one."""
+    from tidal.runners.reasoning import ReasoningRunner
+
+    runner, _, _, overrides = run
+    [address] = runner.client.addresses
+    other = ReasoningRunner(
+        load_config(
+            LLMConfig,
+            DEMO,
+            [
+                *overrides,
+                f"runner.run_dir={tmp_path}",
+                "runner.max_steps=1",
+                "runner.eval_interval=0",
+                f"rollout.server_urls=['{address}']",
+            ],
+        )
+    )
+    try:
+        summary = other.run()
+        assert other.rollout.servers is None and summary["steps"] == 1
+        out = other._run(other.client.agenerate(ModelRequest([1, 5], GenerationConfig(4))))
+        assert out.output_versions == [1] * 4
+        on_new = teacher_forced(served(other), out.input_tokens, out.output_tokens)
+        assert (on_new - torch.tensor(out.output_logprobs)).abs().max() < 1e-4
+    finally:
+        other.close()
 
 
 def test_a_dead_server_is_named_with_its_rank_and_call(run):

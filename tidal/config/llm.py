@@ -138,7 +138,9 @@ class LLMRolloutConfig:
         help="vllm: running servers to use instead of launching one per rollout rank",
     )
     vllm_python: str | None = setting(
-        None, "vllm: the python of vLLM's virtualenv; None: .venv-vllm in the repo (make vllm)"
+        None,
+        "vllm: the python of vLLM's virtualenv; None: $TIDAL_VLLM_PYTHON, else the repo's "
+        ".venv-vllm (make vllm)",
     )
     vllm_args: list[str] = setting(
         factory=list, help="vllm: extra arguments of vLLM's OpenAI server"

@@ -41,9 +41,15 @@ class ServerDied(ConnectionError):
     """A supervised vLLM server process is gone (a worker fault: runner.max_restarts applies)."""
 
 
+def default_vllm_python() -> str:
+    """Where vLLM's interpreter is looked for: ``$TIDAL_VLLM_PYTHON``, else the repo's
+    ``.venv-vllm`` (``make vllm``)."""
+    return os.environ.get("TIDAL_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+
+
 def vllm_python() -> str | None:
     """The interpreter of vLLM's virtualenv, or ``None`` when there is none."""
-    candidate = os.environ.get("TIDAL_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+    candidate = default_vllm_python()
     return candidate if Path(candidate).exists() else None
 
 

@@ -142,10 +142,10 @@ class VLLMEngine(RolloutEngine):
 
     @staticmethod
     def python(cfg: LLMConfig) -> str:
-        from tidal.inference.vllm import REPO
+        from tidal.inference.vllm import default_vllm_python
 
         # absolute (a rank may run elsewhere), but not resolved: a venv's python is a symlink
-        return os.path.abspath(cfg.rollout.vllm_python or REPO / ".venv-vllm" / "bin" / "python")
+        return os.path.abspath(cfg.rollout.vllm_python or default_vllm_python())
 
     def protocol(self):
         from tidal.inference.vllm import VLLMProtocol
