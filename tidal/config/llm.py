@@ -128,8 +128,24 @@ class LLMRolloutConfig:
     turn_discount: float = setting(0.9, "multi-turn: reward discount per extra turn")
     reward_timeout_s: float = setting(10.0, "bound on one reward function call")
     pause_mode: str = setting(
-        "abort", "weight update: abort in-flight requests (resubmitted) or pause them in_place"
+        "abort",
+        "weight update: abort in-flight requests (resubmitted) or keep them paused in place "
+        "(in_place: SGLang's name for keep)",
     )
+    engine: str = setting("tidal", "what serves rollouts (tidal.rollout.engines): tidal | vllm")
+    server_urls: list[str] = setting(
+        factory=list,
+        help="vllm: running servers to use instead of launching one per rollout rank",
+    )
+    vllm_python: str | None = setting(
+        None,
+        "vllm: the python of vLLM's virtualenv; None: $TIDAL_VLLM_PYTHON, else the repo's "
+        ".venv-vllm (make vllm)",
+    )
+    vllm_args: list[str] = setting(
+        factory=list, help="vllm: extra arguments of vLLM's OpenAI server"
+    )
+    vllm_start_timeout_s: float = setting(600.0, "vllm: bound on a server's start (/health)")
 
 
 @dataclass
@@ -214,7 +230,8 @@ def validate_llm(cfg: LLMConfig) -> None:
     one_of(alg.loss_agg, AGGREGATIONS[:3], "algorithm.loss_agg")
     one_of(alg.kl_kind, KL_KINDS, "algorithm.kl_kind")
     one_of(alg.kl_in, ("loss", "reward"), "algorithm.kl_in")
-    one_of(r.pause_mode, ("abort", "in_place"), "rollout.pause_mode")
+    one_of(r.pause_mode, ("abort", "keep", "in_place"), "rollout.pause_mode")
+    _check_engine(cfg)
     require(
         r.temperature >= 0, "rollout.temperature", f"must be >= 0 (0: greedy), got {r.temperature}"
     )
@@ -397,6 +414,13 @@ def import_object(spec: str, key: str):
         raise ConfigError(f"{key}: cannot import {module_name!r}: {exc}") from None
     require(hasattr(module, name), key, f"module {module_name!r} has no {name!r}")
     return getattr(module, name)
+
+
+def _check_engine(cfg: LLMConfig) -> None:
+    from tidal.rollout.engines import ROLLOUT_ENGINES
+
+    one_of(cfg.rollout.engine, ROLLOUT_ENGINES.names(), "rollout.engine")
+    ROLLOUT_ENGINES.get(cfg.rollout.engine).validate(cfg)
 
 
 def _check_actor_ranks(cfg: LLMConfig) -> None:

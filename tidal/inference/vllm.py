@@ -17,7 +17,9 @@ distribution actually sampled from (after temperature), as with tidal's engine.
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -29,12 +31,25 @@ import httpx
 from tidal.inference.client import ModelRequest, ModelResponse
 
 REPO = Path(__file__).resolve().parents[2]
-PAUSE_MODES = {"abort": "abort", "in_place": "keep"}  # tidal's names → vLLM's
+# httpx logs every request at INFO: three lines per server at each weight update in train.log
+logging.getLogger("httpx").setLevel(logging.WARNING)
+# rollout.pause_mode → vLLM's: in_place is SGLang's (and tidal's engine's) name for keep
+PAUSE_MODES = {"abort": "abort", "keep": "keep", "in_place": "keep"}
+
+
+class ServerDied(ConnectionError):
+    """A supervised vLLM server process is gone (a worker fault: runner.max_restarts applies)."""
+
+
+def default_vllm_python() -> str:
+    """Where vLLM's interpreter is looked for: ``$TIDAL_VLLM_PYTHON``, else the repo's
+    ``.venv-vllm`` (``make vllm``)."""
+    return os.environ.get("TIDAL_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
 
 
 def vllm_python() -> str | None:
     """The interpreter of vLLM's virtualenv, or ``None`` when there is none."""
-    candidate = os.environ.get("TIDAL_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+    candidate = default_vllm_python()
     return candidate if Path(candidate).exists() else None
 
 
@@ -49,6 +64,8 @@ class VLLMProtocol:
     def __init__(self, initial_version: int = 0):
         self.initial_version = initial_version
 
+    # the driver's or a rank's synchronous calls of the weight-update cycle (one server each)
+
     def generate(self, req: ModelRequest, out: ModelResponse, n: int) -> tuple[str, dict]:
         g = req.gconfig.seeded(out.output_len)
         n = 1 if g.greedy else n  # vLLM refuses n > 1 when greedy; the samples are equal anyway
@@ -56,9 +73,8 @@ class VLLMProtocol:
             "max_tokens": g.max_new_tokens - out.output_len,
             "n": n,
             "logprobs": 0,
-            "temperature": 0.0
-            if g.greedy
-            else g.temperature,  # vLLM's greedy bound is 1e-5 too "top_p": g.top_p,
+            "temperature": 0.0 if g.greedy else g.temperature,  # vLLM's greedy bound is 1e-5
+            "top_p": g.top_p,
             "top_k": g.top_k if g.top_k > 0 else -1,
             "seed": g.seed,
             "stop_token_ids": g.stop_token_ids,
@@ -119,6 +135,37 @@ class VLLMProtocol:
             ),
             ("/update_weight_version", {"new_version": str(version)}),
         ]
+
+
+def control(address: str, endpoint: str, payload=None, params=None, timeout: float = 120.0):
+    """One synchronous call of vLLM's development endpoints (pause, resume, reload), bounded by
+    ``timeout``; an error answer raises naming the server and endpoint."""
+    resp = httpx.post(address + endpoint, json=payload, params=params, timeout=timeout)
+    if resp.status_code >= 400:
+        raise RuntimeError(f"vLLM {address}{endpoint} answered {resp.status_code}: {resp.text}")
+    return resp
+
+
+def pause(address: str, mode: str, timeout: float = 120.0) -> None:
+    endpoint, payload, params = VLLMProtocol().pause(mode)
+    control(address, endpoint, payload, params, timeout)
+
+
+def resume(address: str, timeout: float = 120.0) -> None:
+    control(address, *VLLMProtocol().resume(), timeout=timeout)
+
+
+def reload_weights(address: str, folder: str, version: int, timeout: float = 600.0) -> None:
+    """Reload a ``save_pretrained`` folder (while paused) and label the weights ``version``."""
+    for endpoint, payload in VLLMProtocol().update_from_disk(folder, version):
+        control(address, endpoint, payload, timeout=timeout)
+
+
+def _kill_session(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _free_port(host: str) -> int:
@@ -221,6 +268,15 @@ class VLLMServer:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def check_alive(self) -> None:
+        """Raise ``ServerDied`` (with the log's tail) when the process has exited."""
+        if not self.alive():
+            code = None if self.process is None else self.process.returncode
+            raise ServerDied(
+                f"the vLLM server at {self.address} exited with code {code}; "
+                f"see {self.log_path}:\n{self._tail()}"
+            )
+
     def _tail(self, lines: int = 20) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -228,13 +284,18 @@ class VLLMServer:
             return ""
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self.process is None or self.process.poll() is not None:
+        """SIGTERM to the server's session (its engine-core child goes too), then SIGKILL; a
+        server that already died may have left that child: it is killed as well."""
+        if self.process is None:
             return
-        os.killpg(self.process.pid, 15)  # its own session: the engine-core child goes too
+        if self.process.poll() is not None:
+            _kill_session(self.process.pid, signal.SIGKILL)
+            return
+        _kill_session(self.process.pid, signal.SIGTERM)
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, 9)
+            _kill_session(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
 
     def __enter__(self) -> VLLMServer:

@@ -255,9 +255,10 @@ class RunLoop(ABC):
 
 def is_worker_fault(exc: BaseException) -> bool:
     """A fault a restart can cure: a rank that died or stopped answering, a lost connection
-    (an inference server gone) — not a bug that would fail again the same way."""
+    (an inference server gone, or a supervised server process that exited: ``ServerDied``) —
+    not a bug that would fail again the same way."""
     if isinstance(exc, WorkerError):
-        return exc.error.startswith("rank died")
+        return exc.error.startswith(("rank died", "ServerDied"))
     return isinstance(exc, WorkerTimeoutError | ChannelTimeoutError | ConnectionError)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,8 @@ from tidal.config.llm import (
 from tidal.data import LMBatch
 from tidal.inference import InferenceClient
 from tidal.models.lm import load_tokenizer
-from tidal.rollout.dispatcher import RolloutDispatcher
+from tidal.rollout.dispatcher import EpisodeError, RolloutDispatcher
+from tidal.rollout.engines import ROLLOUT_ENGINES
 from tidal.rollout.evaluation import greedy_config
 from tidal.rollout.staleness import StalenessManager
 from tidal.rollout.tasks import TASKS
@@ -38,8 +38,6 @@ from tidal.runners.lm_common import (
     warmed_reward,
 )
 from tidal.runners.loop import RunLoop
-from tidal.runtime import Channel, wait_all
-from tidal.workers.inference_worker import InferenceServerWorker
 from tidal.workers.lm_actor import LMActor
 
 log = logging.getLogger("tidal.train")
@@ -51,9 +49,7 @@ class ReasoningRunner(RunLoop):
     def __init__(self, cfg: LLMConfig):
         validate_llm(cfg)
         validate_model_path(cfg)
-        self.cluster = self.servers = self.actor = self.weights_ch = self.client = (
-            self.dispatcher
-        ) = None
+        self.cluster = self.rollout = self.actor = self.client = self.dispatcher = None
         self.version = 0
         super().__init__(cfg)
 
@@ -64,26 +60,12 @@ class ReasoningRunner(RunLoop):
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.cluster = self.start_cluster()
         placement = self.cluster.placement(cfg.cluster.resolved_placement(["rollout", "actor"]))
-        devices = (
-            placement.devices("rollout")[: r.num_servers]
-            if r.num_servers <= len(placement.devices("rollout"))
-            else r.num_servers
-        )
-        self.servers = InferenceServerWorker.create_group(
-            cfg.model.path,
-            max_batch_size=r.max_batch_size,
-            torch_threads=cfg.cluster.torch_threads,
-            dtype=cfg.model.dtype,
-            attn_implementation=cfg.model.attn_implementation,
-        ).launch(self.cluster, devices, name="rollout")
+        self.rollout = ROLLOUT_ENGINES.get(r.engine)(cfg, self.cluster, placement, self.run_dir)
+        addresses = self.rollout.launch()
         self.actor = LMActor.create_group(cfg).launch(
             self.cluster, placement.devices("actor"), name="actor"
         )
-        self.weights_ch = Channel.create(
-            f"{cfg.runner.experiment}-{uuid.uuid4().hex[:6]}-weights", self.cluster
-        )
-        addresses = self.servers.address().wait(cfg.runner.timeout_s)
-        self.client = InferenceClient(addresses)
+        self.client = InferenceClient(addresses, protocol=self.rollout.protocol())
         self.gconfig = generation_config(cfg, self.tokenizer)
         self.staleness = StalenessManager(r.max_staleness, r.batch_size, r.max_concurrent_rollouts)
         with data_cache(cfg, self.run_dir) as cache:
@@ -155,22 +137,14 @@ class ReasoningRunner(RunLoop):
 
     def _update_weights(self) -> None:
         """pause → update weights → set version → resume."""
-        timeout = self.cfg.runner.timeout_s
         self.dispatcher.pause()
         with self.timer("update_weights/pause"):
-            self.servers.pause_generation(self.cfg.rollout.pause_mode).wait(timeout)
+            self.rollout.pause(self.cfg.rollout.pause_mode)
         with self.timer("update_weights/transfer"):
-            sent, loaded = wait_all(
-                [
-                    self.actor.send_weights(self.weights_ch, self.servers.world_size),
-                    self.servers.load_weights(self.weights_ch, timeout),
-                ],
-                timeout,
-            )
-        self.version = sent[0]
+            self.version = self.rollout.transfer(self.actor)
         self.staleness.set_version(self.version)
         with self.timer("update_weights/resume"):
-            self.servers.continue_generation().wait(timeout)
+            self.rollout.resume()
         self.dispatcher.resume()
 
     def evaluate(self, step: int) -> dict:
@@ -193,9 +167,7 @@ class ReasoningRunner(RunLoop):
         r = self.cfg.runner
         with self.timer("step"):
             with self.timer("prepare_batch"):
-                episodes = self.dispatcher.prepare_batch(
-                    self.train_data, self.cfg.rollout.batch_size, r.timeout_s
-                )
+                episodes = self._prepare_batch()
                 batch = LMBatch.concat(episodes, self.tokenizer.pad_token_id)
             with self.timer("train"):
                 metrics = self.actor.train_step(batch).wait(r.timeout_s)[0]
@@ -215,6 +187,17 @@ class ReasoningRunner(RunLoop):
         )
         return metrics
 
+    def _prepare_batch(self) -> list:
+        """A batch of episodes; when episodes fail, a dead server is named first (its group,
+        rank and method: a worker fault that runner.max_restarts can cure)."""
+        try:
+            return self.dispatcher.prepare_batch(
+                self.train_data, self.cfg.rollout.batch_size, self.cfg.runner.timeout_s
+            )
+        except EpisodeError:
+            self.rollout.check_alive()
+            raise
+
     def _reward_failures(self) -> dict:
         counters = getattr(self.workflow, "counters", None)  # user workflows may keep none
         if counters is None:
@@ -233,14 +216,10 @@ class ReasoningRunner(RunLoop):
             steps.append(("client", lambda: self._run(self.client.aclose(), 30)))
         if self.dispatcher is not None:
             steps.append(("dispatcher", self.dispatcher.shutdown))
-        if self.servers is not None:
-            if graceful:
-                steps.append(("inference servers", lambda: self.servers.shutdown_server().wait(60)))
-            steps.append(("rollout group", self.servers.shutdown))
+        if self.rollout is not None:
+            steps += self.rollout.cleanup_steps(graceful)
         if self.actor is not None:
             steps.append(("actor group", self.actor.shutdown))
-        if self.weights_ch is not None:
-            steps.append(("weights channel", self.weights_ch.close))
         if self.cluster is not None:
             steps.append(("cluster", self.cluster.shutdown))
         return steps

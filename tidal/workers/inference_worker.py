@@ -69,9 +69,9 @@ class InferenceServerWorker(Worker):
 
 class VLLMServerWorker(Worker):
     """One vLLM server per rollout rank (``rollout.engine: vllm``): launched from vLLM's own
-    virtualenv and supervised by this rank; it publishes its address. Weights reach it as a
-    safetensors folder the trainer writes (``InferenceClient(..., protocol=VLLMProtocol())``
-    then ``update_weights(version, model_path=folder)``)."""
+    virtualenv and supervised by this rank, which publishes its address and drives the
+    weight-update cycle of its server. Every call first checks that the process lives: a dead
+    server fails the call (``ServerDied``), named with this group, rank and method."""
 
     def __init__(
         self,
@@ -79,17 +79,45 @@ class VLLMServerWorker(Worker):
         max_model_len: int | None = None,
         start_timeout_s: float = 600.0,
         extra_args: list[str] | None = None,
+        python: str | None = None,
+        log_dir: str | None = None,
     ):
         from tidal.inference.vllm import VLLMServer
 
-        self.server = VLLMServer(model_dir, max_model_len=max_model_len, extra_args=extra_args)
+        self.server = VLLMServer(
+            model_dir,
+            max_model_len=max_model_len,
+            extra_args=extra_args,
+            python=python,
+            log_dir=log_dir,
+        )
         self.server.start(start_timeout_s)
 
     def address(self) -> str:
+        self.server.check_alive()
         return self.server.address
 
     def alive(self) -> bool:
         return self.server.alive()
+
+    def pause_generation(self, mode: str = "abort", timeout: float = 120.0) -> None:
+        from tidal.inference import vllm
+
+        self.server.check_alive()
+        vllm.pause(self.server.address, mode, timeout)
+
+    def continue_generation(self, timeout: float = 120.0) -> None:
+        from tidal.inference import vllm
+
+        self.server.check_alive()
+        vllm.resume(self.server.address, timeout)
+
+    def reload_weights(self, folder: str, version: int, timeout: float = 600.0) -> int:
+        from tidal.inference import vllm
+
+        self.server.check_alive()
+        vllm.reload_weights(self.server.address, folder, version, timeout)
+        return version
 
     def shutdown_server(self) -> None:
         self.server.stop()

@@ -88,6 +88,13 @@ class LMActor(Worker):
             send_weights(weights_ch, self.model.state_dict(), self.version, num_servers)
         return self.version
 
+    def save_weights_folder(self, folder: str) -> int:
+        """The weights as a ``save_pretrained`` safetensors folder (for servers that reload from
+        disk, e.g. vLLM); returns their version."""
+        if self.rank == 0:
+            self.model.save_pretrained(folder, safe_serialization=True)
+        return self.version
+
     @property
     def version(self) -> int:
         """The policy version: training steps applied to the weights."""

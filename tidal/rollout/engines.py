@@ -1,0 +1,214 @@
+"""Rollout engines (``rollout.engine``): what serves the rollouts and how the trainer's weights
+reach it. The runner only asks an engine to launch, pause, transfer, resume and close; each
+engine registers its name here.
+
+- ``tidal``: tidal's own inference server per rollout rank; weights go over a channel.
+- ``vllm``: a vLLM OpenAI-compatible server per rollout rank (from vLLM's own virtualenv), or
+  running ones at ``rollout.server_urls``; weights go through a safetensors folder in the run
+  folder that the servers reload.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+from tidal.config.llm import LLMConfig
+from tidal.config.loader import require
+from tidal.registry import Registry
+from tidal.runtime import Channel, wait_all
+
+ROLLOUT_ENGINES: Registry[type[RolloutEngine]] = Registry("rollout engine", "rollout.engine")
+
+
+class RolloutEngine:
+    """The servers of one run. ``launch`` returns their addresses; the weight-update cycle is
+    ``pause`` → ``transfer`` (returns the new version) → ``resume``."""
+
+    def __init__(self, cfg: LLMConfig, cluster, placement, run_dir: Path):
+        self.cfg, self.cluster, self.placement, self.run_dir = cfg, cluster, placement, run_dir
+        self.timeout = cfg.runner.timeout_s
+        self.servers = None  # the worker group of launched servers, if any
+
+    @classmethod
+    def validate(cls, cfg: LLMConfig) -> None:
+        """The engine's own config rules, checked before the run folder exists."""
+
+    def protocol(self):
+        from tidal.inference import SGLangProtocol
+
+        return SGLangProtocol()
+
+    def server_devices(self):
+        r = self.cfg.rollout
+        devices = self.placement.devices("rollout")
+        return devices[: r.num_servers] if r.num_servers <= len(devices) else r.num_servers
+
+    def launch(self) -> list[str]:
+        raise NotImplementedError
+
+    def pause(self, mode: str) -> None:
+        raise NotImplementedError
+
+    def transfer(self, actor) -> int:
+        raise NotImplementedError
+
+    def resume(self) -> None:
+        raise NotImplementedError
+
+    def check_alive(self) -> None:
+        """Raise, naming the group, rank and method, when a launched server is gone."""
+        if self.servers is not None:
+            self.servers.address().wait(min(self.timeout, 60))
+
+    def cleanup_steps(self, graceful: bool) -> list:
+        if self.servers is None:
+            return []
+        steps = []
+        if graceful:
+            steps.append(("inference servers", lambda: self.servers.shutdown_server().wait(60)))
+        return steps + [("rollout group", self.servers.shutdown)]
+
+
+@ROLLOUT_ENGINES.register("tidal")
+class TidalEngine(RolloutEngine):
+    PAUSE_MODES = {"abort": "abort", "keep": "in_place", "in_place": "in_place"}
+
+    @classmethod
+    def validate(cls, cfg: LLMConfig) -> None:
+        require(
+            not cfg.rollout.server_urls,
+            "rollout.server_urls",
+            "connecting to running servers is supported with rollout.engine=vllm; "
+            "tidal's engine is launched by the run",
+        )
+
+    def launch(self) -> list[str]:
+        from tidal.workers.inference_worker import InferenceServerWorker
+
+        cfg = self.cfg
+        self.servers = InferenceServerWorker.create_group(
+            cfg.model.path,
+            max_batch_size=cfg.rollout.max_batch_size,
+            torch_threads=cfg.cluster.torch_threads,
+            dtype=cfg.model.dtype,
+            attn_implementation=cfg.model.attn_implementation,
+        ).launch(self.cluster, self.server_devices(), name="rollout")
+        self.weights_ch = Channel.create(
+            f"{cfg.runner.experiment}-{uuid.uuid4().hex[:6]}-weights", self.cluster
+        )
+        return self.servers.address().wait(self.timeout)
+
+    def pause(self, mode: str) -> None:
+        self.servers.pause_generation(self.PAUSE_MODES[mode]).wait(self.timeout)
+
+    def transfer(self, actor) -> int:
+        sent, _ = wait_all(
+            [
+                actor.send_weights(self.weights_ch, self.servers.world_size),
+                self.servers.load_weights(self.weights_ch, self.timeout),
+            ],
+            self.timeout,
+        )
+        return sent[0]
+
+    def resume(self) -> None:
+        self.servers.continue_generation().wait(self.timeout)
+
+    def cleanup_steps(self, graceful: bool) -> list:
+        steps = super().cleanup_steps(graceful)
+        if getattr(self, "weights_ch", None) is not None:
+            steps.append(("weights channel", self.weights_ch.close))
+        return steps
+
+
+@ROLLOUT_ENGINES.register("vllm")
+class VLLMEngine(RolloutEngine):
+    """Launched servers are driven through their ranks (a dead one is named with its group,
+    rank and method); servers at ``rollout.server_urls`` are called directly."""
+
+    @classmethod
+    def validate(cls, cfg: LLMConfig) -> None:
+        if cfg.rollout.server_urls:
+            return
+        python = cls.python(cfg)
+        require(
+            Path(python).exists(),
+            "rollout.vllm_python",
+            f"{python} does not exist: build vLLM's virtualenv with `make vllm`, or set this key "
+            "to the python of a virtualenv with vLLM (or give rollout.server_urls)",
+        )
+
+    @staticmethod
+    def python(cfg: LLMConfig) -> str:
+        from tidal.inference.vllm import default_vllm_python
+
+        # absolute (a rank may run elsewhere), but not resolved: a venv's python is a symlink
+        return os.path.abspath(cfg.rollout.vllm_python or default_vllm_python())
+
+    def protocol(self):
+        from tidal.inference.vllm import VLLMProtocol
+
+        return VLLMProtocol()
+
+    @property
+    def weights_dir(self) -> Path:
+        return self.run_dir / "rollout_weights"
+
+    def launch(self) -> list[str]:
+        from tidal.workers.inference_worker import VLLMServerWorker
+
+        r = self.cfg.rollout
+        if r.server_urls:
+            self.urls = [u.rstrip("/") for u in r.server_urls]
+            return self.urls
+        self.servers = VLLMServerWorker.create_group(
+            self.cfg.model.path,
+            start_timeout_s=r.vllm_start_timeout_s,
+            extra_args=self.server_args(),
+            python=self.python(self.cfg),
+            log_dir=str(self.run_dir),
+        ).launch(
+            self.cluster,
+            self.server_devices(),
+            name="rollout",
+            launch_timeout=r.vllm_start_timeout_s + 60,
+        )
+        return self.servers.address().wait(self.timeout)
+
+    def server_args(self) -> list[str]:
+        """The run's keys in vLLM's words (later arguments win: rollout.vllm_args last)."""
+        cfg = self.cfg
+        return [
+            *("--dtype", cfg.model.dtype),
+            *("--max-num-seqs", str(cfg.rollout.max_batch_size)),
+            *cfg.rollout.vllm_args,
+        ]
+
+    def _each(self, method: str, *args) -> None:
+        """A control call on every server: through the ranks, or straight to the URLs."""
+        if self.servers is not None:
+            getattr(self.servers, method)(*args, self.timeout).wait(self.timeout)
+            return
+        from tidal.inference import vllm
+
+        calls = {
+            "pause_generation": vllm.pause,
+            "continue_generation": vllm.resume,
+            "reload_weights": vllm.reload_weights,
+        }
+        for url in self.urls:
+            calls[method](url, *args, self.timeout)
+
+    def pause(self, mode: str) -> None:
+        self._each("pause_generation", mode)
+
+    def transfer(self, actor) -> int:
+        """The trainer writes its weights as a safetensors folder; every server reloads it."""
+        version = actor.save_weights_folder(str(self.weights_dir)).wait(self.timeout)[0]
+        self._each("reload_weights", str(self.weights_dir), version)
+        return version
+
+    def resume(self) -> None:
+        self._each("continue_generation")
