@@ -5,6 +5,8 @@ PIP := $(VENV)/bin/pip
 # The CPU build of PyTorch; on a GPU machine run `make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" setup` instead.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Two jobs: tidal's virtualenv and vLLM's (`make vllm`) are built side by side by `make test`.
+MAKEFLAGS += --jobs=2
 
 VLLM_VENV ?= .venv-vllm
 # vLLM's CPU build, in its own virtualenv (it pins an older transformers than tidal's); pip takes
