@@ -19,10 +19,9 @@ from tidal.algorithms import (
     reshape_logprobs,
     value_loss,
 )
-from tidal.config import EmbodiedConfig
 from tidal.data import Trajectory
 from tidal.engine import TrainEngine
-from tidal.runtime import Channel, CommMapper, Worker, merge_batches, send_weights
+from tidal.runtime import Channel, CommMapper, ConfigSections, Worker, merge_batches, send_weights
 from tidal.workers.rollout_worker import make_policy
 from tidal.workers.routes import TRAJECTORY_TAG, Topology
 
@@ -37,9 +36,11 @@ def _flatten_steps(x: torch.Tensor) -> torch.Tensor:
 
 
 class ActorWorker(Worker):
+    config_sections = ("cluster", "runner", "env", "rollout", "model", "actor", "algorithm")
+
     def __init__(
         self,
-        cfg: EmbodiedConfig,
+        cfg: ConfigSections,
         topology: Topology,
         observation_space: gym.Space,
         action_space: gym.Space,

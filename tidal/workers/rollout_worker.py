@@ -10,18 +10,29 @@ from tidal.checkpoint import rng_state, set_rng_state
 from tidal.config import EmbodiedConfig
 from tidal.data import ChunkActions, EnvOutput
 from tidal.models.policy import build_from_config
-from tidal.runtime import Channel, Outbox, Worker, async_recv_batch, async_recv_weights
+from tidal.runtime import (
+    Channel,
+    ConfigSections,
+    Outbox,
+    Worker,
+    async_recv_batch,
+    async_recv_weights,
+)
 from tidal.workers.routes import Topology, action_tag, obs_tag
 
 
-def make_policy(cfg: EmbodiedConfig, observation_space: gym.Space, action_space: gym.Space):
+def make_policy(
+    cfg: EmbodiedConfig | ConfigSections, observation_space: gym.Space, action_space: gym.Space
+):
     return build_from_config(cfg.model, observation_space, action_space, cfg.env.num_action_chunks)
 
 
 class RolloutWorker(Worker):
+    config_sections = ("cluster", "runner", "env", "rollout", "model")
+
     def __init__(
         self,
-        cfg: EmbodiedConfig,
+        cfg: ConfigSections,
         topology: Topology,
         observation_space: gym.Space,
         action_space: gym.Space,
