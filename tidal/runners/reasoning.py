@@ -79,8 +79,10 @@ class ReasoningRunner(RunLoop):
         self.actor = LMActor.create_group(cfg).launch(
             self.cluster, placement.devices("actor"), name="actor"
         )
-        self.weights_ch = Channel.create(
-            f"{cfg.runner.experiment}-{uuid.uuid4().hex[:6]}-weights", self.cluster
+        self.weights_ch = Channel.create(  # bound: weights go straight to each server's process
+            f"{cfg.runner.experiment}-{uuid.uuid4().hex[:6]}-weights",
+            self.cluster,
+            consumer=self.servers,
         )
         addresses = self.servers.address().wait(cfg.runner.timeout_s)
         self.client = InferenceClient(addresses)
@@ -154,23 +156,20 @@ class ReasoningRunner(RunLoop):
     # -- phases ----------------------------------------------------------------------------
 
     def _update_weights(self) -> None:
-        """pause → update weights → set version → resume."""
+        """New weights to every server: each receives them while still generating, then
+        pauses (``rollout.pause_mode``), loads and continues, all in one call; no new
+        episodes start meanwhile."""
         timeout = self.cfg.runner.timeout_s
         self.dispatcher.pause()
-        with self.timer("update_weights/pause"):
-            self.servers.pause_generation(self.cfg.rollout.pause_mode).wait(timeout)
-        with self.timer("update_weights/transfer"):
-            sent, loaded = wait_all(
-                [
-                    self.actor.send_weights(self.weights_ch, self.servers.world_size),
-                    self.servers.load_weights(self.weights_ch, timeout),
-                ],
-                timeout,
-            )
+        sent, _ = wait_all(
+            [
+                self.actor.send_weights(self.weights_ch, self.servers.world_size),
+                self.servers.update_weights(self.weights_ch, self.cfg.rollout.pause_mode, timeout),
+            ],
+            timeout,
+        )
         self.version = sent[0]
         self.staleness.set_version(self.version)
-        with self.timer("update_weights/resume"):
-            self.servers.continue_generation().wait(timeout)
         self.dispatcher.resume()
 
     def evaluate(self, step: int) -> dict:

@@ -42,11 +42,15 @@ class InferenceServerWorker(Worker):
     def continue_generation(self) -> None:
         self.server.engine.resume()
 
-    def update_weights(self, weights_ch: Channel, timeout: float = 600.0) -> int:
-        """pause → load the trainer's weights from the channel → continue; returns the version."""
+    def update_weights(
+        self, weights_ch: Channel, pause_mode: str = "abort", timeout: float = 600.0
+    ) -> int:
+        """Receive the trainer's weights while generating, then pause → load → continue;
+        returns the version. One call: generation pauses only for the copy, not the transfer
+        (and on ray the runner saves the two round trips of separate pause and continue)."""
         update = recv_weights(weights_ch, self.rank, timeout=timeout)
         engine = self.server.engine
-        engine.pause()
+        engine.pause(pause_mode)
         try:
             engine.update_weights(update.state_dict, update.version)
         finally:
