@@ -156,9 +156,8 @@ class ReasoningRunner(RunLoop):
     # -- phases ----------------------------------------------------------------------------
 
     def _update_weights(self) -> None:
-        """New weights to every server: each receives them while still generating, then
-        pauses (``rollout.pause_mode``), loads and continues, all in one call; no new
-        episodes start meanwhile."""
+        """New weights to every server: each pauses (``rollout.pause_mode``), receives and
+        loads them, and continues, all in one call; no new episodes start meanwhile."""
         timeout = self.cfg.runner.timeout_s
         self.dispatcher.pause()
         sent, _ = wait_all(
