@@ -3,6 +3,7 @@
 import asyncio
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -112,3 +113,27 @@ class EchoWorker(Worker):
 class BrokenWorker(Worker):
     def __init__(self):
         raise RuntimeError("cannot start")
+
+
+@dataclass
+class TwoSections:
+    """A run config in miniature: one section the worker reads, one it does not."""
+
+    used: dict
+    unused: str
+
+
+class SectionsWorker(Worker):
+    config_sections = ("used",)
+
+    def __init__(self, cfg, offset=0):
+        self.cfg, self.offset = cfg, offset
+
+    def received(self) -> list[str]:
+        return [name for name in vars(self.cfg) if not name.startswith("_")]
+
+    def read(self, section: str):
+        try:
+            return getattr(self.cfg, section)
+        except AttributeError as e:
+            return f"AttributeError: {e}"

@@ -1,5 +1,6 @@
 """The shared core: the train engine, the run loop, checkpoints and the config vocabulary."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -17,6 +18,8 @@ from tidal.config.common import ClusterConfig, RunnerConfig
 from tidal.config.llm import LLMConfig
 from tidal.engine import NonFiniteError, TrainEngine
 from tidal.runners.loop import Interrupted, RunLoop
+from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker
+from tidal.workers.lm_actor import LMActor
 
 ROOT = Path(__file__).parent.parent
 
@@ -276,6 +279,25 @@ def test_shared_concepts_have_one_key_in_both_halves():
         "runner.target_metric",
     ):
         assert key in embodied and key in llm, key
+
+
+@pytest.mark.parametrize(
+    "worker,schema",
+    [
+        (EnvWorker, EmbodiedConfig),
+        (RolloutWorker, EmbodiedConfig),
+        (ActorWorker, EmbodiedConfig),
+        (RewardWorker, EmbodiedConfig),
+        (LMActor, LLMConfig),
+    ],
+)
+def test_workers_are_given_only_the_sections_they_declare(worker, schema):
+    spec = worker.create_group(schema())
+    sections = spec.args[0]
+    assert [n for n in vars(sections) if not n.startswith("_")] == list(worker.config_sections)
+    assert set(worker.config_sections) < {f.name for f in dataclasses.fields(schema)}
+    with pytest.raises(AttributeError, match="did not declare the config section 'sft'"):
+        sections.sft  # noqa: B018 (no worker reads the SFT section)
 
 
 @pytest.mark.parametrize(

@@ -383,7 +383,7 @@ def test_requests_of_one_session_stick_to_one_server():
 
 
 def test_server_worker_in_a_cluster_publishes_its_address_and_takes_weights(model_dir):
-    from tidal.runtime import Channel, Cluster, send_weights
+    from tidal.runtime import Channel, Cluster, WorkerError, send_weights
     from tidal.workers.inference_worker import InferenceServerWorker
 
     cluster = Cluster("local", devices_per_node=2)
@@ -416,6 +416,15 @@ def test_server_worker_in_a_cluster_publishes_its_address_and_takes_weights(mode
             dst_world_size=2,
         )
         assert handle.wait(timeout=60) == [5, 5]
+        assert {v for r in run(main(5)) for v in r.output_versions} == {5}
+        # a poisoned update is refused as a whole; the servers go on with the weights they had
+        before = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+        poisoned = {k: v.clone() for k, v in before.items()}
+        next(iter(poisoned.values())).view(-1)[0] = float("nan")
+        handle = group.update_weights(ch, "in_place")
+        send_weights(ch, poisoned, version=6, dst_world_size=2)
+        with pytest.raises(WorkerError, match="non-finite"):
+            handle.wait(timeout=60)
         assert {v for r in run(main(5)) for v in r.output_versions} == {5}
     finally:
         group.shutdown_server().wait(timeout=60)

@@ -110,10 +110,12 @@ def test_a_refused_weight_update_changes_nothing_and_is_a_400(server):
 
 
 def test_the_trainer_path_refuses_nan_weights_too(model_dir):
-    """``InferenceServerWorker.load_weights`` calls ``engine.update_weights``: the same checks."""
+    """``InferenceServerWorker.update_weights`` (the runner's path) and ``load_weights`` call
+    ``engine.update_weights``: the same checks."""
     from tidal.workers.inference_worker import InferenceServerWorker
 
-    assert "engine.update_weights(update.state_dict" in _source(InferenceServerWorker.load_weights)
+    for method in (InferenceServerWorker.update_weights, InferenceServerWorker.load_weights):
+        assert "engine.update_weights(update.state_dict" in _source(method)
     engine = GenerationEngine(model_dir)
     try:
         state = {k: v.clone() for k, v in engine.state_dict().items()}
@@ -129,6 +131,18 @@ def test_the_trainer_path_refuses_nan_weights_too(model_dir):
         assert engine.weight_version == 4
     finally:
         engine.close()
+
+
+def test_the_fused_finiteness_check_names_the_bad_tensor_and_never_overflows():
+    from tidal.inference.engine import first_non_finite
+
+    big = torch.full((1000,), 6e4, dtype=torch.float16)  # finite; a plain fp16 sum overflows
+    huge = torch.full((1000,), 3e38)  # finite; a plain fp32 sum overflows
+    ok = {"a": big, "b": huge, "c": torch.randn(3, dtype=torch.bfloat16), "i": torch.arange(3)}
+    assert first_non_finite(ok) is None
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        poisoned = {**ok, "d": torch.tensor([1.0, bad]), "e": torch.tensor([bad])}
+        assert first_non_finite(poisoned) == "d"
 
 
 def _source(fn):

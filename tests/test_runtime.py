@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from runtime_workers import BrokenWorker, EchoWorker
+from runtime_workers import BrokenWorker, EchoWorker, SectionsWorker, TwoSections
 
 from tidal.runtime import (
     Channel,
@@ -97,6 +97,28 @@ def test_group_call_fans_out_and_execute_on(echo):
         echo.execute_on(5)
     with pytest.raises(AttributeError, match="has no method 'nope'"):
         echo.nope()
+
+
+def test_a_worker_receives_only_the_config_sections_it_declares(cluster):
+    config = TwoSections(used={"lr": 0.1}, unused="not for this worker")
+    group = SectionsWorker.create_group(config, offset=1).launch(cluster, 1, name="sections")
+    try:
+        assert group.received().wait(timeout=60) == [["used"]]
+        assert group.read("used").wait(timeout=60) == [{"lr": 0.1}]
+        [error] = group.read("unused").wait(timeout=60)
+        assert "SectionsWorker did not declare the config section 'unused'" in error
+        assert "its config_sections: used" in error
+    finally:
+        group.shutdown()
+
+
+def test_a_declared_section_the_config_lacks_is_named():
+    class Greedy(SectionsWorker):
+        config_sections = ("used", "missing")
+
+    config = TwoSections(used={}, unused="")
+    with pytest.raises(AttributeError, match=r"Greedy declares config sections \['missing'\]"):
+        Greedy.create_group(config)
 
 
 def test_async_methods_and_async_wait(echo):

@@ -439,10 +439,25 @@ def check_weights(
             raise WeightsRejected(
                 f"weights: {key} has dtype {source.dtype}, the model expects {target.dtype}"
             )
-        if source.dtype.is_floating_point and not bool(torch.isfinite(source).all()):
-            raise WeightsRejected(f"weights: {key} holds non-finite values (NaN or inf)")
         pairs.append((target, source))
+    bad = first_non_finite(update)
+    if bad is not None:
+        raise WeightsRejected(f"weights: {bad} holds non-finite values (NaN or inf)")
     return pairs
+
+
+def first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The first key whose floating-point tensor holds NaN or inf, else None. One fused check
+    covers all of them (a per-tensor ``isfinite().all()`` cost 5-10x the copy of the weights):
+    ``x * 0`` is 0 for every finite ``x`` and NaN otherwise, so each sum is exactly 0 when all
+    is finite (a plain sum could overflow). Only a failing update is searched key by key."""
+    floats = {k: t for k, t in tensors.items() if t.dtype.is_floating_point}
+    if not floats:
+        return None
+    zeros = torch._foreach_mul(list(floats.values()), 0.0)
+    if bool(torch.stack([z.sum(dtype=torch.float32) for z in zeros]).eq(0).all()):
+        return None
+    return next(k for k, t in floats.items() if not bool(torch.isfinite(t).all()))
 
 
 def _filtered_probs(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -48,6 +48,16 @@ class RolloutEngine:
     def launch(self) -> list[str]:
         raise NotImplementedError
 
+    def update_weights(self, actor, timer) -> int:
+        """pause → transfer → resume (each timed as ``update_weights/<phase>``); the version."""
+        with timer("update_weights/pause"):
+            self.pause(self.cfg.rollout.pause_mode)
+        with timer("update_weights/transfer"):
+            version = self.transfer(actor)
+        with timer("update_weights/resume"):
+            self.resume()
+        return version
+
     def pause(self, mode: str) -> None:
         raise NotImplementedError
 
@@ -95,26 +105,24 @@ class TidalEngine(RolloutEngine):
             dtype=cfg.model.dtype,
             attn_implementation=cfg.model.attn_implementation,
         ).launch(self.cluster, self.server_devices(), name="rollout")
-        self.weights_ch = Channel.create(
-            f"{cfg.runner.experiment}-{uuid.uuid4().hex[:6]}-weights", self.cluster
+        self.weights_ch = Channel.create(  # bound: weights go straight to each server's process
+            f"{cfg.runner.experiment}-{uuid.uuid4().hex[:6]}-weights",
+            self.cluster,
+            consumer=self.servers,
         )
         return self.servers.address().wait(self.timeout)
 
-    def pause(self, mode: str) -> None:
-        self.servers.pause_generation(self.PAUSE_MODES[mode]).wait(self.timeout)
-
-    def transfer(self, actor) -> int:
+    def update_weights(self, actor, timer) -> int:
+        """One call per server: it pauses, receives, validates, loads and continues."""
+        mode = self.PAUSE_MODES[self.cfg.rollout.pause_mode]
         sent, _ = wait_all(
             [
                 actor.send_weights(self.weights_ch, self.servers.world_size),
-                self.servers.load_weights(self.weights_ch, self.timeout),
+                self.servers.update_weights(self.weights_ch, mode, self.timeout),
             ],
             self.timeout,
         )
         return sent[0]
-
-    def resume(self) -> None:
-        self.servers.continue_generation().wait(self.timeout)
 
     def cleanup_steps(self, graceful: bool) -> list:
         steps = super().cleanup_steps(graceful)

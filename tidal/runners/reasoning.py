@@ -136,15 +136,11 @@ class ReasoningRunner(RunLoop):
     # -- phases ----------------------------------------------------------------------------
 
     def _update_weights(self) -> None:
-        """pause → update weights → set version → resume."""
+        """New weights to every server (``rollout.pause_mode`` while they arrive); no new
+        episodes start meanwhile."""
         self.dispatcher.pause()
-        with self.timer("update_weights/pause"):
-            self.rollout.pause(self.cfg.rollout.pause_mode)
-        with self.timer("update_weights/transfer"):
-            self.version = self.rollout.transfer(self.actor)
+        self.version = self.rollout.update_weights(self.actor, self.timer)
         self.staleness.set_version(self.version)
-        with self.timer("update_weights/resume"):
-            self.rollout.resume()
         self.dispatcher.resume()
 
     def evaluate(self, step: int) -> dict:

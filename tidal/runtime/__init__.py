@@ -18,6 +18,7 @@ from tidal.runtime.errors import (
 )
 from tidal.runtime.handle import Handle, wait_all
 from tidal.runtime.placement import ComponentPlacement, parse_devices
+from tidal.runtime.sections import ConfigSections
 from tidal.runtime.weights import WeightsUpdate, async_recv_weights, recv_weights, send_weights
 from tidal.runtime.worker import Worker, WorkerGroup
 
@@ -31,6 +32,7 @@ __all__ = [
     "Cluster",
     "CommMapper",
     "ComponentPlacement",
+    "ConfigSections",
     "Handle",
     "Outbox",
     "PlacementError",

@@ -23,6 +23,7 @@ from tidal.runtime.backends import backend_class
 from tidal.runtime.defaults import LAUNCH_TIMEOUT_S
 from tidal.runtime.handle import Handle
 from tidal.runtime.rank import RankInfo
+from tidal.runtime.sections import ConfigSections
 
 if TYPE_CHECKING:  # the cluster is only passed in: no import cycle
     from tidal.runtime.cluster import Cluster
@@ -32,12 +33,20 @@ __all__ = ["GroupSpec", "RankInfo", "Worker", "WorkerGroup"]
 
 class Worker:
     """Base class of every tidal worker. ``self.rank``, ``self.world_size`` and
-    ``self.group_name`` are set before the subclass's ``__init__`` runs."""
+    ``self.group_name`` are set before the subclass's ``__init__`` runs.
+
+    A worker that reads the run's config declares the sections it reads in
+    ``config_sections``; ``create_group(config, ...)`` then hands each rank only those sections
+    (a ``ConfigSections``) in place of the whole config."""
 
     _tidal: RankInfo
+    config_sections: tuple[str, ...] | None = None  # None: the first argument is not a config
 
     @classmethod
     def create_group(cls, *args, **kwargs) -> GroupSpec:
+        if cls.config_sections is not None:
+            config, *rest = args
+            args = (ConfigSections(cls.__name__, config, cls.config_sections), *rest)
         return GroupSpec(cls, args, kwargs)
 
     @property

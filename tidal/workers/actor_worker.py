@@ -22,10 +22,9 @@ from tidal.algorithms import (
     value_loss,
     within_staleness,
 )
-from tidal.config import EmbodiedConfig
 from tidal.data import Trajectory
 from tidal.engine import TrainEngine
-from tidal.runtime import Channel, CommMapper, Worker, merge_batches, send_weights
+from tidal.runtime import Channel, CommMapper, ConfigSections, Worker, merge_batches, send_weights
 from tidal.workers.rollout_worker import make_policy
 from tidal.workers.routes import TRAJECTORY_TAG, Topology
 
@@ -40,9 +39,11 @@ def _flatten_steps(x: torch.Tensor) -> torch.Tensor:
 
 
 class ActorWorker(Worker):
+    config_sections = ("cluster", "runner", "env", "rollout", "model", "actor", "algorithm")
+
     def __init__(
         self,
-        cfg: EmbodiedConfig,
+        cfg: ConfigSections,
         topology: Topology,
         observation_space: gym.Space,
         action_space: gym.Space,

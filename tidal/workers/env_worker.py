@@ -9,13 +9,12 @@ import numpy as np
 import torch
 
 from tidal.algorithms import advantage_spec
-from tidal.config import EmbodiedConfig
 from tidal.config.embodied import env_make_kwargs
 from tidal.data import ChunkActions, EnvOutput, Trajectory
 from tidal.envs import ChunkedEnv, make_env
 from tidal.envs.checks import NonFiniteGuard
 from tidal.envs.video import FrameRecorder
-from tidal.runtime import Channel, Outbox, Worker, async_recv_batch
+from tidal.runtime import Channel, ConfigSections, Outbox, Worker, async_recv_batch
 from tidal.workers.routes import TRAJECTORY_TAG, Topology, action_tag, obs_tag, reward_tags
 
 
@@ -73,7 +72,9 @@ class _StageRecorder:
 
 
 class EnvWorker(Worker):
-    def __init__(self, cfg: EmbodiedConfig, topology: Topology):
+    config_sections = ("cluster", "runner", "env", "rollout", "algorithm")
+
+    def __init__(self, cfg: ConfigSections, topology: Topology):
         self.cfg, self.topo = cfg, topology
         torch.set_num_threads(cfg.cluster.torch_threads)
         env = cfg.env

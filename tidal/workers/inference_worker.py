@@ -42,12 +42,17 @@ class InferenceServerWorker(Worker):
     def continue_generation(self) -> None:
         self.server.engine.resume()
 
-    def update_weights(self, weights_ch: Channel, timeout: float = 600.0) -> int:
-        """pause → load the trainer's weights from the channel → continue; returns the version."""
-        update = recv_weights(weights_ch, self.rank, timeout=timeout)
+    def update_weights(
+        self, weights_ch: Channel, pause_mode: str = "abort", timeout: float = 600.0
+    ) -> int:
+        """pause → receive the trainer's weights → load → continue, in one call (on ray, two
+        round trips fewer than separate pause and continue calls); returns the version.
+        Receiving while still generating was measured slower on ray: the transfer then
+        competes with generation for this process's GIL."""
         engine = self.server.engine
-        engine.pause()
+        engine.pause(pause_mode)
         try:
+            update = recv_weights(weights_ch, self.rank, timeout=timeout)
             engine.update_weights(update.state_dict, update.version)
         finally:
             engine.resume()

@@ -16,11 +16,10 @@ from tidal.algorithms import (
     loglinear_prox_logp,
     ppo_policy_loss,
 )
-from tidal.config.llm import LLMConfig
 from tidal.data import LMBatch
 from tidal.engine import TrainEngine
 from tidal.models.lm import load_causal_lm
-from tidal.runtime import Channel, Worker, send_weights
+from tidal.runtime import Channel, ConfigSections, Worker, send_weights
 
 
 def token_logprobs(
@@ -63,7 +62,9 @@ def length_grouped_micro_batches(
 
 
 class LMActor(Worker):
-    def __init__(self, cfg: LLMConfig):
+    config_sections = ("cluster", "runner", "rollout", "model", "actor", "algorithm")
+
+    def __init__(self, cfg: ConfigSections):
         self.cfg = cfg
         torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.runner.seed)

@@ -7,10 +7,9 @@ from collections.abc import Callable
 
 import torch
 
-from tidal.config import EmbodiedConfig
 from tidal.data import EnvOutput
 from tidal.registry import Registry
-from tidal.runtime import Channel, Outbox, Worker, async_recv_batch
+from tidal.runtime import Channel, ConfigSections, Outbox, Worker, async_recv_batch
 from tidal.workers.routes import Topology, reward_tags
 
 RewardModel = Callable[[EnvOutput], torch.Tensor]  # -> rewards [B, C]
@@ -35,7 +34,9 @@ def _termination_penalty(penalty: float = 1.0) -> RewardModel:
 
 
 class RewardWorker(Worker):
-    def __init__(self, cfg: EmbodiedConfig, topology: Topology):
+    config_sections = ("rollout", "reward")
+
+    def __init__(self, cfg: ConfigSections, topology: Topology):
         self.cfg, self.topo = cfg, topology
         self.model = build_reward_model(cfg.reward.name, **dict(cfg.reward.kwargs))
         self.mode = cfg.reward.mode

@@ -13,6 +13,7 @@ from tidal.models.policy import build_from_config
 from tidal.runtime import (
     Channel,
     CommMapper,
+    ConfigSections,
     Outbox,
     Worker,
     async_recv_batch,
@@ -21,14 +22,18 @@ from tidal.runtime import (
 from tidal.workers.routes import Topology, action_tag, obs_tag
 
 
-def make_policy(cfg: EmbodiedConfig, observation_space: gym.Space, action_space: gym.Space):
+def make_policy(
+    cfg: EmbodiedConfig | ConfigSections, observation_space: gym.Space, action_space: gym.Space
+):
     return build_from_config(cfg.model, observation_space, action_space, cfg.env.num_action_chunks)
 
 
 class RolloutWorker(Worker):
+    config_sections = ("cluster", "runner", "env", "rollout", "model")
+
     def __init__(
         self,
-        cfg: EmbodiedConfig,
+        cfg: ConfigSections,
         topology: Topology,
         observation_space: gym.Space,
         action_space: gym.Space,
