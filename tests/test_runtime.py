@@ -21,6 +21,7 @@ from tidal.runtime import (
     parse_devices,
     send_weights,
     split_batch,
+    wait_all,
 )
 
 
@@ -150,6 +151,18 @@ def test_timeout_names_pending_ranks(echo):
     assert not handle.done()
     assert handle.wait(timeout=30) == [0, 1]
     assert handle.done()
+
+
+def test_wait_all_does_the_callers_work_between_waits_and_still_times_out(echo):
+    calls = []
+    handle = echo.execute_on(0).sleep(1.5)
+    start = time.monotonic()
+    with pytest.raises(
+        WorkerTimeoutError, match=r"echo.sleep: ranks \[0\] had not answered after 0.3 s"
+    ):
+        wait_all([handle], 0.3, between=lambda: calls.append(time.monotonic()), every=0.01)
+    assert time.monotonic() - start < 1.4 and len(calls) >= 5  # not the 1.5 s sleep
+    assert wait_all([handle], 30, between=lambda: None) == [[0]]  # finished: no timeout raised
 
 
 def test_rank_serves_async_calls_while_a_long_method_runs(echo, cluster):

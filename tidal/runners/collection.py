@@ -16,7 +16,6 @@ trained more than ``eta`` versions after the version it started under is ``stale
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,11 +84,8 @@ class Collection:
         self.admit()
 
     def wait_polling(self, handles: list[Handle]) -> list[list[Any]]:
-        """Wait for the actor's ``handles`` while collection goes on."""
-        while not all(h.done() for h in handles):
-            self.poll()
-            time.sleep(POLL_S)
-        return wait_all(handles, self.timeout)
+        """Wait for the actor's ``handles`` (within the timeout) while collection goes on."""
+        return wait_all(handles, self.timeout, between=self.poll, every=POLL_S)
 
     def next(self) -> Collected:
         """The oldest finished collection, dropped or not (waits for one); the next collection

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,9 +95,16 @@ class Handle:
         self._results[rank] = result
 
 
-def wait_all(handles: list[Handle], timeout: float | None = None) -> list[list[Any]]:
+def wait_all(
+    handles: list[Handle],
+    timeout: float | None = None,
+    between: Callable[[], None] | None = None,
+    every: float = 0.005,
+) -> list[list[Any]]:
     """Wait for several handles at once; the first failure anywhere raises at once (a rank
-    waiting on a peer that failed would otherwise hold the caller until the timeout)."""
+    waiting on a peer that failed would otherwise hold the caller until the timeout).
+    ``between``: called at least every ``every`` seconds while waiting (the caller's own
+    work, e.g. keeping a collection going while the actor trains)."""
     timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
     deadline = time.monotonic() + timeout
     owner = {f: h for h in handles for f in h._futures}
@@ -112,7 +120,10 @@ def wait_all(handles: list[Handle], timeout: float | None = None) -> list[list[A
                 h._pending_ranks({f for f in h._futures if f in pending}),
                 timeout,
             )
-        finished, pending = cf.wait(pending, timeout=left, return_when=cf.FIRST_COMPLETED)
+        wait = left if between is None else min(left, every)
+        finished, pending = cf.wait(pending, timeout=wait, return_when=cf.FIRST_COMPLETED)
         for fut in finished:
             owner[fut]._collect(fut)
+        if between is not None and pending:
+            between()
     return [[h._results[r].value for r in h.ranks] for h in handles]
