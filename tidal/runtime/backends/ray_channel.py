@@ -374,12 +374,17 @@ class Mailbox:
     def __init__(self):
         self._stores: dict[str, ChannelStore] = {}
         self._gates: dict[tuple, _Gate] = {}
+        # a rank's sync method (a thread) and a delivery (the event loop) may both make a
+        # channel's store first: without the lock each could make its own, and a get would wait
+        # on one store while the put went to the other (a test hung so, once, in CI)
+        self._lock = threading.Lock()
 
     def store(self, channel: str, maxsize: int) -> ChannelStore:
-        store = self._stores.get(channel)
-        if store is None:
-            store = self._stores[channel] = ChannelStore(channel, maxsize)
-        return store
+        with self._lock:
+            store = self._stores.get(channel)
+            if store is None:
+                store = self._stores[channel] = ChannelStore(channel, maxsize)
+            return store
 
     async def deliver(self, envelope: tuple) -> bool | None:
         channel, maxsize, key, producer, seq, item, weight, timeout, acked = envelope
