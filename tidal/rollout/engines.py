@@ -1,5 +1,5 @@
 """Rollout engines (``rollout.engine``): what serves the rollouts and how the trainer's weights
-reach it. The runner only asks an engine to launch, pause, transfer, resume and close; each
+reach it. The runner only asks an engine to launch, update weights, check and close; each
 engine registers its name here.
 
 - ``tidal``: tidal's own inference server per rollout rank; weights go over a channel.
@@ -23,8 +23,8 @@ ROLLOUT_ENGINES: Registry[type[RolloutEngine]] = Registry("rollout engine", "rol
 
 
 class RolloutEngine:
-    """The servers of one run. ``launch`` returns their addresses; the weight-update cycle is
-    ``pause`` → ``transfer`` (returns the new version) → ``resume``."""
+    """The servers of one run: ``launch`` returns their addresses, ``update_weights`` puts the
+    actor's weights on all of them (pause → new weights → resume) and returns the version."""
 
     def __init__(self, cfg: LLMConfig, cluster, placement, run_dir: Path):
         self.cfg, self.cluster, self.placement, self.run_dir = cfg, cluster, placement, run_dir
@@ -49,22 +49,8 @@ class RolloutEngine:
         raise NotImplementedError
 
     def update_weights(self, actor, timer) -> int:
-        """pause → transfer → resume (each timed as ``update_weights/<phase>``); the version."""
-        with timer("update_weights/pause"):
-            self.pause(self.cfg.rollout.pause_mode)
-        with timer("update_weights/transfer"):
-            version = self.transfer(actor)
-        with timer("update_weights/resume"):
-            self.resume()
-        return version
-
-    def pause(self, mode: str) -> None:
-        raise NotImplementedError
-
-    def transfer(self, actor) -> int:
-        raise NotImplementedError
-
-    def resume(self) -> None:
+        """New weights on every server, with generation paused per ``rollout.pause_mode``
+        (timed as ``update_weights/<phase>``); returns the version."""
         raise NotImplementedError
 
     def check_alive(self) -> None:
@@ -208,6 +194,16 @@ class VLLMEngine(RolloutEngine):
         }
         for url in self.urls:
             calls[method](url, *args, self.timeout)
+
+    def update_weights(self, actor, timer) -> int:
+        """pause → transfer → resume, each over HTTP to every server."""
+        with timer("update_weights/pause"):
+            self.pause(self.cfg.rollout.pause_mode)
+        with timer("update_weights/transfer"):
+            version = self.transfer(actor)
+        with timer("update_weights/resume"):
+            self.resume()
+        return version
 
     def pause(self, mode: str) -> None:
         self._each("pause_generation", mode)
