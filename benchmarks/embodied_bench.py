@@ -36,6 +36,7 @@ from tidal.workers.rollout_worker import make_policy  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "embodied"
 RUN_DIR = "/tmp/tidal-bench-runs"
+RAY_WARMUP_S = 30.0
 
 
 @register_env("costly_cartpole")
@@ -52,31 +53,32 @@ class CostlyCartPole(GymnasiumVectorEnv):
         return super().step(actions)
 
 
-class BoundRunner(EmbodiedRunner):
-    """The runner with each channel bound to the group that reads it (point to point on ray)."""
+class ChannelActorRunner(EmbodiedRunner):
+    """The runner with no channel bound to its reader: on ray every item goes through the
+    channel actor (the path before the ZeroMQ fast path), for comparison."""
 
-    def build(self):
-        super().build()
-        readers = {
-            "env": self.env,
-            "rollout": self.rollout,
-            "actor": self.actor,
-            "weights": self.rollout,
-        }
-        for name, group in readers.items():
-            self.channels[name].bind(group)
+    def channel_readers(self):
+        return dict.fromkeys(super().channel_readers())
 
 
-def tidal_collection(overrides: list[str], rounds: int, bound: bool = False) -> float:
+def tidal_collection(
+    overrides: list[str], rounds: int, via_channel_actor: bool = False, warmup_s: float = 0.0
+) -> float:
+    """Env steps/s over ``rounds`` calls of ``generate_rollouts``, after one call and then
+    ``warmup_s`` seconds more of them (a fresh Ray cluster spends its first seconds starting
+    idle worker processes, which compete for this machine's two cores)."""
     cfg = load_config(
         EmbodiedConfig,
         EXAMPLES / "cartpole_ppo.yaml",
         [f"runner.run_dir={RUN_DIR}", "runner.progress=false", *overrides],
     )
-    runner = (BoundRunner if bound else EmbodiedRunner)(cfg)
+    runner = (ChannelActorRunner if via_channel_actor else EmbodiedRunner)(cfg)
     try:
         runner.sync_weights()
+        warm_until = time.perf_counter() + warmup_s
         runner.generate_rollouts()  # warm-up
+        while time.perf_counter() < warm_until:
+            runner.generate_rollouts()
         start, before = time.perf_counter(), runner.env_steps
         for _ in range(rounds):
             runner.generate_rollouts()
@@ -126,8 +128,9 @@ def bench_collection(
 ) -> dict:
     """Local runs alternate with the hand loop ``repeats`` times and report medians (this
     machine's speed drifts by tens of percent between minutes); ray runs once each, with the
-    hand loop measured again beside them. On ray, ``ray_stages*`` is the runner as it is (items
-    through the channel actor) and ``ray_p2p_stages*`` binds its channels (point to point)."""
+    hand loop measured again beside them. On ray, ``ray_stages*`` is the runner as it is (bound
+    channels: ZeroMQ point to point) and ``ray_channel_actor_stages*`` sends every item
+    through the channel actor instead."""
     steps = 4096 // envs
     base = [
         f"env.total_num_envs={envs}",
@@ -151,18 +154,15 @@ def bench_collection(
     ]
     for n in stages if "ray" in backends else ():
         samples["hand_loop"].append(hand_loop(envs, steps, rounds))
-        samples[f"ray_stages{n}"] = [
-            tidal_collection(ray_base + [f"env.pipeline_stage_num={n}"], rounds)
-        ]
-        samples[f"ray_p2p_stages{n}"] = [
-            tidal_collection(ray_base + [f"env.pipeline_stage_num={n}"], rounds, bound=True)
-        ]
+        for key, via_actor in ((f"ray_stages{n}", False), (f"ray_channel_actor_stages{n}", True)):
+            overrides = ray_base + [f"env.pipeline_stage_num={n}"]
+            samples[key] = [tidal_collection(overrides, rounds, via_actor, RAY_WARMUP_S)]
     out = {k: statistics.median(v) for k, v in samples.items()}
     out["samples"] = samples
     for key in [k for k in samples if k != "hand_loop"]:
         out[f"ratio_{key}"] = out[key] / out["hand_loop"]
     # the fixed cost tidal adds to each chunk step: 1/tidal - 1/hand, per env batch
-    for key in ("local_stages1", "ray_stages1", "ray_p2p_stages1"):
+    for key in ("local_stages1", "ray_stages1", "ray_channel_actor_stages1"):
         if key in out:
             out[f"overhead_us_per_chunk_step_{key}"] = (
                 (1 / out[key] - 1 / out["hand_loop"]) * envs * 1e6

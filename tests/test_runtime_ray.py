@@ -122,19 +122,14 @@ def test_embodied_loop_across_nodes_on_the_fast_path(two_nodes, tmp_path):
         ],
     )
 
-    class BoundRunner(EmbodiedRunner):
-        def build(self):  # the runner makes its channels here; bind each to its reader
+    class FastPathOnly(EmbodiedRunner):
+        def build(self):  # the runner binds each channel to its reader; no channel actor left
             super().build()
-            readers = {
-                "env": self.env,
-                "rollout": self.rollout,
-                "actor": self.actor,
-                "weights": self.rollout,
-            }
-            for name, group in readers.items():
-                assert self.channels[name].bind(group).direct
+            for name in ("env", "rollout", "actor", "weights"):
+                assert self.channels[name].direct
+                ray.kill(self.channels[name]._transport.actor)
 
-    runner = BoundRunner(cfg)
+    runner = FastPathOnly(cfg)
     try:
         summary = runner.run()
     finally:

@@ -86,12 +86,23 @@ class EmbodiedRunner(RunLoop):
         )
         run_id = f"{cfg.runner.experiment}-{uuid.uuid4().hex[:6]}"
         self.channels = {
-            name: Channel.create(f"{run_id}-{name}", self.cluster)
-            for name in ("env", "rollout", "actor", "weights", "reward")
+            name: Channel.create(f"{run_id}-{name}", self.cluster, consumer=reader)
+            for name, reader in self.channel_readers().items()
         }
         self.eval_horizon = self.env.execute_on(0).eval_horizon().wait(cfg.runner.timeout_s)[0]
         if self.asynchronous:
             self.build_collection()
+
+    def channel_readers(self) -> dict:
+        """Each channel and the group that reads its routed keys: bound to it, they travel
+        point to point (on ray, by ZeroMQ straight into the reading rank's process)."""
+        return {
+            "env": self.env,
+            "rollout": self.rollout,
+            "actor": self.actor,
+            "weights": self.rollout,
+            "reward": self.reward,
+        }
 
     def build_collection(self) -> None:
         """Admission in trajectory segments (one env's chunk steps of one training step): a

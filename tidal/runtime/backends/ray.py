@@ -10,7 +10,13 @@ import sys
 from dataclasses import replace
 
 from tidal.runtime.backends.base import Backend, register_backend
-from tidal.runtime.backends.ray_channel import MAILBOX, RayTransport, create_channel_actor
+from tidal.runtime.backends.ray_channel import (
+    MAILBOX,
+    RayTransport,
+    create_channel_actor,
+    deliver_from_pipe,
+)
+from tidal.runtime.backends.ray_pipe import INBOX
 from tidal.runtime.errors import ClusterUnreachable, WorkerError
 from tidal.runtime.handle import CallResult
 from tidal.runtime.placement import NodeInfo
@@ -54,6 +60,9 @@ class RayRankActor:
 
     def mailbox_qsize(self, channel, key) -> int:
         return MAILBOX.qsize(channel, key)
+
+    async def inbox_address(self) -> str:
+        return await INBOX.open(deliver_from_pipe)
 
 
 class RayRank:

@@ -31,6 +31,7 @@ from typing import Any
 
 import cloudpickle
 
+from tidal.runtime.backends import ray_pipe
 from tidal.runtime.backends.base import ChannelTransport
 from tidal.runtime.channel import (
     AsyncWork,
@@ -58,10 +59,16 @@ class RayTransport(ChannelTransport):
         self.name, self.actor, self.maxsize = name, actor, maxsize
         self.home: list | None = None  # the bound consumer group's rank actors
         self.home_ids: list[str] = []
+        self.inboxes: list[str] | None = None  # their ZeroMQ inboxes (unbounded channels)
 
     def bind(self, rank_handles: list) -> bool:
+        import ray
+
         self.home = [h.actor for h in rank_handles]
         self.home_ids = [a._actor_id.hex() for a in self.home]
+        if self.maxsize == 0:  # no put waits for an answer: items go by ZeroMQ (ray_pipe)
+            addresses = [a.inbox_address.remote() for a in self.home]
+            self.inboxes = ray.get(addresses, timeout=DEFAULT_TIMEOUT_S)
         return True
 
     # -- operations: a routed key of a bound channel goes to its rank's mailbox -----------
@@ -73,10 +80,22 @@ class RayTransport(ChannelTransport):
         if self._is_here(dst):
             fut = MAILBOX.store(self.name, self.maxsize).put(key, item, weight)
             return settle(fut, self.name, "put", key, async_op, timeout)
+        if self.inboxes is not None:
+            self._pipe(dst, key, ray_pipe.dumps(item), weight)
+            return _DONE
         return self._deliver(self.home[dst], key, item, weight, async_op, timeout)
 
     def put_shared(self, item: Any, keys: list, weight: float, timeout: float | None) -> None:
-        if all(self._home_rank(k) is not None for k in keys):
+        homes = [self._home_rank(k) for k in keys]
+        if self.inboxes is not None and None not in homes:
+            frames = ray_pipe.dumps(item)  # pickled once, sent to each rank
+            for key, dst in zip(keys, homes):
+                if self._is_here(dst):
+                    self.put(key, item, weight, False, timeout)
+                else:
+                    self._pipe(dst, key, frames, weight)
+            return
+        if None not in homes:
             import ray
 
             shared = ByRef(ray.put(item))  # one object-store write; each rank reads it on arrival
@@ -179,6 +198,9 @@ class RayTransport(ChannelTransport):
             return _DONE
         return self._reply(ref, "put", key, limit, async_op, decode)
 
+    def _pipe(self, dst: int, key, item_frames: list, weight: float) -> None:
+        ray_pipe.OUTBOXES.send(self.inboxes[dst], (self.name, key, weight), item_frames)
+
     def _sent(self) -> list:
         return self.__dict__.setdefault("_unacknowledged", [])
 
@@ -258,6 +280,11 @@ def _refuse_blocking_on_loop(channel: str, op: str, key) -> None:
         f"channel {channel!r}: blocking {op}(key={key!r}) inside an async method; "
         f"use `await channel.{op}(..., async_op=True)`"
     )
+
+
+def deliver_from_pipe(channel: str, key, weight: float, item) -> None:
+    """An item that arrived in this process's inbox (an unbounded channel: never waits)."""
+    MAILBOX.store(channel, 0).put(key, item, weight)
 
 
 class ByRef:
