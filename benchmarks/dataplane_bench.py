@@ -4,9 +4,10 @@ run. This is what chose the ray fast path (see BENCHMARKS.md).
 
   local   tidal (local backend, routed channel ops on the shared loop) against two asyncio
           coroutines handing the item over by asyncio.Queue on one loop.
-  ray     tidal via the channel actor, tidal point to point (a channel bound to its reader),
-          hand-written Ray actors pushing into each other's inbox, and torch.distributed
-          gloo send/recv between the same two processes.
+  ray     tidal via the channel actor, tidal point to point (a channel bound to its reader:
+          ZeroMQ), hand-written Ray actors pushing into each other's inbox, hand-written
+          ZeroMQ PUSH/PULL between two Ray actors, and torch.distributed gloo send/recv
+          between the same two processes.
 
     python benchmarks/dataplane_bench.py [--n 500] [--batch 128] [--width 4] [--out ...]
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dataplane_workers import Bouncer, GlooPeer, HandRayPeer, make_item  # noqa: E402
+from dataplane_workers import Bouncer, GlooPeer, HandRayPeer, ZmqPeer, make_item  # noqa: E402
 
 from tidal.runtime import Channel, Cluster, wait_all  # noqa: E402
 
@@ -84,6 +85,17 @@ def hand_ray_round_trip(n: int, batch: int, width: int) -> float:
     return seconds
 
 
+def zmq_round_trip(n: int, batch: int, width: int) -> float:
+    cls = ray.remote(num_cpus=0)(ZmqPeer)
+    a, b = cls.remote(), cls.remote()
+    address_a, address_b = ray.get([a.listen.remote(), b.listen.remote()])
+    ray.get([a.connect.remote(address_b), b.connect.remote(address_a)])
+    seconds, _ = ray.get([a.ping.remote(n, batch, width), b.pong.remote(n)], timeout=600)
+    for actor in (a, b):
+        ray.kill(actor)
+    return seconds
+
+
 def gloo_round_trip(n: int, batch: int, width: int) -> float:
     cls = ray.remote(num_cpus=0)(GlooPeer)
     a, b = cls.remote(), cls.remote()
@@ -117,6 +129,7 @@ def main() -> None:
         "tidal_ray_channel_actor": tidal_round_trip(ray_cluster, n, b, w, bound=False) * 1e3,
         "tidal_ray_point_to_point": tidal_round_trip(ray_cluster, n, b, w, bound=True) * 1e3,
         "gloo_send_recv": gloo_round_trip(n, b, w) * 1e3,
+        "hand_zmq": zmq_round_trip(n, b, w) * 1e3,
     }
     ray_cluster.shutdown()
     result = {

@@ -71,6 +71,42 @@ class HandRayPeer:
         return n
 
 
+class ZmqPeer:
+    """Hand-written ZeroMQ: an async actor with a PULL socket on its event loop; the peer
+    pushes pickled items into it (what tidal's fast path does, without tidal)."""
+
+    async def listen(self) -> str:
+        import ray
+        import zmq
+        import zmq.asyncio
+
+        self.pull = zmq.asyncio.Context.instance().socket(zmq.PULL)
+        host = ray.util.get_node_ip_address()
+        return f"tcp://{host}:{self.pull.bind_to_random_port(f'tcp://{host}')}"
+
+    def connect(self, address: str) -> None:
+        import zmq
+
+        self.push = zmq.Context.instance().socket(zmq.PUSH)
+        self.push.connect(address)
+
+    async def ping(self, n: int, batch: int, width: int) -> float:
+        import pickle
+
+        item = make_item(batch, width)
+        for i in range(n + 1):
+            if i == 1:
+                start = time.perf_counter()
+            self.push.send(pickle.dumps(item, protocol=5))
+            item = pickle.loads(await self.pull.recv())
+        return (time.perf_counter() - start) / n
+
+    async def pong(self, n: int) -> int:
+        for _ in range(n + 1):
+            self.push.send(await self.pull.recv())
+        return n
+
+
 class GlooPeer:
     """``torch.distributed`` send/recv over gloo between two processes (the same tensors)."""
 

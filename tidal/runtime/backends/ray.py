@@ -3,6 +3,7 @@ belongs to). It starts Ray when no cluster is running, or joins the one at ``add
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import os
 import socket
@@ -16,7 +17,7 @@ from tidal.runtime.backends.ray_channel import (
     create_channel_actor,
     deliver_from_pipe,
 )
-from tidal.runtime.backends.ray_pipe import INBOX
+from tidal.runtime.backends.ray_pipe import INBOX, OUTBOXES, REPLIES, dumps
 from tidal.runtime.errors import ClusterUnreachable, WorkerError
 from tidal.runtime.handle import CallResult
 from tidal.runtime.placement import NodeInfo
@@ -62,18 +63,60 @@ class RayRankActor:
         return MAILBOX.qsize(channel, key)
 
     async def inbox_address(self) -> str:
-        return await INBOX.open(deliver_from_pipe)
+        return await INBOX.open({"item": deliver_from_pipe, "call": self._serve_call})
+
+    async def until_death(self) -> None:
+        """Never answers: the caller's reference fails when this rank's process dies."""
+        await asyncio.Event().wait()
+
+    def _serve_call(self, call_id: int, reply_to: str, request: tuple) -> None:
+        asyncio.get_running_loop().create_task(self._answer(call_id, reply_to, *request))
+
+    async def _answer(self, call_id: int, reply_to: str, method: str, args, kwargs) -> None:
+        result = await self.runner.call(method, args, kwargs)
+        try:
+            frames = dumps(result)
+        except Exception as exc:  # the caller learns why, instead of waiting for its timeout
+            frames = dumps(CallResult(error=f"could not send the result: {exc!r}"))
+        OUTBOXES.send(reply_to, (call_id,), frames)
 
 
 class RayRank:
-    def __init__(self, actor, info: RankInfo):
-        self.actor, self.info = actor, info
+    """The driver's grip on one rank: calls go by ZeroMQ into its inbox (``ray_pipe``), or as a
+    Ray call when their arguments cannot be pickled that way; Ray watches the process."""
+
+    def __init__(self, actor, info: RankInfo, inbox: str):
+        self.actor, self.info, self.inbox = actor, info, inbox
+        self._death: BaseException | None = None
+        self._watch = None  # per process: made on first use
 
     def construct(self, cls, args, kwargs) -> cf.Future:
         return self.actor.construct.remote(cls, args, kwargs, self.info).future()
 
     def submit(self, method: str, args: tuple, kwargs: dict) -> cf.Future:
-        return self.actor.call.remote(method, args, kwargs).future()
+        try:
+            request = dumps((method, args, kwargs))
+        except Exception:  # e.g. an object only Ray's serializer handles
+            return self.actor.call.remote(method, args, kwargs).future()
+        self._watch_process()
+        call_id, fut = REPLIES.expect(self)
+        if self._death is not None:
+            REPLIES.fail(self, self._death)
+        else:
+            OUTBOXES.send(self.inbox, ("call", call_id, REPLIES.address), request)
+        return fut
+
+    def _watch_process(self) -> None:
+        if self._watch is None:
+            self._watch = self.actor.until_death.remote().future()
+            self._watch.add_done_callback(self._died)
+
+    def _died(self, watch: cf.Future) -> None:
+        self._death = watch.exception() or RuntimeError("the rank's process ended")
+        REPLIES.fail(self, self._death)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_watch": None, "_death": None}
 
     def kill(self) -> None:
         import ray
@@ -154,7 +197,8 @@ class RayBackend(Backend):
             _kill_all(actors)
             raise WorkerError(group, 0, "__init__", f"rank failed to start: {exc}") from exc
         infos = [replace(i, master_addr=master_addr, master_port=master_port) for i in infos]
-        return [RayRank(a, i) for a, i in zip(actors, infos)], infos
+        inboxes = ray.get([a.inbox_address.remote() for a in actors], timeout=timeout)
+        return [RayRank(a, i, box) for a, i, box in zip(actors, infos, inboxes)], infos
 
     @staticmethod
     def _start_actor(placement, info: RankInfo):

@@ -199,7 +199,7 @@ class RayTransport(ChannelTransport):
         return self._reply(ref, "put", key, limit, async_op, decode)
 
     def _pipe(self, dst: int, key, item_frames: list, weight: float) -> None:
-        ray_pipe.OUTBOXES.send(self.inboxes[dst], (self.name, key, weight), item_frames)
+        ray_pipe.OUTBOXES.send(self.inboxes[dst], ("item", self.name, key, weight), item_frames)
 
     def _sent(self) -> list:
         return self.__dict__.setdefault("_unacknowledged", [])

@@ -1,5 +1,5 @@
 """The ray backend's fast path: ZeroMQ PUSH → PULL sockets from a producer's process straight
-into the consumer rank's mailbox.
+into the consumer rank's mailbox, and group calls the same way.
 
 A channel bound to its consumer group (``Channel.bind``) without ``maxsize`` needs no answer to
 a put, so its routed items need not be Ray calls at all: each rank's process opens one PULL
@@ -11,18 +11,27 @@ competes with the rank's own work for the GIL). vLLM and SGLang move their engin
 the same way. Tensors travel as out-of-band NumPy buffers (no copy into the pickle).
 
 Bounded channels keep Ray calls: a put that may wait for room needs its answer.
+
+Group calls take the same road (``Replies``): the request goes into the rank's inbox, the
+``CallResult`` comes back into the caller's reply inbox (a thread resolving futures), about a
+Ray call's cost saved each way. Ray still watches each rank: a call the rank will never answer
+because its process died fails with Ray's error (``RayRank``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import copyreg
+import concurrent.futures as cf
 import io
+import itertools
 import logging
 import pickle
 import threading
+from collections import ChainMap
+from collections.abc import Callable
 from typing import Any
 
+import cloudpickle
 import torch
 
 from tidal.runtime.serialization import tensor_from_payload, tensor_to_payload
@@ -37,14 +46,17 @@ def _reduce_tensor(t: torch.Tensor):
     return tensor_from_payload, (tensor_to_payload(t),)
 
 
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle (a call's arguments may hold functions), tensors as NumPy buffers."""
+
+    dispatch_table = ChainMap({torch.Tensor: _reduce_tensor}, cloudpickle.Pickler.dispatch_table)
+
+
 def dumps(item: Any) -> list:
     """``item`` as ZeroMQ frames: the pickle, then each large buffer out of band."""
     buffers: list[pickle.PickleBuffer] = []
     out = io.BytesIO()
-    pickler = pickle.Pickler(out, protocol=5, buffer_callback=buffers.append)
-    pickler.dispatch_table = copyreg.dispatch_table.copy()
-    pickler.dispatch_table[torch.Tensor] = _reduce_tensor
-    pickler.dump(item)
+    _Pickler(out, protocol=5, buffer_callback=buffers.append).dump(item)
     return [out.getbuffer(), *(b.raw() for b in buffers)]
 
 
@@ -61,8 +73,10 @@ class Inbox:
         self.address: str | None = None
         self._task: asyncio.Task | None = None
 
-    async def open(self, deliver) -> str:
-        """The inbox's address (opened on first use, on the calling event loop)."""
+    async def open(self, handlers: dict[str, Callable]) -> str:
+        """The inbox's address (opened on first use, on the calling event loop). A message's
+        label starts with its kind; ``handlers[kind]`` takes the rest of the label and the
+        unpickled payload."""
         if self.address is None:
             import ray
             import zmq
@@ -74,15 +88,16 @@ class Inbox:
             host = ray.util.get_node_ip_address()
             port = sock.bind_to_random_port(f"tcp://{host}")
             self.address = f"tcp://{host}:{port}"
-            self._task = asyncio.get_running_loop().create_task(self._serve(sock, deliver))
+            self._task = asyncio.get_running_loop().create_task(self._serve(sock, handlers))
         return self.address
 
     @staticmethod
-    async def _serve(sock, deliver) -> None:
+    async def _serve(sock, handlers: dict[str, Callable]) -> None:
         while True:
             label, *frames = await sock.recv_multipart(copy=False)
             try:
-                deliver(*pickle.loads(label.buffer), loads(frames))
+                kind, *rest = pickle.loads(label.buffer)
+                handlers[kind](*rest, loads(frames))
             except Exception:  # a bad message must not stop the inbox; its get times out
                 log.exception("inbox %s: could not deliver a message", sock)
 
@@ -116,5 +131,61 @@ class Outboxes:
         return sock
 
 
+class Replies:
+    """This process's reply inbox: the answers to the group calls it sent by ZeroMQ, served by
+    a thread (the driver has no event loop) that resolves each call's future."""
+
+    def __init__(self):
+        self.address: str | None = None
+        self._pending: dict[int, tuple[cf.Future, object]] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    def expect(self, rank: object) -> tuple[int, cf.Future]:
+        """A new call to ``rank``: its id and the future its answer resolves."""
+        fut: cf.Future = cf.Future()
+        with self._lock:
+            if self.address is None:
+                self._open()
+            call_id = next(self._ids)
+            self._pending[call_id] = (fut, rank)
+        return call_id, fut
+
+    def fail(self, rank: object, error: BaseException) -> None:
+        """Fail every call still waiting for ``rank`` (its process died)."""
+        with self._lock:
+            lost = [i for i, (_, r) in self._pending.items() if r is rank]
+            futures = [self._pending.pop(i)[0] for i in lost]
+        for fut in futures:
+            fut.set_exception(error)
+
+    def _open(self) -> None:
+        import ray
+        import zmq
+
+        sock = zmq.Context.instance().socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        host = ray.util.get_node_ip_address()
+        self.address = f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{host}')}"
+        threading.Thread(
+            target=self._serve, args=(sock,), name="tidal-replies", daemon=True
+        ).start()
+
+    def _serve(self, sock) -> None:
+        while True:
+            label, *frames = sock.recv_multipart(copy=False)
+            (call_id,) = pickle.loads(label.buffer)
+            with self._lock:
+                fut, _ = self._pending.pop(call_id, (None, None))
+            if fut is None:
+                continue  # its rank was declared dead first
+            try:
+                fut.set_result(loads(frames))
+            except Exception as exc:
+                fut.set_exception(exc)
+
+
 INBOX = Inbox()
 OUTBOXES = Outboxes()
+REPLIES = Replies()
