@@ -136,6 +136,38 @@ def test_no_trained_sample_is_more_than_eta_versions_old(
         assert all(r["rollout/rejected"] == 0 and r["rollout/stale_dropped"] == 0 for r in rows)
 
 
+@pytest.mark.parametrize("recompute", [True, False])
+def test_async_values_are_the_actors_critics_unless_switched_off(tmp_path, monkeypatch, recompute):
+    """GAE, returns and value clipping take the values of the critic being trained, not the
+    older one the rollout collected with (``algorithm.recompute_values``)."""
+    seen = []  # per step: (lag of each sample, the batch's old values, the critic's values now)
+    original = ActorWorker.run_training
+
+    def recording(self):
+        inputs = {k[3:]: v for k, v in self.batch.items() if k.startswith("in.")}
+        with torch.no_grad():
+            now = self.policy.value(inputs).float()
+        lag = self.engine.step - self.batch["versions"]
+        seen.append((lag, self.batch["old_values"].clone(), now))
+        return original(self)
+
+    monkeypatch.setattr(ActorWorker, "run_training", recording)
+    cfg = config(
+        tmp_path,
+        "rollout.max_staleness=1",
+        "algorithm.use_decoupled_loss=true",
+        f"algorithm.recompute_values={str(recompute).lower()}",
+        "runner.max_steps=5",
+    )
+    run(EmbodiedRunner, cfg)
+    lag, old, now = (torch.cat(x) for x in zip(*seen))
+    assert (lag >= 1).any()
+    if recompute:
+        torch.testing.assert_close(old, now)
+    else:  # the rollout's critic, one version older, gives other values
+        assert not torch.allclose(old[lag >= 1], now[lag >= 1], atol=1e-4)
+
+
 def test_async_checkpoint_holds_the_staleness_counters_and_resumes(tmp_path):
     overrides = ["rollout.max_staleness=1", "runner.save_interval=2", "runner.experiment=resume"]
     summary, rows = run(EmbodiedRunner, config(tmp_path, *overrides))

@@ -154,6 +154,11 @@ class EmbodiedAlgorithmConfig(AlgorithmConfig):
     update_epochs: int = setting(4, "passes over the batch per training step")
     critic_warmup_steps: int = setting(0, "training steps that update only the critic")
     target_kl: float | None = setting(None, "stop a step's epochs early past this approximate KL")
+    recompute_values: bool = setting(
+        True,
+        "asynchronous runs: GAE, returns and value clipping use the actor's critic, not the "
+        "older one the rollout collected with (eta = 0: they are the same)",
+    )
 
 
 @dataclass

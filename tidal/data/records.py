@@ -53,7 +53,9 @@ class Trajectory:
     ``truncations`` and ``dones`` ``[B, T + 1, C]`` where column ``t + 1`` ends step ``t`` and
     column 0 is the previous epoch's last; ``raw_obs`` ``[B, T, ...]`` for the observation
     normaliser; ``versions`` ``[B, T]``; ``valid`` ``[B, T]``: False where an env's samples are
-    masked (it returned a non-finite value at or after that step in this epoch).
+    masked (it returned a non-finite value at or after that step in this epoch);
+    ``bootstrap_inputs`` ``{name: [B, ...]}``: the forward inputs of the step whose value
+    bootstraps the last (a newer critic can value the whole epoch again).
     """
 
     forward_inputs: dict[str, torch.Tensor]
@@ -67,6 +69,7 @@ class Trajectory:
     raw_obs: torch.Tensor | None = None
     versions: torch.Tensor | None = None
     valid: torch.Tensor | None = None
+    bootstrap_inputs: dict[str, torch.Tensor] | None = None
 
 
 # ----------------------------------------------------------------------------- language records

@@ -119,7 +119,7 @@ class ActorWorker(Worker):
             valid = _time_major(traj.valid)
             per_action = alg.reward_type == "action"
             mask = mask & (valid.repeat_interleave(chunk, 0) if per_action else valid)
-        values = _time_major(traj.prev_values).float() if traj.prev_values is not None else None
+        values = self._values(traj)
         adv, ret = get_advantage(alg.adv_type)(
             rewards=r,
             values=values,
@@ -157,6 +157,32 @@ class ActorWorker(Worker):
         self.batch["versions"] = _flatten_steps(_time_major(traj.versions))
         metrics.update(self._staleness())
         return metrics
+
+    def _values(self, traj: Trajectory) -> torch.Tensor | None:
+        """``[T + 1, B]`` values for GAE, the returns and value clipping: the rollout's, or (an
+        asynchronous run with ``recompute_values``) this actor's critic's on the same inputs,
+        as the rollout's are up to eta versions old (a stale baseline, and clipping around it
+        stops the value loss where the critic has since moved towards the returns)."""
+        if traj.prev_values is None:
+            return None
+        stale = self.cfg.rollout.max_staleness > 0
+        if not (stale and self.cfg.algorithm.recompute_values and traj.bootstrap_inputs):
+            return _time_major(traj.prev_values).float()
+        inputs = {  # [B, T + 1, ...] → [(T + 1) * B, ...], time-major
+            k: _flatten_steps(_time_major(torch.cat([v, traj.bootstrap_inputs[k][:, None]], 1)))
+            for k, v in traj.forward_inputs.items()
+        }
+        return self._critic(inputs).view(traj.prev_values.shape[1], -1)
+
+    @torch.no_grad()
+    def _critic(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The current critic's values of flat inputs, a micro-batch at a time."""
+        size, micro = next(iter(inputs.values())).shape[0], self.cfg.actor.micro_batch_size
+        parts = [
+            self.policy.value({k: v[start : start + micro] for k, v in inputs.items()}).float()
+            for start in range(0, size, micro)
+        ]
+        return torch.cat(parts)
 
     def _staleness(self) -> dict[str, float]:
         """How many versions behind the weights each sample is (``staleness/*``, the names the

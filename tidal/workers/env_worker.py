@@ -26,6 +26,7 @@ class _StageRecorder:
         self.raw_obs, self.rewards = [], []
         self.terms, self.truncs, self.dones = [first_dones], [first_dones], [first_dones]
         self.last_bad = torch.full((first_dones.shape[0],), -1)  # last step with a non-finite value
+        self.bootstrap_inputs: dict[str, torch.Tensor] | None = None
 
     def add_policy(self, act: ChunkActions, raw_obs: torch.Tensor) -> None:
         self.inputs.append(act.forward_inputs)
@@ -68,6 +69,7 @@ class _StageRecorder:
             raw_obs=stack(self.raw_obs),
             versions=stack(self.versions),
             valid=valid,
+            bootstrap_inputs=self.bootstrap_inputs,
         )
 
 
@@ -160,6 +162,7 @@ class EnvWorker(Worker):
                     rec.add_bootstrap(needs[s], act.final_values, self.gamma)
                 rec.values.append(act.values)
                 if t == steps:
+                    rec.bootstrap_inputs = act.forward_inputs
                     continue
                 rec.add_policy(act, self._obs[s])
                 out = await self._step(self.envs[s], act.env_actions.numpy())
