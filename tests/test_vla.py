@@ -214,3 +214,52 @@ def test_behaviour_cloning_on_scripted_demos_raises_reach_success(one_thread):
     # measured: 0/8 before, 4/8 after (2 cores, seed 0)
     assert before <= 0.125 and after["eval/success_rate"] >= 0.25, (before, after)
     env.close()
+
+
+@pytest.mark.parametrize("detached", [True, False])
+def test_cnn_value_loss_reaches_the_encoder_only_when_not_detached(detached):
+    """Critic-only training (``critic_warmup_steps``) must leave a cloned policy's actions as
+    they were: with ``critic_detached`` the value loss cannot move the shared encoder."""
+    policy = build_policy("cnn", PIXELS, ACTIONS, 1, channels=(8,), critic_detached=detached)
+    inputs = policy.prepare(packed(PIXELS, 8))
+    with torch.no_grad():
+        before = policy.act(inputs, deterministic=True)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2)
+    for _ in range(3):
+        optimizer.zero_grad()
+        ((policy.value(inputs) - 50.0) ** 2).mean().backward()
+        optimizer.step()
+    with torch.no_grad():
+        after = policy.act(inputs, deterministic=True)
+    assert (after.values - before.values).abs().min() > 0.01  # the critic did learn
+    moved = (after.actions - before.actions).abs().max()
+    assert (moved == 0) if detached else (moved > 1e-4)
+
+
+def test_cnn_random_shift_moves_only_the_image_within_its_bound():
+    size, pad = PIXELS.layout.image_size, 2
+    policy = build_policy("cnn", PIXELS, ACTIONS, 1, channels=(8,), augment_shift=pad)
+    obs = packed(PIXELS, 16)
+    shifted = policy.augment(obs, torch.Generator().manual_seed(0))
+    head = PIXELS.layout.state_dim + PIXELS.layout.num_tokens
+    torch.testing.assert_close(shifted[:, :head], obs[:, :head])
+    images = obs[:, head:].reshape(-1, size, size, 3)
+    out = shifted[:, head:].reshape(-1, size, size, 3)
+    offsets = set()
+    for image, moved in zip(images, out):
+        # the shift that reproduces the crop's interior (away from the replicated border)
+        found = [
+            (dy, dx)
+            for dy in range(-pad, pad + 1)
+            for dx in range(-pad, pad + 1)
+            if torch.equal(
+                moved[pad : size - pad, pad : size - pad],
+                image[pad + dy : size - pad + dy, pad + dx : size - pad + dx],
+            )
+        ]
+        assert len(found) == 1
+        offsets.add(found[0])
+    assert len(offsets) > 3  # random, not one fixed offset
+    assert torch.equal(
+        build_policy("cnn", PIXELS, ACTIONS, 1, channels=(8,)).augment(obs, None), obs
+    )
