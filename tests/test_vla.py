@@ -87,10 +87,13 @@ def test_vla_and_cnn_see_pixels_and_learn_through_them():
         ("cnn", {"channels": (8, 8)}, "encoder"),
     ):
         policy = build_policy(name, PIXELS, ACTIONS, 2, **kwargs)
+        with torch.no_grad():  # off the vla's zero-initialised action head
+            for p in policy.parameters():
+                p.add_(0.01 * torch.randn_like(p))
         step = policy.act(policy.prepare(obs))
         assert step.logprobs.shape == (4, 2, 4) and step.values.shape == (4,)
         out = policy.evaluate(policy.prepare(obs), step.actions)
-        (out["logprobs"].sum() + out["values"].sum()).backward()
+        out["logprobs"].sum().backward()  # the actor's loss trains the encoder
         grad = next(getattr(policy, encoder).parameters()).grad
         assert grad is not None and grad.abs().sum() > 0, name
         other = obs.clone()
@@ -217,22 +220,30 @@ def test_behaviour_cloning_on_scripted_demos_raises_reach_success(one_thread):
 
 
 @pytest.mark.parametrize("detached", [True, False])
-def test_cnn_value_loss_reaches_the_encoder_only_when_not_detached(detached):
+@pytest.mark.parametrize("name,kwargs", [("cnn", {"channels": (8,)}), ("vla", SMALL)])
+def test_value_loss_moves_the_actor_only_when_the_critic_is_not_detached(name, kwargs, detached):
     """Critic-only training (``critic_warmup_steps``) must leave a cloned policy's actions as
-    they were: with ``critic_detached`` the value loss cannot move the shared encoder."""
-    policy = build_policy("cnn", PIXELS, ACTIONS, 1, channels=(8,), critic_detached=detached)
+    they were: with ``critic_detached`` the value loss cannot move what the actor reads."""
+    policy = build_policy(name, PIXELS, ACTIONS, 1, critic_detached=detached, **kwargs)
+    with torch.no_grad():  # an actor that is not uniform (the vla's action head starts at zero)
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    policy.eval()  # no dropout: only the weights can change the outputs
     inputs = policy.prepare(packed(PIXELS, 8))
-    with torch.no_grad():
-        before = policy.act(inputs, deterministic=True)
+
+    def actor_logprobs():
+        with torch.no_grad():
+            return policy.evaluate(inputs, actions)["logprobs"]
+
+    actions = policy.act(inputs).actions
+    before, values = actor_logprobs(), policy.value(inputs).detach()
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2)
     for _ in range(3):
         optimizer.zero_grad()
         ((policy.value(inputs) - 50.0) ** 2).mean().backward()
         optimizer.step()
-    with torch.no_grad():
-        after = policy.act(inputs, deterministic=True)
-    assert (after.values - before.values).abs().min() > 0.01  # the critic did learn
-    moved = (after.actions - before.actions).abs().max()
+    assert (policy.value(inputs).detach() - values).abs().min() > 0.01  # the critic did learn
+    moved = (actor_logprobs() - before).abs().max()
     assert (moved == 0) if detached else (moved > 1e-4)
 
 
