@@ -57,7 +57,7 @@ def main() -> None:
             continue  # the goal box is not all in view
         name = task.model.camera(camera).name
         results[name] = {
-            "bayes_static": bayes_static_success(goals, pixels, max(1, args.samples // 500)),
+            "bayes_static": bayes_static_success(goals, pixels, max(1, args.samples // 200)),
             "box_pixels": (pixels.max(0) - pixels.min(0)).round(1).tolist(),
         }
         print(name, results[name])
