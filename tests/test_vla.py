@@ -87,10 +87,13 @@ def test_vla_and_cnn_see_pixels_and_learn_through_them():
         ("cnn", {"channels": (8, 8)}, "encoder"),
     ):
         policy = build_policy(name, PIXELS, ACTIONS, 2, **kwargs)
+        with torch.no_grad():  # off the vla's zero-initialised action head
+            for p in policy.parameters():
+                p.add_(0.01 * torch.randn_like(p))
         step = policy.act(policy.prepare(obs))
         assert step.logprobs.shape == (4, 2, 4) and step.values.shape == (4,)
         out = policy.evaluate(policy.prepare(obs), step.actions)
-        (out["logprobs"].sum() + out["values"].sum()).backward()
+        out["logprobs"].sum().backward()  # the actor's loss trains the encoder
         grad = next(getattr(policy, encoder).parameters()).grad
         assert grad is not None and grad.abs().sum() > 0, name
         other = obs.clone()
@@ -214,3 +217,60 @@ def test_behaviour_cloning_on_scripted_demos_raises_reach_success(one_thread):
     # measured: 0/8 before, 4/8 after (2 cores, seed 0)
     assert before <= 0.125 and after["eval/success_rate"] >= 0.25, (before, after)
     env.close()
+
+
+@pytest.mark.parametrize("detached", [True, False])
+@pytest.mark.parametrize("name,kwargs", [("cnn", {"channels": (8,)}), ("vla", SMALL)])
+def test_value_loss_moves_the_actor_only_when_the_critic_is_not_detached(name, kwargs, detached):
+    """Critic-only training (``critic_warmup_steps``) must leave a cloned policy's actions as
+    they were: with ``critic_detached`` the value loss cannot move what the actor reads."""
+    policy = build_policy(name, PIXELS, ACTIONS, 1, critic_detached=detached, **kwargs)
+    with torch.no_grad():  # an actor that is not uniform (the vla's action head starts at zero)
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    policy.eval()  # no dropout: only the weights can change the outputs
+    inputs = policy.prepare(packed(PIXELS, 8))
+
+    def actor_logprobs():
+        with torch.no_grad():
+            return policy.evaluate(inputs, actions)["logprobs"]
+
+    actions = policy.act(inputs).actions
+    before, values = actor_logprobs(), policy.value(inputs).detach()
+    optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2)
+    for _ in range(3):
+        optimizer.zero_grad()
+        ((policy.value(inputs) - 50.0) ** 2).mean().backward()
+        optimizer.step()
+    assert (policy.value(inputs).detach() - values).abs().min() > 0.01  # the critic did learn
+    moved = (actor_logprobs() - before).abs().max()
+    assert (moved == 0) if detached else (moved > 1e-4)
+
+
+def test_cnn_random_shift_moves_only_the_image_within_its_bound():
+    size, pad = PIXELS.layout.image_size, 2
+    policy = build_policy("cnn", PIXELS, ACTIONS, 1, channels=(8,), augment_shift=pad)
+    obs = packed(PIXELS, 16)
+    shifted = policy.augment(obs, torch.Generator().manual_seed(0))
+    head = PIXELS.layout.state_dim + PIXELS.layout.num_tokens
+    torch.testing.assert_close(shifted[:, :head], obs[:, :head])
+    images = obs[:, head:].reshape(-1, size, size, 3)
+    out = shifted[:, head:].reshape(-1, size, size, 3)
+    offsets = set()
+    for image, moved in zip(images, out):
+        # the shift that reproduces the crop's interior (away from the replicated border)
+        found = [
+            (dy, dx)
+            for dy in range(-pad, pad + 1)
+            for dx in range(-pad, pad + 1)
+            if torch.equal(
+                moved[pad : size - pad, pad : size - pad],
+                image[pad + dy : size - pad + dy, pad + dx : size - pad + dx],
+            )
+        ]
+        assert len(found) == 1
+        offsets.add(found[0])
+    assert len(offsets) > 3  # random, not one fixed offset
+    assert torch.equal(
+        build_policy("cnn", PIXELS, ACTIONS, 1, channels=(8,)).augment(obs, None), obs
+    )

@@ -25,7 +25,12 @@ def conv_encoder(image_size: int, channels: tuple[int, ...], out_dim: int) -> tu
 @register_policy("cnn")
 class CNNActorCritic(MLPActorCritic):
     """A shared encoder (convolutions over the image; the state and the mean embedding of the
-    instruction words concatenated to its features) under the MLP actor-critic's heads."""
+    instruction words concatenated to its features) under the MLP actor-critic's heads.
+
+    ``critic_detached``: the encoder learns from the actor's loss only (see ``_critic_value``).
+    ``augment_shift``: behaviour cloning sees each image shifted by up to this many pixels
+    (DrQ's random shift: pad by replicating the border, crop back at a random offset), which
+    keeps a few demonstrations from being memorised pixel by pixel."""
 
     def __init__(
         self,
@@ -41,8 +46,12 @@ class CNNActorCritic(MLPActorCritic):
         channels: tuple[int, ...] = (32, 64, 64),
         feature_dim: int = 256,
         word_dim: int = 32,
+        critic_detached: bool = True,
+        augment_shift: int = 0,
     ):
         EmbodiedPolicy.__init__(self)
+        self.critic_detached = critic_detached
+        self.augment_shift = augment_shift
         self.layout = layout_of(observation_space)
         if not self.layout.image_size:
             raise ValueError(
@@ -78,3 +87,19 @@ class CNNActorCritic(MLPActorCritic):
         if "state" in parts:
             out.append(parts["state"])
         return torch.cat(out, -1)
+
+    def augment(self, raw_obs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        pad = self.augment_shift
+        if not pad:
+            return raw_obs
+        size, numel = self.layout.image_size, self.layout.image_numel
+        head, pixels = raw_obs[:, :-numel], raw_obs[:, -numel:]
+        images = pixels.reshape(-1, size, size, 3).movedim(-1, 1)
+        padded = nn.functional.pad(images, (pad,) * 4, mode="replicate")
+        dy, dx = torch.randint(0, 2 * pad + 1, (2, len(raw_obs)), generator=generator)
+        rows = (dy[:, None] + torch.arange(size))[:, None, :, None]  # [B, 1, H, 1]
+        cols = (dx[:, None] + torch.arange(size))[:, None, None, :]  # [B, 1, 1, W]
+        batch = torch.arange(len(raw_obs))[:, None, None, None]
+        channel = torch.arange(3)[None, :, None, None]
+        shifted = padded[batch, channel, rows, cols]
+        return torch.cat([head, shifted.movedim(1, -1).reshape(len(raw_obs), -1)], 1)

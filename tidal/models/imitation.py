@@ -63,7 +63,8 @@ def train_bc(
         def loss_fn(module, batch, logging=logging):
             return bc_loss(module, batch, action_error=logging)
 
-        metrics = engine.train_batch([{"obs": obs[rows], "actions": actions[rows]}], loss_fn)
+        batch = {"obs": policy.augment(obs[rows], generator), "actions": actions[rows]}
+        metrics = engine.train_batch([batch], loss_fn)
         engine.end_step()
         if logging:
             history.append(

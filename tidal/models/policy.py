@@ -155,6 +155,11 @@ class EmbodiedPolicy(nn.Module, abc.ABC):
         obs = raw_obs.float()
         return {"obs": self.obs_norm(obs) if self.obs_norm is not None else obs}
 
+    def augment(self, raw_obs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Raw observations as behaviour cloning should see them (randomly perturbed, for
+        policies that ask for augmentation); unchanged by default."""
+        return raw_obs
+
     @abc.abstractmethod
     def act(self, inputs: dict[str, torch.Tensor], deterministic: bool = False) -> PolicyStep:
         """An action chunk for each input (sampled, or the mode when deterministic)."""
@@ -212,6 +217,8 @@ class MLPActorCritic(EmbodiedPolicy):
     chunk position. Continuous: a diagonal Gaussian with a learned, state-independent log-std,
     optionally squashed by tanh into the action bounds (with the change-of-variables term in
     the log-prob; the entropy reported is the Gaussian's, before squashing)."""
+
+    critic_detached = False  # the MLP's features are the observation: nothing shared to guard
 
     def __init__(
         self,
@@ -307,7 +314,7 @@ class MLPActorCritic(EmbodiedPolicy):
             actions = dist.probs.argmax(-1) if self.discrete else dist.mean
         else:
             actions = dist.sample()
-        values = self.critic(obs).squeeze(-1) if self.critic is not None else None
+        values = self._critic_value(obs) if self.critic is not None else None
         return PolicyStep(
             actions=actions, logprobs=self._logprob(dist, actions), values=values, inputs=inputs
         )
@@ -321,13 +328,21 @@ class MLPActorCritic(EmbodiedPolicy):
             "entropy": entropy.unsqueeze(-1) if self.discrete else entropy,
         }
         if self.critic is not None:
-            out["values"] = self.critic(obs).squeeze(-1)
+            out["values"] = self._critic_value(obs)
         return out
 
     def value(self, inputs) -> torch.Tensor:
         if self.critic is None:
             raise ValueError("model.critic is false: this policy has no value head")
-        return self.critic(self.features(inputs)).squeeze(-1)
+        return self._critic_value(self.features(inputs))
+
+    def _critic_value(self, features: torch.Tensor) -> torch.Tensor:
+        """The critic over the shared features. A policy whose features are learned (an encoder
+        shared with the actor) sets ``critic_detached``: the value loss then trains only the
+        critic's own layers, so it cannot reshape what the actor sees (a critic still learning
+        the value scale would otherwise wreck a cloned policy's features, even during
+        ``critic_warmup_steps``)."""
+        return self.critic(features.detach() if self.critic_detached else features).squeeze(-1)
 
     def env_actions(self, actions: torch.Tensor) -> np.ndarray:
         if self.discrete:

@@ -1,12 +1,13 @@
 """``vla``: a small vision-language-action transformer with token actions.
 
 The sequence is ``[instruction words | state tokens | image patches | action queries | value
-query]``. Every action dimension is one token over 256 bins spread evenly across the action
+query]`` (the value query only when ``critic_detached`` is off). Every action dimension is one token over 256 bins spread evenly across the action
 bounds (OpenVLA's discretisation). All ``num_action_chunks x action_dim`` action tokens are
 decoded at once from learned queries with bidirectional attention (OpenVLA-OFT's parallel
 decoding), so a chunk costs one forward pass. Log-probabilities are per token ``[B, C, A]``
-(the loss sums them per action or per chunk when asked). An optional value query feeds a
-critic head for PPO.
+(the loss sums them per action or per chunk when asked). An optional critic head for PPO
+reads the trunk's pooled output, detached so that the value loss cannot move the actor
+(``critic_detached``; off: a value query in the sequence, trained end to end).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class TokenActionPolicy(EmbodiedPolicy):
         critic: bool = True,
         obs_norm: bool = False,
         dropout: float = 0.0,
+        critic_detached: bool = True,
     ):
         super().__init__()
         self.layout = layout = layout_of(observation_space)
@@ -67,12 +69,17 @@ class TokenActionPolicy(EmbodiedPolicy):
         num_patches = (layout.image_size // patch_size) ** 2 if layout.image_size else 0
         self.num_queries = self.chunks * self.action_dim
         self.action_queries = nn.Parameter(torch.randn(self.num_queries, d) * 0.02)
-        self.value_query = nn.Parameter(torch.randn(1, d) * 0.02) if critic else None
+        # a value query attends to the trunk and the action queries attend to it: its loss
+        # would move the actor. Detached, the critic reads the pooled trunk output instead.
+        self.value_query = (
+            nn.Parameter(torch.randn(1, d) * 0.02) if critic and not critic_detached else None
+        )
         self.prefix = (
             layout.num_tokens + self.state_tokens + num_patches
         )  # tokens before the queries
         self.positions = nn.Parameter(
-            torch.randn(self.prefix + self.num_queries + int(critic), d) * 0.02
+            torch.randn(self.prefix + self.num_queries + int(self.value_query is not None), d)
+            * 0.02
         )
         layer = nn.TransformerEncoderLayer(
             d, num_heads, 4 * d, dropout, activation="gelu", batch_first=True, norm_first=True
@@ -115,8 +122,16 @@ class TokenActionPolicy(EmbodiedPolicy):
         h = self.norm(self.trunk(x, src_key_padding_mask=mask))
         queries = h[:, self.prefix : self.prefix + self.num_queries]
         logits = self.action_head(queries).view(-1, self.chunks, self.action_dim, self.num_bins)
-        values = self.value_head(h[:, -1]).squeeze(-1) if self.value_head is not None else None
-        return logits, values
+        return logits, self._values(h, mask)
+
+    def _values(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        if self.value_head is None:
+            return None
+        if self.value_query is not None:
+            return self.value_head(h[:, -1]).squeeze(-1)
+        keep = (~mask).unsqueeze(-1).to(h.dtype)  # the mean over every token but padding
+        pooled = (h * keep).sum(1) / keep.sum(1).clamp(min=1.0)
+        return self.value_head(pooled.detach()).squeeze(-1)
 
     # -- the policy interface ------------------------------------------------------------
 
