@@ -79,6 +79,7 @@ def test_generator_max_operand_caps_every_number_and_refuses_too_few_problems():
     spec.loader.exec_module(module)
     easy = module.unique_problems(400, seed=0, max_operand=12)
     assert len({p["question"] for p in easy}) == 400
+
     def question_numbers(problems):  # "splits N equally into b bags" states a product: skipped
         return [
             int(x)
