@@ -71,6 +71,29 @@ def test_generator_is_deterministic_and_unique():
     )  # the committed file is the script's output
 
 
+def test_generator_max_operand_caps_every_number_and_refuses_too_few_problems():
+    spec = importlib.util.spec_from_file_location(
+        "make_word_problems", DATA / "make_word_problems.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    easy = module.unique_problems(400, seed=0, max_operand=12)
+    assert len({p["question"] for p in easy}) == 400
+
+    def question_numbers(problems):  # "splits N equally into b bags" states a product: skipped
+        return [
+            int(x)
+            for p in problems
+            for x in re.findall(r"\d+", re.sub(r"splits \d+", "", p["question"]))
+        ]
+
+    # at most a sum of three drawn numbers ("had $a" = spent b + c + a tip of at most 12)
+    assert max(question_numbers(easy)) <= 36
+    assert max(question_numbers(module.unique_problems(400, seed=0))) > 36
+    with pytest.raises(ValueError, match="distinct problems with max_operand=3"):
+        module.unique_problems(400, seed=0, max_operand=3)
+
+
 def test_example_sft_conversations(cache):
     table = load_conversations(DATA / "sft.jsonl", cache)
     roles = [[m["role"] for m in row] for row in table["messages"]]

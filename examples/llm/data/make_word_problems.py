@@ -4,6 +4,7 @@ calculator annotations). Templated multi-step problems with random names and num
 held-out split has no question of the training split.
 
     python examples/llm/data/make_word_problems.py [--out DIR] [--train-size 200] [--eval-size 64]
+        [--max-operand N]
 
 writes ``train.jsonl``, ``eval.parquet`` and ``sft.jsonl`` (chat conversations in ``messages``).
 """
@@ -34,6 +35,20 @@ ITEMS = ["apples", "stickers", "marbles", "stamps", "cards", "shells"]
 SYSTEM = "Solve the math word problem step by step. End with a line '#### ' and the answer."
 
 Problem = tuple[str, str, int]  # question, worked answer (without the final line), result
+
+
+class CappedRandom(random.Random):
+    """A generator whose ``randint`` draws no number above ``cap``: the templates' own ranges,
+    shrunk, so a small model can learn the arithmetic (``--max-operand``)."""
+
+    def __init__(self, seed: int, cap: int | None = None):
+        super().__init__(seed)
+        self.cap = cap
+
+    def randint(self, a: int, b: int) -> int:
+        if self.cap is None:
+            return super().randint(a, b)
+        return super().randint(min(a, self.cap), min(b, self.cap))
 
 
 def buy_packs(r: random.Random) -> Problem:
@@ -143,14 +158,18 @@ TEMPLATES: list[Callable[[random.Random], Problem]] = [
 ]
 
 
-def unique_problems(n: int, seed: int) -> list[dict]:
-    """``n`` records with distinct questions, templates taken in turn."""
-    rng, seen, out = random.Random(seed), set(), []
+def unique_problems(n: int, seed: int, max_operand: int | None = None) -> list[dict]:
+    """``n`` records with distinct questions, templates taken in turn; with ``max_operand`` no
+    drawn number exceeds it (easier problems)."""
+    rng, seen, out, misses = CappedRandom(seed, max_operand), set(), [], 0
     while len(out) < n:
         question, work, result = TEMPLATES[len(out) % len(TEMPLATES)](rng)
         if question not in seen:
             seen.add(question)
             out.append({"question": question, "answer": f"{work}\n#### {result}"})
+            misses = 0
+        elif (misses := misses + 1) > 10_000:  # a template has fewer distinct questions than asked
+            raise ValueError(f"fewer than {n} distinct problems with max_operand={max_operand}")
     return out
 
 
@@ -177,12 +196,18 @@ def main() -> None:
     parser.add_argument("--eval-size", type=int, default=64)
     parser.add_argument("--sft-size", type=int, default=48, help="problems in the SFT chats")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-operand",
+        type=int,
+        default=None,
+        help="difficulty: no number drawn above this (e.g. 9); default: the templates' ranges",
+    )
     args = parser.parse_args()
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    problems = unique_problems(args.train_size + args.eval_size, args.seed)
+    problems = unique_problems(args.train_size + args.eval_size, args.seed, args.max_operand)
     train, held_out = problems[: args.train_size], problems[args.train_size :]
     args.out.mkdir(parents=True, exist_ok=True)
     write_jsonl(args.out / "train.jsonl", train)
