@@ -62,13 +62,10 @@ class RayTransport(ChannelTransport):
         self.inboxes: list[str] | None = None  # their ZeroMQ inboxes (unbounded channels)
 
     def bind(self, rank_handles: list) -> bool:
-        import ray
-
         self.home = [h.actor for h in rank_handles]
         self.home_ids = [a._actor_id.hex() for a in self.home]
         if self.maxsize == 0:  # no put waits for an answer: items go by ZeroMQ (ray_pipe)
-            addresses = [a.inbox_address.remote() for a in self.home]
-            self.inboxes = ray.get(addresses, timeout=DEFAULT_TIMEOUT_S)
+            self.inboxes = [h.inbox for h in rank_handles]
         return True
 
     # -- operations: a routed key of a bound channel goes to its rank's mailbox -----------

@@ -93,6 +93,18 @@ def loads(frames: list) -> Any:
     return pickle.loads(head, buffers=buffers)
 
 
+def pull_socket(context) -> tuple[Any, str]:
+    """A PULL socket on this node's address (unbounded, as the channels are) and its address."""
+    import ray
+    import zmq
+
+    sock = context.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+    host = ray.util.get_node_ip_address()
+    return sock, f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{host}')}"
+
+
 class Inbox:
     """This process's PULL socket, served on the rank's event loop: every envelope that
     arrives is queued in the rank's mailbox at once (unbounded channels never wait for room)."""
@@ -106,16 +118,10 @@ class Inbox:
         label starts with its kind; ``handlers[kind]`` takes the rest of the label and the
         unpickled payload."""
         if self.address is None:
-            import ray
             import zmq
             import zmq.asyncio
 
-            sock = zmq.asyncio.Context.instance().socket(zmq.PULL)
-            sock.setsockopt(zmq.RCVHWM, 0)  # unbounded, as the channel is
-            sock.setsockopt(zmq.LINGER, 0)
-            host = ray.util.get_node_ip_address()
-            port = sock.bind_to_random_port(f"tcp://{host}")
-            self.address = f"tcp://{host}:{port}"
+            sock, self.address = pull_socket(zmq.asyncio.Context.instance())
             self._task = asyncio.get_running_loop().create_task(self._serve(sock, handlers))
         return self.address
 
@@ -188,14 +194,9 @@ class Replies:
             fut.set_exception(error)
 
     def _open(self) -> None:
-        import ray
         import zmq
 
-        sock = zmq.Context.instance().socket(zmq.PULL)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.LINGER, 0)
-        host = ray.util.get_node_ip_address()
-        self.address = f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{host}')}"
+        sock, self.address = pull_socket(zmq.Context.instance())
         threading.Thread(
             target=self._serve, args=(sock,), name="tidal-replies", daemon=True
         ).start()
