@@ -87,33 +87,34 @@ def tidal_collection(
         runner.close()
 
 
-def hand_loop(
-    num_envs: int, num_steps: int, rounds: int, env_kwargs: dict | None = None, hidden=(64, 64)
-) -> float:
-    """The same vector env and policy in one process: the loop a user would write by hand."""
-    cfg = load_config(EmbodiedConfig, None, [f"model.hidden_sizes=[{','.join(map(str, hidden))}]"])
-    if env_kwargs:
-        env = CostlyCartPole(num_envs, env_id="CartPole-v1", **env_kwargs)
-    else:
-        env = GymnasiumVectorEnv(num_envs, env_id="CartPole-v1")
-    policy = make_policy(cfg, env.observation_space, env.action_space).eval()
-    obs = torch.as_tensor(env.reset(seeds=list(range(num_envs))))
-    store = {k: [] for k in ("obs", "actions", "logprobs", "values", "rewards", "dones")}
+def hand_loop(num_envs: int, num_steps: int, rounds: int, hidden=(64, 64)) -> float:
+    """The loop a user writes by hand, CleanRL style, with none of tidal's classes: gymnasium's
+    ``SyncVectorEnv`` (its own autoreset), an actor and a critic MLP, a categorical policy, the
+    samples kept per step and stacked per round."""
+    env_fns = [lambda: gym.make("CartPole-v1") for _ in range(num_envs)]
+    envs = gym.vector.SyncVectorEnv(env_fns)
+
+    def mlp(out: int) -> torch.nn.Sequential:
+        sizes, layers = (4, *hidden), []
+        for a, b in zip(sizes[:-1], sizes[1:]):
+            layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+        return torch.nn.Sequential(*layers, torch.nn.Linear(sizes[-1], out))
+
+    actor, critic = mlp(2), mlp(1)
+    obs = torch.as_tensor(envs.reset(seed=0)[0])
 
     def one_round():
-        for v in store.values():
-            v.clear()
         nonlocal obs
+        store = {k: [] for k in ("obs", "actions", "logprobs", "values", "rewards", "dones")}
         for _ in range(num_steps):
             with torch.no_grad():
-                step = policy.act(policy.prepare(obs))
-            o, r, term, trunc = env.step(policy.env_actions(step.actions)[:, 0])
-            done = term | trunc
-            if done.any():
-                o[done] = env.reset(mask=done)[done]
-            for k, v in zip(store, (obs, step.actions, step.logprobs, step.values, r, done)):
+                dist = torch.distributions.Categorical(logits=actor(obs))
+                action = dist.sample()
+                logprob, value = dist.log_prob(action), critic(obs).squeeze(-1)
+            next_obs, reward, term, trunc, _ = envs.step(action.numpy())
+            for k, v in zip(store, (obs, action, logprob, value, reward, term | trunc)):
                 store[k].append(v)
-            obs = torch.as_tensor(o)
+            obs = torch.as_tensor(next_obs)
         return {k: torch.stack([torch.as_tensor(x) for x in v], 1) for k, v in store.items()}
 
     one_round()

@@ -74,6 +74,12 @@ class Worker:
     def runtime_backend(self) -> str:
         return self._tidal.backend
 
+    @property
+    def owns_event_loop(self) -> bool:
+        """This rank's event loop serves no other rank (a process per rank): blocking work on
+        it then holds up this rank alone, and its messages still arrive meanwhile."""
+        return backend_class(self._tidal.backend).multi_process
+
     async def offload(self, fn, *args, **kwargs):
         """Run blocking work (a simulator step, a forward pass) on this rank's compute thread,
         so the event loop keeps serving other coroutines meanwhile (on the local backend the

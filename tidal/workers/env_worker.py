@@ -284,9 +284,11 @@ class EnvWorker(Worker):
         return {"finished": finished, "video": video, **self.eval_env.stats.drain()}
 
     async def _step(self, env: ChunkedEnv, actions):
-        """With several pipeline stages the simulator steps off the event loop, so the rollout
-        infers one stage while this stage simulates."""
-        if self.stages > 1:
+        """With several pipeline stages and an event loop shared with the rollout (local), the
+        simulator steps off the loop, so the rollout infers one stage while this stage
+        simulates. A rank with a process of its own steps on its loop: the rollout infers in
+        its own process meanwhile, and a thread would only contend for the GIL."""
+        if self.stages > 1 and not self.owns_event_loop:
             return await self.offload(env.step, actions)
         return env.step(actions)
 
