@@ -80,6 +80,32 @@ def test_point_to_point_across_nodes_bypasses_the_channel_actor(two_nodes):
         dst.shutdown()
 
 
+def test_unbounded_channel_goes_to_its_channel_actor_by_zeromq_and_its_death_is_named(two_nodes):
+    """Puts, gets and qsize of an unbounded channel's unrouted keys reach the channel actor by
+    ZeroMQ (from the driver and from ranks on either node); a get waiting on a channel actor
+    that dies fails at once, naming the channel, not at its timeout."""
+    ch = Channel.create(f"zmq-actor-{time.monotonic_ns()}", two_nodes)
+    group = EchoWorker.create_group().launch(two_nodes, placement="1-2", name="zmq_actor")
+    try:
+        ch.put({"n": 1}, key="a")
+        ch.put({"n": 2}, key="a")
+        assert ch.qsize("a") == 2 and ch.get(key="a") == {"n": 1}
+        key = CommMapper.build_channel_key(0, 0, "k")  # routed, but the channel is not bound
+        wait_all([group.execute_on(0).produce(ch, key, 3)], timeout=60)
+        assert group.execute_on(1).consume(ch, key, 3).wait(timeout=60) == [
+            [(0, 0), (0, 1), (0, 2)]
+        ]
+        assert ch.get_batch(1, key="a") == [{"n": 2}]
+        waiting = ch.get(key="never", async_op=True, timeout=100)
+        ray.kill(ch._transport.actor)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"channel '{ch.name}': its channel actor died"):
+            waiting.wait()
+        assert time.monotonic() - start < 30
+    finally:
+        group.shutdown()
+
+
 def test_rank_dying_mid_transfer_is_named_within_the_timeout(two_nodes):
     src = EchoWorker.create_group().launch(two_nodes, placement="0", name="dying_src")
     dst = EchoWorker.create_group().launch(two_nodes, placement="2", name="waiting_dst")

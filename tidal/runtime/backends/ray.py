@@ -17,7 +17,7 @@ from tidal.runtime.backends.ray_channel import (
     create_channel_actor,
     deliver_from_pipe,
 )
-from tidal.runtime.backends.ray_pipe import INBOX, OUTBOXES, REPLIES, dumps
+from tidal.runtime.backends.ray_pipe import INBOX, OUTBOXES, REPLIES, dumps, loads
 from tidal.runtime.errors import ClusterUnreachable, WorkerError
 from tidal.runtime.handle import CallResult
 from tidal.runtime.placement import NodeInfo
@@ -69,7 +69,8 @@ class RayRankActor:
         """Never answers: the caller's reference fails when this rank's process dies."""
         await asyncio.Event().wait()
 
-    def _serve_call(self, call_id: int, reply_to: str, request: tuple) -> None:
+    def _serve_call(self, call_id: int, reply_to: str, frames: list) -> None:
+        request = loads(frames)
         asyncio.get_running_loop().create_task(self._answer(call_id, reply_to, *request))
 
     async def _answer(self, call_id: int, reply_to: str, method: str, args, kwargs) -> None:

@@ -1,27 +1,31 @@
 """Channels on the ``ray`` backend.
 
-Keys in general live in a small channel actor that holds only object references: the
-producer puts a large item in the object store once and the consumer reads it from there, so
-payloads never pass through the channel actor.
+Keys in general live in a small *channel actor*; routed keys (``RouteKey``,
+``"src->dst:tag"``) of a channel bound to its consumer group (``Channel.bind``) live instead in
+the *mailbox* of the destination rank's own process, so the consumer's get is served there
+without a call at all: one hop per item instead of two through a central actor.
 
-Every put is one call carrying an envelope (channel, key, producer, sequence number, item);
-without ``maxsize`` nobody waits for its answer (a blocking put's acknowledgement is read by
-the process's next get or qsize, so its own writes are seen and errors surface).
+Unbounded channels (no put ever waits for room) move everything by ZeroMQ (``ray_pipe``): a
+put is one message into the inbox of the process holding the key (the reading rank's, or the
+channel actor's, which keeps the item as its frames and never unpickles it); gets and qsize of
+the channel actor's keys are requests on the same connection, so a process reads its own
+writes, answered into the asker's reply inbox. Per connection ZeroMQ keeps the order: FIFO per
+producer and key.
 
-Routed keys (``RouteKey``, ``"src->dst:tag"``) of a channel bound to its consumer group
-(``Channel.bind``) live instead in the *mailbox* of the destination rank's own process. A
-put is then one direct call from the producer to that rank (Ray moves large items through
-the object store by itself) and the consumer's get is served in its own process without a
-call at all: one hop per item instead of two through a central actor. Per key the order
-stays FIFO: each producer numbers its puts and the mailbox admits them in that order (Ray
-does not promise the order of calls to an async actor).
+Bounded channels keep Ray calls: every put is one call carrying an envelope (channel, key,
+producer, sequence number, item), answered when there is room; the channel actor holds only
+object references for large items (the producer puts them in the object store once, the
+consumer reads them there). Each producer numbers its puts and the mailbox admits them in that
+order (Ray does not promise the order of calls to an async actor).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import dataclasses
+import functools
 import pickle
 import threading
 import uuid
@@ -60,6 +64,10 @@ class RayTransport(ChannelTransport):
         self.home: list | None = None  # the bound consumer group's rank actors
         self.home_ids: list[str] = []
         self.inboxes: list[str] | None = None  # their ZeroMQ inboxes (unbounded channels)
+        # unbounded channels reach their channel actor by ZeroMQ too: its inbox, asked for now
+        # and read on first use (the actor's process may still be starting)
+        self._actor_inbox: str | None = None
+        self._actor_inbox_ref = actor.inbox_address.remote() if maxsize == 0 else None
 
     def bind(self, rank_handles: list) -> bool:
         self.home = [h.actor for h in rank_handles]
@@ -73,6 +81,9 @@ class RayTransport(ChannelTransport):
     def put(self, key: Hashable, item: Any, weight: float, async_op: bool, timeout: float | None):
         dst = self._home_rank(key)
         if dst is None:
+            if self.maxsize == 0:
+                self._pipe_to_actor(key, ray_pipe.dumps(item), weight)
+                return _DONE
             return self._deliver(self.actor, key, box(item), weight, async_op, timeout)
         if self._is_here(dst):
             fut = MAILBOX.store(self.name, self.maxsize).put(key, item, weight)
@@ -100,6 +111,11 @@ class RayTransport(ChannelTransport):
                 self._deliver(self.home[self._home_rank(k)], k, shared, weight, True, timeout)
                 for k in keys
             ]
+        elif self.maxsize == 0:
+            frames = ray_pipe.dumps(item)  # pickled once, queued under each key
+            for key in keys:
+                self._pipe_to_actor(key, frames, weight)
+            return
         else:
             boxed = box(item, force_ref=True)
             works = [self._deliver(self.actor, k, boxed, weight, True, timeout) for k in keys]
@@ -117,6 +133,8 @@ class RayTransport(ChannelTransport):
 
         self._confirm_sent()
         dst = self._home_rank(key)
+        if dst is None and self.maxsize == 0:
+            return self._ask_actor("qsize", key, None, DEFAULT_TIMEOUT_S).wait()
         if dst is None:
             return ray.get(self.actor.qsize.remote(key), timeout=DEFAULT_TIMEOUT_S)
         if self._is_here(dst):
@@ -145,6 +163,11 @@ class RayTransport(ChannelTransport):
 
     def _take(self, op: str, key, target: float | None, async_op: bool, timeout: float | None):
         dst = self._home_rank(key)
+        if dst is None and self.maxsize == 0:
+            work = self._ask_actor(
+                op, key, target, DEFAULT_TIMEOUT_S if timeout is None else timeout
+            )
+            return work if async_op else work.wait()
         if dst is None:
             return self._call(op, key, async_op, timeout, *(() if target is None else (target,)))
         if self._is_here(dst):
@@ -198,6 +221,51 @@ class RayTransport(ChannelTransport):
     def _pipe(self, dst: int, key, item_frames: list, weight: float) -> None:
         ray_pipe.OUTBOXES.send(self.inboxes[dst], ("item", self.name, key, weight), item_frames)
 
+    # -- the channel actor by ZeroMQ (unbounded channels) -----------------------------------
+
+    def _pipe_to_actor(self, key, item_frames: list, weight: float) -> None:
+        ray_pipe.OUTBOXES.send(self._actor_address(), ("put", key, weight), item_frames)
+
+    def _ask_actor(self, op: str, key, target: float | None, limit: float) -> AsyncWork:
+        """A get, get_batch or qsize request on the connection this process's puts took, so it
+        comes after them; the actor enforces ``limit`` itself (a timed-out get takes nothing)
+        and the answer comes back into this process's reply inbox."""
+        address = self._actor_address()
+        self._watch_actor()
+        decode = functools.partial(_decode_answer, self.name, op, key, limit)
+        request_id, fut = ray_pipe.REPLIES.expect(self, decode)
+        if self._actor_death is not None:
+            ray_pipe.REPLIES.fail(self, self._actor_death)
+        else:
+            label = ("ask", request_id, ray_pipe.REPLIES.address, op, key, target, limit)
+            ray_pipe.OUTBOXES.send(address, label, [])
+        no_answer = timeout_error(self.name, op + " (no answer from the channel actor)", key, limit)
+        return AsyncWork(fut, no_answer, limit + REPLY_MARGIN_S)
+
+    def _actor_address(self) -> str:
+        if self._actor_inbox is None:
+            import ray
+
+            if self._actor_inbox_ref is None:
+                raise RuntimeError(f"channel {self.name!r}: its channel actor is gone")
+            try:
+                self._actor_inbox = ray.get(self._actor_inbox_ref, timeout=DEFAULT_TIMEOUT_S)
+            except ray.exceptions.RayError as exc:
+                raise RuntimeError(f"channel {self.name!r}: its channel actor is gone") from exc
+        return self._actor_inbox
+
+    def _watch_actor(self) -> None:
+        """Requests to a channel actor that died fail at once, not at their timeout."""
+        if self.__dict__.get("_actor_watch") is None:
+            self._actor_death = None
+            self._actor_watch = self.actor.until_death.remote().future()
+            self._actor_watch.add_done_callback(self._actor_died)
+
+    def _actor_died(self, watch: cf.Future) -> None:
+        cause = watch.exception() or "it ended"
+        self._actor_death = RuntimeError(f"channel {self.name!r}: its channel actor died ({cause})")
+        ray_pipe.REPLIES.fail(self, self._actor_death)
+
     def _sent(self) -> list:
         return self.__dict__.setdefault("_unacknowledged", [])
 
@@ -212,9 +280,13 @@ class RayTransport(ChannelTransport):
         return target.deliver
 
     def __getstate__(self):
+        if self._actor_inbox_ref is not None:  # a process it goes to gets the address
+            with contextlib.suppress(RuntimeError):  # (none if the actor died: its gets fail)
+                self._actor_address()
         state = dict(self.__dict__)
-        state.pop("_methods", None)  # per process
-        state.pop("_unacknowledged", None)
+        for per_process in ("_methods", "_unacknowledged", "_actor_watch", "_actor_death"):
+            state.pop(per_process, None)
+        state["_actor_inbox_ref"] = None
         return state
 
     def _reply(self, ref, op: str, key, limit: float, async_op: bool, decode):
@@ -279,9 +351,24 @@ def _refuse_blocking_on_loop(channel: str, op: str, key) -> None:
     )
 
 
-def deliver_from_pipe(channel: str, key, weight: float, item) -> None:
+def deliver_from_pipe(channel: str, key, weight: float, frames: list) -> None:
     """An item that arrived in this process's inbox (an unbounded channel: never waits)."""
-    MAILBOX.store(channel, 0).put(key, item, weight)
+    MAILBOX.store(channel, 0).put(key, ray_pipe.loads(frames), weight)
+
+
+def _decode_answer(channel: str, op: str, key, limit: float, meta: list, frames: list) -> Any:
+    """A channel actor's answer: ``meta`` is (found in time, frames per item or None for one
+    pickled value)."""
+    found, counts = meta
+    if not found:
+        raise ChannelTimeoutError(channel, op, key, limit)
+    if counts is None:
+        return ray_pipe.loads(frames)
+    items, at = [], 0
+    for n in counts:
+        items.append(ray_pipe.loads(frames[at : at + n]))
+        at += n
+    return items[0] if op == "get" else items
 
 
 class ByRef:
@@ -559,6 +646,34 @@ class ChannelActor:
 
     def qsize(self, key) -> int:
         return self.mailbox.qsize(self.name, key)
+
+    # an unbounded channel's traffic comes by ZeroMQ (``RayTransport._ask_actor``)
+    async def inbox_address(self) -> str:
+        return await ray_pipe.INBOX.open({"put": self._put_frames, "ask": self._ask})
+
+    async def until_death(self) -> None:
+        """Never answers: the caller's reference fails when this actor's process dies."""
+        await asyncio.Event().wait()
+
+    def _put_frames(self, key, weight: float, frames: list) -> None:
+        """Kept as the producer's frames: never unpickled here, sent on as they came."""
+        item = [f.buffer for f in frames]
+        self.mailbox.store(self.name, self.maxsize).put(key, item, weight)
+
+    def _ask(self, request_id: int, reply_to: str, op: str, key, target, limit, frames) -> None:
+        asyncio.get_running_loop().create_task(
+            self._answer(request_id, reply_to, op, key, target, limit)
+        )
+
+    async def _answer(self, request_id: int, reply_to: str, op: str, key, target, limit) -> None:
+        if op == "qsize":
+            meta, frames = (True, None), ray_pipe.dumps(self.qsize(key))
+        else:
+            found, value = await self.mailbox.take(self.name, self.maxsize, key, target, limit)
+            items = ([value] if op == "get" else value) if found else []
+            meta = (found, [len(item) for item in items])
+            frames = [frame for item in items for frame in item]
+        ray_pipe.OUTBOXES.send(reply_to, (request_id, *meta), frames)
 
 
 def create_channel_actor(name: str, namespace: str, maxsize: int):

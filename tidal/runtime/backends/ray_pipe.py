@@ -10,6 +10,8 @@ message without the receiving process running a Ray task (measured: a Ray task p
 competes with the rank's own work for the GIL). vLLM and SGLang move their engines' hot traffic
 the same way. Tensors travel as out-of-band NumPy buffers (no copy into the pickle).
 
+An unbounded channel's other keys live in its channel actor, reached the same way: puts one
+way, gets and qsize as requests answered into the asker's reply inbox (``Replies``).
 Bounded channels keep Ray calls: a put that may wait for room needs its answer.
 
 Group calls take the same road (``Replies``): the request goes into the rank's inbox, the
@@ -116,7 +118,7 @@ class Inbox:
     async def open(self, handlers: dict[str, Callable]) -> str:
         """The inbox's address (opened on first use, on the calling event loop). A message's
         label starts with its kind; ``handlers[kind]`` takes the rest of the label and the
-        unpickled payload."""
+        payload's frames (``loads`` makes the item; a channel actor keeps them as they are)."""
         if self.address is None:
             import zmq
             import zmq.asyncio
@@ -131,7 +133,7 @@ class Inbox:
             label, *frames = await sock.recv_multipart(copy=False)
             try:
                 kind, *rest = pickle.loads(label.buffer)
-                handlers[kind](*rest, loads(frames))
+                handlers[kind](*rest, frames)
             except Exception:  # a bad message must not stop the inbox; its get times out
                 log.exception("inbox %s: could not deliver a message", sock)
 
@@ -165,33 +167,40 @@ class Outboxes:
         return sock
 
 
+def _load_answer(meta: list, frames: list) -> Any:
+    return loads(frames)
+
+
 class Replies:
-    """This process's reply inbox: the answers to the group calls it sent by ZeroMQ, served by
-    a thread (the driver has no event loop) that resolves each call's future."""
+    """This process's reply inbox: the answers to the requests it sent by ZeroMQ (group calls,
+    a channel actor's gets), served by a thread (the driver has no event loop) that resolves
+    each request's future."""
 
     def __init__(self):
         self.address: str | None = None
-        self._pending: dict[int, tuple[cf.Future, object]] = {}
+        self._pending: dict[int, tuple[cf.Future, object, Callable]] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
-    def expect(self, rank: object) -> tuple[int, cf.Future]:
-        """A new call to ``rank``: its id and the future its answer resolves."""
+    def expect(self, peer: object, decode: Callable = _load_answer) -> tuple[int, cf.Future]:
+        """A new request to ``peer``: its id and the future its answer resolves, with
+        ``decode(meta, frames)`` (``meta``: the answer's label after the id)."""
         fut: cf.Future = cf.Future()
         with self._lock:
             if self.address is None:
                 self._open()
             call_id = next(self._ids)
-            self._pending[call_id] = (fut, rank)
+            self._pending[call_id] = (fut, peer, decode)
         return call_id, fut
 
-    def fail(self, rank: object, error: BaseException) -> None:
-        """Fail every call still waiting for ``rank`` (its process died)."""
+    def fail(self, peer: object, error: BaseException) -> None:
+        """Fail every request still waiting for ``peer`` (its process died)."""
         with self._lock:
-            lost = [i for i, (_, r) in self._pending.items() if r is rank]
+            lost = [i for i, (_, p, _) in self._pending.items() if p is peer]
             futures = [self._pending.pop(i)[0] for i in lost]
         for fut in futures:
-            fut.set_exception(error)
+            if not fut.done():
+                fut.set_exception(error)
 
     def _open(self) -> None:
         import zmq
@@ -204,13 +213,13 @@ class Replies:
     def _serve(self, sock) -> None:
         while True:
             label, *frames = sock.recv_multipart(copy=False)
-            (call_id,) = pickle.loads(label.buffer)
+            call_id, *meta = pickle.loads(label.buffer)
             with self._lock:
-                fut, _ = self._pending.pop(call_id, (None, None))
-            if fut is None:
-                continue  # its rank was declared dead first
+                fut, _, decode = self._pending.pop(call_id, (None, None, None))
+            if fut is None or fut.done():
+                continue  # its peer was declared dead first, or the caller gave up
             try:
-                fut.set_result(loads(frames))
+                fut.set_result(decode(meta, frames))
             except Exception as exc:
                 fut.set_exception(exc)
 
