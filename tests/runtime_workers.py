@@ -23,6 +23,7 @@ class EchoWorker(Worker):
             "device": self.device,
             "local_rank": self.local_rank,
             "pid": os.getpid(),
+            "niceness": os.getpriority(os.PRIO_PROCESS, 0),
         }
 
     def add(self, x):

@@ -88,6 +88,16 @@ def test_group_ranks_know_themselves(echo, cluster):
     assert len(pids) == (3 if cluster.backend == "ray" else 1)
 
 
+def test_ranks_run_at_the_drivers_priority(echo):
+    """Ray would run its workers at nice 15 (losing the CPU to any ordinary process); the
+    cluster tidal starts runs its ranks at the driver's priority."""
+    import os
+
+    assert {i["niceness"] for i in echo.info().wait(timeout=60)} == {
+        os.getpriority(os.PRIO_PROCESS, 0)
+    }
+
+
 def test_group_call_fans_out_and_execute_on(echo):
     assert echo.add(1).wait(timeout=30) == [101, 102, 103]
     handle = echo.execute_on(0, 2).add(5)
