@@ -186,3 +186,33 @@ def test_a_restored_env_continues_bitwise_as_the_original(env_id):
         first, second = (env.step(a) for env in envs)
         assert torch.equal(first.obs, second.obs) and torch.equal(first.rewards, second.rewards)
     assert envs[0].stats.returns == envs[1].stats.returns
+
+
+@pytest.mark.parametrize("auto_reset,chunk", [(True, 1), (False, 1), (True, 3), (False, 3)])
+def test_sync_copies_step_as_gymnasiums_vector_env(auto_reset, chunk):
+    """The sync adapter steps its copies in its own loop (masked resets, quiet restarts); the
+    async one goes through gymnasium's vector env. On one seed both give the same chunks:
+    observations, final observations, rewards, dones and episode stats."""
+    envs = [
+        ChunkedEnv(
+            make_env("gymnasium", 4, env_id="CartPole-v1", vectorization_mode=mode),
+            auto_reset,
+            [3, 4, 5, 6],
+        )
+        for mode in ("sync", "async")
+    ]
+    rng = np.random.default_rng(0)
+    try:
+        outs = [[env.reset().obs] for env in envs]
+        for _ in range(60):
+            actions = rng.integers(0, 2, size=(4, chunk))
+            for env, out in zip(envs, outs):
+                step = env.step(actions)
+                out += [step.obs, step.final_obs, step.rewards, step.dones, step.truncations]
+        for a, b in zip(*outs):
+            assert (a is None and b is None) or torch.equal(a, b)
+        assert envs[0].stats.returns == envs[1].stats.returns
+        assert envs[0].stats.returns  # episodes did end
+    finally:
+        for env in envs:
+            env.close()

@@ -122,31 +122,31 @@ class ChunkedEnv:
     def step(self, actions: np.ndarray) -> EnvOutput:
         """``actions``: ``[B, C, ...]`` in the env's action space."""
         if actions.shape[1] == 1:  # the common case, without the per-action bookkeeping
-            obs, reward, terms, truncs = self.env.step(actions[:, 0])
-            self._note_success(np.ones(self.num_envs, dtype=bool))
-            rewards, terms, truncs = (
-                reward.astype(np.float32, copy=False)[:, None],
-                terms[:, None],
-                truncs[:, None],
-            )
-            steps_taken, ended = 1, terms[:, 0] | truncs[:, 0]
-            final_obs = obs.copy() if ended.any() else None  # adapters may reuse their buffers
+            obs, reward, term, trunc = self.env.step(actions[:, 0])
+            if self.reports_success:
+                self._succeeded |= self.env.successes
+            rewards = reward.astype(np.float32, copy=False)[:, None]
+            terms, truncs, steps_taken = term[:, None], trunc[:, None], 1
+            ended = term | trunc
+            any_ended = bool(ended.any())
+            final_obs = obs.copy() if any_ended else None  # adapters may reuse their buffers
         else:
             obs, rewards, terms, truncs, steps_taken, ended, final_obs = self._step_chunk(actions)
-        self._account(rewards, steps_taken, ended)
+            any_ended = final_obs is not None
+        self._account(rewards, steps_taken, ended, any_ended)
         final = None if final_obs is None else _as_tensor(final_obs)
-        if self.auto_reset and final_obs is not None:
+        if self.auto_reset and any_ended:
             obs = obs.copy()
             obs[ended] = self.env.reset(mask=ended)[ended]
         self.last_obs = _as_tensor(obs)
-        terms, truncs = torch.from_numpy(terms), torch.from_numpy(truncs)
+        dones = ended[:, None] if terms.shape[1] == 1 else terms | truncs  # [B, C]
         return EnvOutput(
             obs=self.last_obs,
             final_obs=final,
             rewards=torch.from_numpy(rewards),
-            terminations=terms,
-            truncations=truncs,
-            dones=terms | truncs,
+            terminations=torch.from_numpy(terms),
+            truncations=torch.from_numpy(truncs),
+            dones=torch.from_numpy(dones),
         )
 
     def _step_chunk(self, actions: np.ndarray):
@@ -179,26 +179,31 @@ class ChunkedEnv:
         if self.reports_success:
             self._succeeded |= self.env.successes & alive
 
-    def _account(self, rewards: np.ndarray, steps, ended: np.ndarray) -> None:
-        self._returns += np.where(self._counting, rewards.sum(1), 0.0)
-        self._lengths += np.where(self._counting, steps, 0)
+    def _account(self, rewards: np.ndarray, steps, ended: np.ndarray, any_ended: bool) -> None:
+        if self.auto_reset:  # every episode is counted (``_counting`` stays all true)
+            self._returns += rewards.sum(1)
+            self._lengths += steps
+        else:
+            self._returns += np.where(self._counting, rewards.sum(1), 0.0)
+            self._lengths += np.where(self._counting, steps, 0)
+        if not any_ended:
+            return
         finished = ended & self._counting
-        if finished.any():
-            tasks = getattr(self.env, "task_names", None)
-            # a non-finite return is not reported (the env worker names the value)
-            for i in np.flatnonzero(finished & np.isfinite(self._returns)):
-                self.stats.returns.append(float(self._returns[i]))
-                self.stats.lengths.append(int(self._lengths[i]))
-                if self.reports_success:
-                    self.stats.successes.append(float(self._succeeded[i]))
-                    if tasks is not None:
-                        self.stats.tasks.append(tasks[i])
-            if self.auto_reset:
-                self._returns[ended] = 0
-                self._lengths[ended] = 0
-                self._succeeded[ended] = False
-            else:
-                self._counting &= ~ended
+        tasks = getattr(self.env, "task_names", None)
+        # a non-finite return is not reported (the env worker names the value)
+        for i in np.flatnonzero(finished & np.isfinite(self._returns)):
+            self.stats.returns.append(float(self._returns[i]))
+            self.stats.lengths.append(int(self._lengths[i]))
+            if self.reports_success:
+                self.stats.successes.append(float(self._succeeded[i]))
+                if tasks is not None:
+                    self.stats.tasks.append(tasks[i])
+        if self.auto_reset:
+            self._returns[ended] = 0
+            self._lengths[ended] = 0
+            self._succeeded[ended] = False
+        else:
+            self._counting &= ~ended
 
     def restart(self, rows: np.ndarray, obs: torch.Tensor) -> torch.Tensor:
         """Reset the copies in ``rows`` ([B] bool) mid-episode (e.g. after non-finite values):

@@ -8,6 +8,7 @@ shard when merging).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -39,11 +40,17 @@ def _children(batch: Any) -> list:
         return list(batch.values())
     if isinstance(batch, (list, tuple)):
         return list(batch)
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+    if _is_dataclass_type(type(batch)):  # an instance (a dataclass type itself is a ``type``)
         if hasattr(batch, "__dict__"):  # field order; much cheaper than dataclasses.fields()
             return list(batch.__dict__.values())
         return [getattr(batch, f.name) for f in dataclasses.fields(batch)]
     return []
+
+
+@functools.cache
+def _is_dataclass_type(cls: type) -> bool:
+    """Cached per type: ``batch_size`` runs on every channel hand-off, at both ends."""
+    return dataclasses.is_dataclass(cls)
 
 
 def split_batch(batch: Any, sizes: list[int]) -> list[Any]:

@@ -114,6 +114,12 @@ class Waiter:
             raise cf.TimeoutError()
 
 
+# What every put that is admitted at once returns: a settled waiter never changes, so one
+# instance serves them all (no lock and no waiter made per put on the hot path).
+_PUT_DONE = Waiter()
+_PUT_DONE.set_result(None)
+
+
 @dataclass
 class _Getter:
     future: Waiter
@@ -135,16 +141,14 @@ class ChannelStore:
         self._putters: dict[Hashable, deque] = defaultdict(deque)
 
     def put(self, key: Hashable, item: Any, weight: float = 1.0) -> Waiter:
-        fut = Waiter()
         with self._lock:
             if self.maxsize and len(self._items[key]) >= self.maxsize:
+                fut = Waiter()
                 self._putters[key].append((fut, item, weight))
                 return fut
-            fut.set_running_or_notify_cancel()
             self._append(key, item, weight)
             self._serve(key)
-        fut.set_result(None)
-        return fut
+        return _PUT_DONE
 
     def get(self, key: Hashable) -> Waiter:
         return self._add_getter(key, None)
