@@ -218,7 +218,9 @@ def main() -> None:
         help="difficulty: no number drawn above this (e.g. 9); default: the templates' ranges",
     )
     parser.add_argument(
-        "--two-step", action="store_true", help="only four two-step templates (a + b * c, a * (b + c), a * b + c, a - (b + c))"
+        "--two-step",
+        action="store_true",
+        help="only four two-step templates (a + b * c, a * (b + c), a * b + c, a - (b + c))",
     )
     parser.add_argument(
         "--terse", action="store_true", help="worked answers of equations alone: 3 * 4 = 12"
