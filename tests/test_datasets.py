@@ -94,6 +94,25 @@ def test_generator_max_operand_caps_every_number_and_refuses_too_few_problems():
         module.unique_problems(400, seed=0, max_operand=3)
 
 
+def test_generator_two_step_terse_problems_are_equations_alone():
+    spec = importlib.util.spec_from_file_location(
+        "make_word_problems", DATA / "make_word_problems.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # the easy recipe's size: four two-step templates have enough distinct questions under 9
+    easy = module.unique_problems(4256, seed=0, max_operand=9, two_step=True, terse=True)
+    assert len({p["question"] for p in easy}) == 4256
+    worded = module.unique_problems(8, seed=0, max_operand=9, two_step=True)
+    assert [p["question"] for p in worded] == [p["question"] for p in easy[:8]]
+    for p in easy[:400]:
+        *steps, final = p["answer"].split("\n")
+        assert len(steps) == 2 and final == f"#### {steps[-1].split(' = ')[1]}"
+        for step in steps:
+            lhs, rhs = step.split(" = ")
+            assert re.fullmatch(r"\d+ [-+*] \d+", lhs) and eval(lhs) == int(rhs)  # noqa: S307
+
+
 def test_example_sft_conversations(cache):
     table = load_conversations(DATA / "sft.jsonl", cache)
     roles = [[m["role"] for m in row] for row in table["messages"]]

@@ -4,7 +4,7 @@ calculator annotations). Templated multi-step problems with random names and num
 held-out split has no question of the training split.
 
     python examples/llm/data/make_word_problems.py [--out DIR] [--train-size 200] [--eval-size 64]
-        [--max-operand N]
+        [--max-operand N] [--two-step] [--terse]
 
 writes ``train.jsonl``, ``eval.parquet`` and ``sft.jsonl`` (chat conversations in ``messages``).
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -146,6 +147,10 @@ def farm_legs(r: random.Random) -> Problem:
     )
 
 
+# two-step templates with thousands of distinct questions even under --max-operand 9
+TWO_STEP = ["buy_packs", "hourly_pay", "pages_read", "money_left"]
+EQUATION = re.compile(r"\d+ [-+*/] \d+ = \d+")
+
 TEMPLATES: list[Callable[[random.Random], Problem]] = [
     buy_packs,
     hourly_pay,
@@ -158,12 +163,22 @@ TEMPLATES: list[Callable[[random.Random], Problem]] = [
 ]
 
 
-def unique_problems(n: int, seed: int, max_operand: int | None = None) -> list[dict]:
+def unique_problems(
+    n: int,
+    seed: int,
+    max_operand: int | None = None,
+    two_step: bool = False,
+    terse: bool = False,
+) -> list[dict]:
     """``n`` records with distinct questions, templates taken in turn; with ``max_operand`` no
-    drawn number exceeds it (easier problems)."""
+    drawn number exceeds it (easier problems), with ``two_step`` only the two-step templates, and
+    with ``terse`` the worked answer is its equations alone, one per line (``3 * 4 = 12``)."""
+    templates = [t for t in TEMPLATES if not two_step or t.__name__ in TWO_STEP]
     rng, seen, out, misses = CappedRandom(seed, max_operand), set(), [], 0
     while len(out) < n:
-        question, work, result = TEMPLATES[len(out) % len(TEMPLATES)](rng)
+        question, work, result = templates[len(out) % len(templates)](rng)
+        if terse:
+            work = "\n".join(EQUATION.findall(work))
         if question not in seen:
             seen.add(question)
             out.append({"question": question, "answer": f"{work}\n#### {result}"})
@@ -202,12 +217,22 @@ def main() -> None:
         default=None,
         help="difficulty: no number drawn above this (e.g. 9); default: the templates' ranges",
     )
+    parser.add_argument(
+        "--two-step",
+        action="store_true",
+        help="only four two-step templates (a + b * c, a * (b + c), a * b + c, a - (b + c))",
+    )
+    parser.add_argument(
+        "--terse", action="store_true", help="worked answers of equations alone: 3 * 4 = 12"
+    )
     args = parser.parse_args()
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    problems = unique_problems(args.train_size + args.eval_size, args.seed, args.max_operand)
+    problems = unique_problems(
+        args.train_size + args.eval_size, args.seed, args.max_operand, args.two_step, args.terse
+    )
     train, held_out = problems[: args.train_size], problems[args.train_size :]
     args.out.mkdir(parents=True, exist_ok=True)
     write_jsonl(args.out / "train.jsonl", train)
