@@ -208,6 +208,14 @@ def test_target_metric_stops_the_run(tmp_path):
     )
 
 
+def test_a_run_stopped_by_the_clock_evaluates_its_last_policy(tmp_path):
+    summary = run_to_end(
+        fake(tmp_path, "runner.max_steps=50", "runner.eval_interval=20", "runner.max_minutes=1e-9")
+    )
+    assert summary["steps"] == 1 and [s for s, _ in summary["evals"]] == [1]
+    assert "eval/return_mean" in rows(summary["run_dir"])[-1]
+
+
 def test_resume_drops_rows_after_the_checkpoint_and_continues_exactly(tmp_path):
     straight = run_to_end(fake(tmp_path, "runner.max_steps=6", "runner.experiment=straight"))
     # a run killed after step 5 had saved at step 3: its metrics already hold rows 0-4

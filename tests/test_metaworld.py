@@ -86,6 +86,22 @@ def test_mt10_spreads_envs_over_tasks_with_distinct_instructions():
     assert listed.task_names == ["reach-v3", "push-v3", "reach-v3"]
 
 
+def test_grpo_groups_of_training_envs_share_a_task():
+    from tidal.config import EmbodiedConfig, load_config
+    from tidal.config.embodied import env_make_kwargs
+
+    cfg = load_config(
+        EmbodiedConfig, None, ["env.adapter=metaworld", "env.id=MT10", "env.group_size=2"]
+    )
+    env = make_env("metaworld", 6, **env_make_kwargs(cfg.env, grouped=True))
+    tasks = list(INSTRUCTIONS)
+    assert env.task_names == [tasks[0], tasks[0], tasks[1], tasks[1], tasks[2], tasks[2]]
+    eval_env = make_env("metaworld", 3, **env_make_kwargs(cfg.env))  # evaluation: no groups
+    assert eval_env.task_names == tasks[:3]
+    with pytest.raises(ValueError, match="group_size"):
+        make_env("metaworld", 3, env_id="MT10", group_size=0)
+
+
 def test_success_metrics_per_task():
     out = success_metrics([1.0, 0.0, 1.0, 1.0], ["a", "a", "b", "b"], "eval")
     assert out == {

@@ -274,3 +274,20 @@ def test_cnn_random_shift_moves_only_the_image_within_its_bound():
     assert torch.equal(
         build_policy("cnn", PIXELS, ACTIONS, 1, channels=(8,)).augment(obs, None), obs
     )
+
+
+@pytest.mark.parametrize("name", ["mlp", "vla"])
+def test_obs_norm_is_applied_when_asked_for(name):
+    from tidal.models.policy import RunningNorm, build_policy
+
+    layout = ObsLayout(state_dim=3, num_tokens=2, vocab_size=16)
+    space = LayoutBox(layout) if name == "vla" else gym.spaces.Box(-9.0, 9.0, (3,))
+    action_space = gym.spaces.Box(-1.0, 1.0, (2,))
+    kwargs = {"hidden_size": 8, "num_layers": 1, "num_heads": 2} if name == "vla" else {}
+    policy = build_policy(name, space, action_space, 1, obs_norm=True, **kwargs)
+    assert isinstance(policy.obs_norm, RunningNorm)  # not shadowed by a class attribute
+    obs = torch.cat([torch.randn(64, 3) * 4 + 5, torch.ones(64, space.shape[0] - 3)], 1)
+    policy.obs_norm.update(obs)
+    state = policy.prepare(obs)["obs"][:, :3]
+    assert state.mean(0).abs().max() < 1e-4 and (state.std(0) - 1).abs().max() < 0.05
+    assert build_policy(name, space, action_space, 1, **kwargs).obs_norm is None

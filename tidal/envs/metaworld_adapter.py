@@ -1,7 +1,8 @@
 """The MetaWorld adapter: single tasks (``reach-v3``), MT10 / MT50, or a comma-separated list of
 tasks, each with a language instruction, from state and/or pixels.
 
-Env copy ``i`` runs task ``tasks[i % len(tasks)]``. Goals are drawn from each copy's own seeded
+Env copy ``i`` runs task ``tasks[(i // group_size) % len(tasks)]``: with embodied GRPO's groups
+(``group_size`` consecutive copies sharing a seed) every member of a group runs the same task. Goals are drawn from each copy's own seeded
 generator at every reset (MetaWorld's ``seeded_rand_vec``), with the goal position observable
 (as in MetaWorld's MT benchmarks), so copies that share a seed start identically.
 
@@ -83,6 +84,7 @@ class MetaWorldVectorEnv:
         terminate_on_success: bool = False,
         vectorization_mode: str = "sync",
         env_kwargs: dict | None = None,
+        group_size: int = 1,
     ):
         if obs_mode not in OBS_MODES:
             raise ValueError(
@@ -99,7 +101,11 @@ class MetaWorldVectorEnv:
             select_gl_backend()  # before metaworld imports mujoco
         self.task_list = resolve_tasks(env_id)
         self.num_envs = num_envs
-        self.task_names = [self.task_list[i % len(self.task_list)] for i in range(num_envs)]
+        if group_size < 1:
+            raise ValueError(f"env.group_size: must be >= 1, got {group_size}")
+        self.task_names = [
+            self.task_list[(i // group_size) % len(self.task_list)] for i in range(num_envs)
+        ]
         self.task_index = np.array([self.task_list.index(t) for t in self.task_names])
         self.instructions = [instruction_for(t) for t in self.task_names]
         self.envs = [_make_task_env(t, dict(env_kwargs or {})) for t in self.task_names]

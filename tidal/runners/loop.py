@@ -154,7 +154,11 @@ class RunLoop(ABC):
                 self.logger.log(-1, first)
             for step in range(self.start_step, r.max_steps):
                 metrics = self.train_step(step)
-                last = step + 1 == r.max_steps
+                # a run stopped by its own rule or by the clock evaluates its last policy too
+                stopping = self.should_stop(metrics) or (
+                    r.max_minutes is not None and time.perf_counter() - start > r.max_minutes * 60
+                )
+                last = step + 1 == r.max_steps or stopping
                 if r.eval_interval and ((step + 1) % r.eval_interval == 0 or last):
                     evaluation = self.evaluate(step + 1)
                     metrics.update(evaluation)
@@ -172,9 +176,7 @@ class RunLoop(ABC):
                     if r.target_value is not None and value >= r.target_value:
                         solved_at = step + 1
                         break
-                if self.should_stop(metrics):
-                    break
-                if r.max_minutes is not None and time.perf_counter() - start > r.max_minutes * 60:
+                if stopping:
                     break
                 if self._signal is not None:
                     raise Interrupted(self._signal, self.checkpoint(step + 1))

@@ -89,7 +89,7 @@ class EnvWorker(Worker):
         )
         self.envs = [
             ChunkedEnv(
-                self._make(self.stage_envs),
+                self._make(self.stage_envs, grouped=True),
                 env.auto_reset,
                 self._seeds(s, self.stage_envs, env.group_size),
             )
@@ -120,9 +120,9 @@ class EnvWorker(Worker):
         ]
         self.max_episode_steps = self.envs[0].env.max_episode_steps
 
-    def _make(self, num_envs: int):
+    def _make(self, num_envs: int, grouped: bool = False):
         env = self.cfg.env
-        return make_env(env.adapter, num_envs, **env_make_kwargs(env))
+        return make_env(env.adapter, num_envs, **env_make_kwargs(env, grouped))
 
     def _video_recorder(self, eval_adapter) -> FrameRecorder | None:
         """Rank 0 films its first eval envs when ``runner.eval_video`` is on."""
