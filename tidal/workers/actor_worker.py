@@ -106,11 +106,7 @@ class ActorWorker(Worker):
         cfg, alg, traj = self.cfg, self.cfg.algorithm, self.traj
         # a policy started from model.path (e.g. cloned by ``tidal sft``) keeps the statistics
         # its weights were fitted with: moving them would change what it does without a step
-        if (
-            self.policy.obs_norm is not None
-            and traj.raw_obs is not None
-            and cfg.model.path is None
-        ):
+        if self.policy.obs_norm is not None and traj.raw_obs is not None and cfg.model.path is None:
             self.policy.obs_norm.update(traj.raw_obs)
         rewards = _time_major(traj.rewards).float() * alg.reward_scale  # [T, B, C]
         dones = _time_major(traj.dones)  # [T + 1, B, C]
