@@ -86,18 +86,21 @@ def test_mt10_spreads_envs_over_tasks_with_distinct_instructions():
     assert listed.task_names == ["reach-v3", "push-v3", "reach-v3"]
 
 
-def test_grpo_groups_of_training_envs_share_a_task():
+def test_tasks_follow_the_global_env_numbering_and_grpo_groups_share_a_task():
     from tidal.config import EmbodiedConfig, load_config
     from tidal.config.embodied import env_make_kwargs
 
     cfg = load_config(
         EmbodiedConfig, None, ["env.adapter=metaworld", "env.id=MT10", "env.group_size=2"]
     )
-    env = make_env("metaworld", 6, **env_make_kwargs(cfg.env, grouped=True))
+    env = make_env("metaworld", 6, **env_make_kwargs(cfg.env, 0, cfg.env.group_size))
     tasks = list(INSTRUCTIONS)
     assert env.task_names == [tasks[0], tasks[0], tasks[1], tasks[1], tasks[2], tasks[2]]
-    eval_env = make_env("metaworld", 3, **env_make_kwargs(cfg.env))  # evaluation: no groups
-    assert eval_env.task_names == tasks[:3]
+    # the second stage (or rank) of 6 envs goes on where the first stopped
+    second = make_env("metaworld", 6, **env_make_kwargs(cfg.env, 6, cfg.env.group_size))
+    assert second.task_names == [tasks[3], tasks[3], tasks[4], tasks[4], tasks[5], tasks[5]]
+    eval_env = make_env("metaworld", 3, **env_make_kwargs(cfg.env, 3))  # evaluation: no groups
+    assert eval_env.task_names == tasks[3:6]
     with pytest.raises(ValueError, match="group_size"):
         make_env("metaworld", 3, env_id="MT10", group_size=0)
 

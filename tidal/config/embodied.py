@@ -345,21 +345,22 @@ def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
 OBS_MODES = ("state", "pixels", "state+pixels")
 
 
-def env_make_kwargs(env: EnvConfig, grouped: bool = False) -> dict[str, Any]:
+def env_make_kwargs(env: EnvConfig, first_env: int = 0, group_size: int = 1) -> dict[str, Any]:
     """What ``make_env`` takes for this section (besides adapter and num_envs). The
     observation mode goes to the adapter only when it is not plain state, every adapter's own.
-    ``grouped`` (training envs): an adapter that takes ``group_size`` is told the GRPO group
-    size, so a multi-task adapter gives every member of a group the same task."""
+    A multi-task adapter (one that takes ``first_env`` and ``group_size``) learns where its copies
+    sit in the global numbering the seeds use, so tasks spread over every rank and stage and the
+    members of a GRPO group (``group_size`` consecutive training envs) share a task."""
     kwargs = dict(env.adapter_kwargs)
     if env.obs_mode != "state":
         kwargs.update(obs_mode=env.obs_mode, image_size=env.image_size)
-    if grouped and env.group_size > 1:
-        import inspect
+    import inspect
 
-        from tidal.envs import get_env_adapter
+    from tidal.envs import get_env_adapter
 
-        if "group_size" in inspect.signature(get_env_adapter(env.adapter)).parameters:
-            kwargs["group_size"] = env.group_size
+    takes = inspect.signature(get_env_adapter(env.adapter)).parameters
+    if "first_env" in takes and "group_size" in takes:
+        kwargs.update(first_env=first_env, group_size=group_size)
     return {
         "env_id": env.id,
         "vectorization_mode": env.vectorization_mode,

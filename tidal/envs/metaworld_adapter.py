@@ -1,8 +1,10 @@
 """The MetaWorld adapter: single tasks (``reach-v3``), MT10 / MT50, or a comma-separated list of
 tasks, each with a language instruction, from state and/or pixels.
 
-Env copy ``i`` runs task ``tasks[(i // group_size) % len(tasks)]``: with embodied GRPO's groups
-(``group_size`` consecutive copies sharing a seed) every member of a group runs the same task. Goals are drawn from each copy's own seeded
+Env copy ``i`` (``first_env + i`` in the run's global numbering) runs task
+``tasks[((first_env + i) // group_size) % len(tasks)]``: tasks spread over every rank and stage,
+and with embodied GRPO's groups (``group_size`` consecutive copies sharing a seed) every member
+of a group runs the same task. Goals are drawn from each copy's own seeded
 generator at every reset (MetaWorld's ``seeded_rand_vec``), with the goal position observable
 (as in MetaWorld's MT benchmarks), so copies that share a seed start identically.
 
@@ -84,6 +86,7 @@ class MetaWorldVectorEnv:
         terminate_on_success: bool = False,
         vectorization_mode: str = "sync",
         env_kwargs: dict | None = None,
+        first_env: int = 0,
         group_size: int = 1,
     ):
         if obs_mode not in OBS_MODES:
@@ -104,7 +107,8 @@ class MetaWorldVectorEnv:
         if group_size < 1:
             raise ValueError(f"env.group_size: must be >= 1, got {group_size}")
         self.task_names = [
-            self.task_list[(i // group_size) % len(self.task_list)] for i in range(num_envs)
+            self.task_list[((first_env + i) // group_size) % len(self.task_list)]
+            for i in range(num_envs)
         ]
         self.task_index = np.array([self.task_list.index(t) for t in self.task_names])
         self.instructions = [instruction_for(t) for t in self.task_names]

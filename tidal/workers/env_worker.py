@@ -87,15 +87,15 @@ class EnvWorker(Worker):
         self.bootstrap_on = (
             "truncations" if cfg.algorithm.bootstrap_type == "truncated" else "dones"
         )
+        first_env = [(self.rank * self.stages + s) * self.stage_envs for s in range(self.stages)]
         self.envs = [
             ChunkedEnv(
-                self._make(self.stage_envs, grouped=True),
+                self._make(self.stage_envs, first_env[s], env.group_size),
                 env.auto_reset,
                 self._seeds(s, self.stage_envs, env.group_size),
             )
             for s in range(self.stages)
         ]
-        first_env = [(self.rank * self.stages + s) * self.stage_envs for s in range(self.stages)]
         self._guards = [
             NonFiniteGuard(self.rank, first, self.stage_envs, env.max_nonfinite_steps)
             for first in first_env
@@ -104,7 +104,7 @@ class EnvWorker(Worker):
         # evaluation only names and zeroes non-finite values (no restarts, never aborts)
         self._eval_guard = NonFiniteGuard(self.rank, self.rank * eval_envs, eval_envs, limit=2**62)
         self._eval_obs = None  # where the running evaluation has got to
-        eval_adapter = self._make(eval_envs)
+        eval_adapter = self._make(eval_envs, self.rank * eval_envs)
         self.video = self._video_recorder(eval_adapter)
         self.eval_env = ChunkedEnv(
             eval_adapter if self.video is None else self.video,
@@ -120,9 +120,9 @@ class EnvWorker(Worker):
         ]
         self.max_episode_steps = self.envs[0].env.max_episode_steps
 
-    def _make(self, num_envs: int, grouped: bool = False):
+    def _make(self, num_envs: int, first_env: int, group_size: int = 1):
         env = self.cfg.env
-        return make_env(env.adapter, num_envs, **env_make_kwargs(env, grouped))
+        return make_env(env.adapter, num_envs, **env_make_kwargs(env, first_env, group_size))
 
     def _video_recorder(self, eval_adapter) -> FrameRecorder | None:
         """Rank 0 films its first eval envs when ``runner.eval_video`` is on."""
