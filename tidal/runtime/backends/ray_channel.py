@@ -250,6 +250,11 @@ class RayTransport(ChannelTransport):
                 raise RuntimeError(f"channel {self.name!r}: its channel actor is gone")
             try:
                 self._actor_inbox = ray.get(self._actor_inbox_ref, timeout=DEFAULT_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                raise RuntimeError(
+                    f"channel {self.name!r}: its channel actor did not start within "
+                    f"{DEFAULT_TIMEOUT_S:g} s"
+                ) from None
             except ray.exceptions.RayError as exc:
                 raise RuntimeError(f"channel {self.name!r}: its channel actor is gone") from exc
         return self._actor_inbox
