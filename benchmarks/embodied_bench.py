@@ -1,15 +1,15 @@
 """Embodied benchmarks, each measured side by side in one run:
 
 collection  env steps/s of tidal's rollout collection (local and ray; pipeline stages 1
-            and 2) against a hand-written loop stepping the same vector env with the same
-            policy in one process.
+            and 2) against a hand-written loop (gymnasium's vector env and two MLPs in one
+            process), their rounds alternating; the ratio is the median of the pairs'.
 pipeline    an env that costs about as much per step as policy inference: 2 pipeline
             stages against 1, beside the ideal speedup.
 solve       wall time to solve CartPole-v1 (deterministic eval >= 475) with tidal's demo
             config against the single-file PPO with the published defaults.
 
   python benchmarks/embodied_bench.py [collection pipeline solve] [--seeds 3] [--envs 32 128]
-      [--backends local ray] [--stages 1 2] [--repeats 3]
+      [--backends local ray] [--stages 1 2] [--rounds 20]
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import gymnasium as gym
@@ -61,10 +63,9 @@ class ChannelActorRunner(EmbodiedRunner):
         return dict.fromkeys(super().channel_readers())
 
 
-def tidal_collection(
-    overrides: list[str], rounds: int, via_channel_actor: bool = False, warmup_s: float = 0.0
-) -> float:
-    """Env steps/s over ``rounds`` calls of ``generate_rollouts``, after one call and then
+@contextmanager
+def tidal_runner(overrides: list[str], via_channel_actor: bool = False, warmup_s: float = 0.0):
+    """A CartPole demo runner with these overrides, after one ``generate_rollouts`` and then
     ``warmup_s`` seconds more of them (a fresh Ray cluster spends its first seconds starting
     idle worker processes, which compete for this machine's two cores)."""
     cfg = load_config(
@@ -76,21 +77,27 @@ def tidal_collection(
     try:
         runner.sync_weights()
         warm_until = time.perf_counter() + warmup_s
-        runner.generate_rollouts()  # warm-up
+        runner.generate_rollouts()
         while time.perf_counter() < warm_until:
             runner.generate_rollouts()
-        start, before = time.perf_counter(), runner.env_steps
-        for _ in range(rounds):
-            runner.generate_rollouts()
-        return (runner.env_steps - before) / (time.perf_counter() - start)
+        yield runner
     finally:
         runner.close()
 
 
-def hand_loop(num_envs: int, num_steps: int, rounds: int, hidden=(64, 64)) -> float:
+def tidal_collection(overrides: list[str], rounds: int) -> float:
+    """Env steps/s over ``rounds`` calls of ``generate_rollouts``."""
+    with tidal_runner(overrides) as runner:
+        start, before = time.perf_counter(), runner.env_steps
+        for _ in range(rounds):
+            runner.generate_rollouts()
+        return (runner.env_steps - before) / (time.perf_counter() - start)
+
+
+def make_hand_loop(num_envs: int, num_steps: int, hidden=(64, 64)) -> Callable[[], dict]:
     """The loop a user writes by hand, CleanRL style, with none of tidal's classes: gymnasium's
     ``SyncVectorEnv`` (its own autoreset), an actor and a critic MLP, a categorical policy, the
-    samples kept per step and stacked per round."""
+    samples kept per step and stacked per round. Returns one round (``num_steps`` steps)."""
     env_fns = [lambda: gym.make("CartPole-v1") for _ in range(num_envs)]
     envs = gym.vector.SyncVectorEnv(env_fns)
 
@@ -118,20 +125,28 @@ def hand_loop(num_envs: int, num_steps: int, rounds: int, hidden=(64, 64)) -> fl
         return {k: torch.stack([torch.as_tensor(x) for x in v], 1) for k, v in store.items()}
 
     one_round()
-    start = time.perf_counter()
-    for _ in range(rounds):
-        one_round()
-    return rounds * num_envs * num_steps / (time.perf_counter() - start)
+    return one_round
 
 
-def bench_collection(
-    rounds: int, envs: int, repeats: int = 3, backends=("local", "ray"), stages=(1, 2)
-) -> dict:
-    """Local runs alternate with the hand loop ``repeats`` times and report medians (this
-    machine's speed drifts by tens of percent between minutes); ray runs once each, with the
-    hand loop measured again beside them. On ray, ``ray_stages*`` is the runner as it is (bound
-    channels: ZeroMQ point to point) and ``ray_channel_actor_stages*`` sends every item
-    through the channel actor instead."""
+def paired_rounds(hand_round: Callable, tidal_round: Callable, pairs: int) -> dict:
+    """Seconds per round of each, alternating round by round, and the median of the per-pair
+    ratios (hand time / tidal time): this machine's speed drifts by tens of percent from one
+    minute to the next, so both sides of each ratio are measured under the same conditions."""
+    hand, tidal = [], []
+    for _ in range(pairs):
+        for fn, times in ((hand_round, hand), (tidal_round, tidal)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    ratios = [h / t for h, t in zip(hand, tidal)]
+    return {"hand_s": hand, "tidal_s": tidal, "ratio": statistics.median(ratios)}
+
+
+def bench_collection(rounds: int, envs: int, backends=("local", "ray"), stages=(1, 2)) -> dict:
+    """For each configuration, ``rounds`` rounds of tidal's collection (one
+    ``generate_rollouts``: every env ``4096 / envs`` chunk steps) alternate with rounds of the
+    hand loop. On ray, ``ray_stages*`` is the runner as it is (bound channels: ZeroMQ point to
+    point) and ``ray_channel_actor_stages*`` sends every item through the channel actor."""
     steps = 4096 // envs
     base = [
         f"env.total_num_envs={envs}",
@@ -140,34 +155,38 @@ def bench_collection(
         "actor.micro_batch_size=512",
         "env.eval_num_envs=8",
     ]
-    samples: dict[str, list[float]] = {"hand_loop": []}
-    for _ in range(repeats if "local" in backends else 0):
-        samples["hand_loop"].append(hand_loop(envs, steps, rounds))
-        for n in stages:
-            rate = tidal_collection(
-                base + ["cluster.backend=local", f"env.pipeline_stage_num={n}"], rounds
-            )
-            samples.setdefault(f"local_stages{n}", []).append(rate)
     ray_base = base + [
         "cluster.backend=ray",
         "cluster.devices_per_node=3",
         "cluster.placement={env: '0', rollout: '1', actor: '2'}",
     ]
-    for n in stages if "ray" in backends else ():
-        samples["hand_loop"].append(hand_loop(envs, steps, rounds))
-        for key, via_actor in ((f"ray_stages{n}", False), (f"ray_channel_actor_stages{n}", True)):
-            overrides = ray_base + [f"env.pipeline_stage_num={n}"]
-            samples[key] = [tidal_collection(overrides, rounds, via_actor, RAY_WARMUP_S)]
-    out = {k: statistics.median(v) for k, v in samples.items()}
-    out["samples"] = samples
-    for key in [k for k in samples if k != "hand_loop"]:
-        out[f"ratio_{key}"] = out[key] / out["hand_loop"]
-    # the fixed cost tidal adds to each chunk step: 1/tidal - 1/hand, per env batch
-    for key in ("local_stages1", "ray_stages1", "ray_channel_actor_stages1"):
-        if key in out:
-            out[f"overhead_us_per_chunk_step_{key}"] = (
-                (1 / out[key] - 1 / out["hand_loop"]) * envs * 1e6
-            )
+    configs = {}  # name: (overrides, via the channel actor, warm-up seconds)
+    for n in stages:
+        if "local" in backends:
+            configs[f"local_stages{n}"] = (base + ["cluster.backend=local"], False, 0.0)
+        if "ray" in backends:
+            configs[f"ray_stages{n}"] = (ray_base, False, RAY_WARMUP_S)
+            configs[f"ray_channel_actor_stages{n}"] = (ray_base, True, RAY_WARMUP_S)
+    hand_round = make_hand_loop(envs, steps)
+    out = {}
+    for name, (overrides, via_actor, warmup_s) in configs.items():
+        n = int(name[-1])
+        with tidal_runner([*overrides, f"env.pipeline_stage_num={n}"], via_actor, warmup_s) as r:
+            pair = paired_rounds(hand_round, r.generate_rollouts, rounds)
+        rate = lambda seconds: envs * steps / statistics.median(seconds)  # noqa: E731
+        out[name] = {
+            "steps_per_s": rate(pair["tidal_s"]),
+            "hand_loop_steps_per_s": rate(pair["hand_s"]),
+            "ratio": pair["ratio"],
+            # the fixed cost tidal adds to each chunk step, beyond the hand loop's
+            "overhead_us_per_chunk_step": (
+                statistics.median(t - h for h, t in zip(pair["hand_s"], pair["tidal_s"]))
+                / steps
+                * 1e6
+            ),
+            "rounds_s": {"hand": pair["hand_s"], "tidal": pair["tidal_s"]},
+        }
+        print(name, envs, {k: v for k, v in out[name].items() if k != "rounds_s"}, flush=True)
     return out
 
 
@@ -250,7 +269,9 @@ def bench_solve(seeds: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("which", nargs="*", default=["collection", "pipeline", "solve"])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--rounds", type=int, default=20, help="rounds per configuration (collection: pairs)"
+    )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument(
         "--envs", type=int, nargs="+", default=[32, 128], help="collection: env counts"
@@ -261,9 +282,6 @@ def main() -> None:
     parser.add_argument(
         "--stages", type=int, nargs="+", default=[1, 2], help="collection: pipeline stages"
     )
-    parser.add_argument(
-        "--repeats", type=int, default=3, help="collection: local repeats (medians)"
-    )
     parser.add_argument("--out", default="benchmarks/results/embodied_bench.json")
     args = parser.parse_args()
     torch.set_num_threads(
@@ -272,7 +290,7 @@ def main() -> None:
     result = {}
     if "collection" in args.which:
         result["collection"] = {
-            envs: bench_collection(args.rounds, envs, args.repeats, args.backends, args.stages)
+            envs: bench_collection(args.rounds, envs, args.backends, args.stages)
             for envs in args.envs
         }
         print("collection (env steps/s):", json.dumps(result["collection"], indent=2), flush=True)

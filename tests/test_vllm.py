@@ -178,7 +178,9 @@ def test_a_weight_update_mid_generation_stamps_every_token(run, other_weights, m
             )
             for i in range(8)
         ]
-        await asyncio.sleep(0.3)
+        # not a fixed sleep: on a slow machine the requests had not started, on a fast one they
+        # had ended. A short request sent after them ends once they are generating, far from done.
+        await client.agenerate(ModelRequest([1, 3, 6], GenerationConfig(max_new_tokens=8)))
         await client.update_weights(version=3, model_path=str(new_dir), pause_mode=mode)
         responses = await asyncio.gather(*tasks)
         # restore the run's weights for the next test
