@@ -148,15 +148,14 @@ class LeadingNorm(RunningNorm):
 class EmbodiedPolicy(nn.Module, abc.ABC):
     """The interface every embodied policy implements (MLP, CNN, VLA-style token policies)."""
 
-    # set by each policy's __init__ (a module or None). No class-level default: nn.Module keeps
-    # sub-modules out of the instance __dict__, so a class attribute ``obs_norm = None`` would
-    # shadow the registered normaliser and every policy would silently skip normalisation.
     obs_norm: RunningNorm | None
 
-    def __getattr__(self, name: str):
-        if name == "obs_norm" and "obs_norm" not in self.__dict__.get("_modules", {}):
-            return None  # a policy that never set one
-        return super().__getattr__(name)
+    def __init__(self):
+        super().__init__()
+        # None until a policy assigns its normaliser (then a registered sub-module). Not a
+        # class attribute: nn.Module keeps sub-modules out of the instance __dict__, so a class
+        # default would shadow the normaliser and every policy would skip normalisation.
+        self.obs_norm = None
 
     def prepare(self, raw_obs: torch.Tensor) -> dict[str, torch.Tensor]:
         """What the networks consume for these raw observations (normalised if enabled)."""
