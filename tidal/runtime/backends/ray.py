@@ -17,7 +17,7 @@ from tidal.runtime.backends.ray_channel import (
     create_channel_actor,
     deliver_from_pipe,
 )
-from tidal.runtime.backends.ray_pipe import INBOX, OUTBOXES, REPLIES, dumps, loads
+from tidal.runtime.backends.ray_pipe import INBOX, OUTBOXES, REPLIES, DeathWatch, dumps, loads
 from tidal.runtime.errors import ClusterUnreachable, WorkerError
 from tidal.runtime.handle import CallResult
 from tidal.runtime.placement import NodeInfo
@@ -88,8 +88,7 @@ class RayRank:
 
     def __init__(self, actor, info: RankInfo, inbox: str):
         self.actor, self.info, self.inbox = actor, info, inbox
-        self._death: BaseException | None = None
-        self._watch = None  # per process: made on first use
+        self._watch: DeathWatch | None = None  # per process: made on first use
 
     def construct(self, cls, args, kwargs) -> cf.Future:
         return self.actor.construct.remote(cls, args, kwargs, self.info).future()
@@ -99,30 +98,25 @@ class RayRank:
             request = dumps((method, args, kwargs))
         except Exception:  # e.g. an object only Ray's serializer handles
             return self.actor.call.remote(method, args, kwargs).future()
-        self._watch_process()
-        call_id, fut = REPLIES.expect(self)
-        if self._death is not None:
-            REPLIES.fail(self, self._death)
-        else:
-            OUTBOXES.send(self.inbox, ("call", call_id, REPLIES.address), request)
-        return fut
-
-    def _watch_process(self) -> None:
         if self._watch is None:
-            self._watch = self.actor.until_death.remote().future()
-            self._watch.add_done_callback(self._died)
-
-    def _died(self, watch: cf.Future) -> None:
-        self._death = watch.exception() or RuntimeError("the rank's process ended")
-        REPLIES.fail(self, self._death)
+            self._watch = DeathWatch(self.actor, self, _rank_death)
+        return REPLIES.ask(
+            self,
+            self._watch,
+            lambda i, reply_to: OUTBOXES.send(self.inbox, ("call", i, reply_to), request),
+        )
 
     def __getstate__(self):
-        return {**self.__dict__, "_watch": None, "_death": None}
+        return {**self.__dict__, "_watch": None}
 
     def kill(self) -> None:
         import ray
 
         ray.kill(self.actor, no_restart=True)
+
+
+def _rank_death(cause: BaseException | None) -> BaseException:
+    return cause or RuntimeError("the rank's process ended")
 
 
 @register_backend("ray")

@@ -231,14 +231,14 @@ class RayTransport(ChannelTransport):
         comes after them; the actor enforces ``limit`` itself (a timed-out get takes nothing)
         and the answer comes back into this process's reply inbox."""
         address = self._actor_address()
-        self._watch_actor()
-        decode = functools.partial(_decode_answer, self.name, op, key, limit)
-        request_id, fut = ray_pipe.REPLIES.expect(self, decode)
-        if self._actor_death is not None:
-            ray_pipe.REPLIES.fail(self, self._actor_death)
-        else:
-            label = ("ask", request_id, ray_pipe.REPLIES.address, op, key, target, limit)
-            ray_pipe.OUTBOXES.send(address, label, [])
+        fut = ray_pipe.REPLIES.ask(
+            self,
+            self._actor_watch(),
+            lambda i, reply_to: ray_pipe.OUTBOXES.send(
+                address, ("ask", i, reply_to, op, key, target, limit), []
+            ),
+            functools.partial(_decode_answer, self.name, op, key, limit),
+        )
         no_answer = timeout_error(self.name, op + " (no answer from the channel actor)", key, limit)
         return AsyncWork(fut, no_answer, limit + REPLY_MARGIN_S)
 
@@ -259,17 +259,19 @@ class RayTransport(ChannelTransport):
                 raise RuntimeError(f"channel {self.name!r}: its channel actor is gone") from exc
         return self._actor_inbox
 
-    def _watch_actor(self) -> None:
+    def _actor_watch(self) -> ray_pipe.DeathWatch:
         """Requests to a channel actor that died fail at once, not at their timeout."""
-        if self.__dict__.get("_actor_watch") is None:
-            self._actor_death = None
-            self._actor_watch = self.actor.until_death.remote().future()
-            self._actor_watch.add_done_callback(self._actor_died)
-
-    def _actor_died(self, watch: cf.Future) -> None:
-        cause = watch.exception() or "it ended"
-        self._actor_death = RuntimeError(f"channel {self.name!r}: its channel actor died ({cause})")
-        ray_pipe.REPLIES.fail(self, self._actor_death)
+        watch = self.__dict__.get("_watch")
+        if watch is None:
+            name = self.name
+            watch = self._watch = ray_pipe.DeathWatch(
+                self.actor,
+                self,
+                lambda cause: RuntimeError(
+                    f"channel {name!r}: its channel actor died ({cause or 'it ended'})"
+                ),
+            )
+        return watch
 
     def _sent(self) -> list:
         return self.__dict__.setdefault("_unacknowledged", [])
@@ -289,7 +291,7 @@ class RayTransport(ChannelTransport):
             with contextlib.suppress(RuntimeError):  # (none if the actor died: its gets fail)
                 self._actor_address()
         state = dict(self.__dict__)
-        for per_process in ("_methods", "_unacknowledged", "_actor_watch", "_actor_death"):
+        for per_process in ("_methods", "_unacknowledged", "_watch"):
             state.pop(per_process, None)
         state["_actor_inbox_ref"] = None
         return state

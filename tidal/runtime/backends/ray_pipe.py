@@ -193,6 +193,22 @@ class Replies:
             self._pending[call_id] = (fut, peer, decode)
         return call_id, fut
 
+    def ask(
+        self,
+        peer: object,
+        watch: DeathWatch,
+        send: Callable[[int, str], None],
+        decode: Callable = _load_answer,
+    ) -> cf.Future:
+        """A request to ``peer``: ``send(request_id, reply_address)`` sends it, unless ``watch``
+        already knows the peer died; the future fails then, or later if it dies first."""
+        request_id, fut = self.expect(peer, decode)
+        if watch.error is not None:
+            self.fail(peer, watch.error)
+        else:
+            send(request_id, self.address)
+        return fut
+
     def fail(self, peer: object, error: BaseException) -> None:
         """Fail every request still waiting for ``peer`` (its process died)."""
         with self._lock:
@@ -222,6 +238,22 @@ class Replies:
                 fut.set_result(decode(meta, frames))
             except Exception as exc:
                 fut.set_exception(exc)
+
+
+class DeathWatch:
+    """Ray's word that an actor's process died (its ``until_death`` call fails), turned into
+    the failure of every reply this process still awaits from ``peer``: those waits end at
+    once, not at their timeout. Per process: its owner does not pickle it."""
+
+    def __init__(self, actor, peer: object, describe: Callable[[BaseException | None], Exception]):
+        self.error: Exception | None = None
+        self._peer, self._describe = peer, describe
+        self._future = actor.until_death.remote().future()
+        self._future.add_done_callback(self._died)
+
+    def _died(self, watch: cf.Future) -> None:
+        self.error = self._describe(watch.exception())
+        REPLIES.fail(self._peer, self.error)
 
 
 INBOX = Inbox()
