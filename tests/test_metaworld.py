@@ -68,6 +68,24 @@ def test_random_actions_rarely_succeed_and_terminate_on_success_ends_the_episode
     assert term[0] and not trunc[0] and env.successes[0] and env._steps[0] < 150
 
 
+def test_success_reward_pays_one_per_step_in_success_and_unknown_rewards_are_refused():
+    dense = make_env("metaworld", 1, env_id="reach-v3", max_episode_steps=150)
+    sparse = make_env("metaworld", 1, env_id="reach-v3", max_episode_steps=150, reward="success")
+    dense.reset(seeds=[3])
+    sparse.reset(seeds=[3])
+    dense_rewards, sparse_rewards, flags = [], [], []
+    for _ in range(60):
+        actions = expert_actions(sparse)
+        dense_rewards.append(dense.step(actions)[1][0])
+        sparse_rewards.append(sparse.step(actions)[1][0])
+        flags.append(bool(sparse.successes[0]))
+    assert any(flags) and not all(flags)  # the expert gets there within 60 steps, not at once
+    assert sparse_rewards == [float(f) for f in flags]
+    assert len(set(dense_rewards)) > 2  # the same trajectory under the shaped reward
+    with pytest.raises(ValueError, match="reward: expected one of dense, success, got 'sparse'"):
+        make_env("metaworld", 1, env_id="reach-v3", reward="sparse")
+
+
 def test_mt10_spreads_envs_over_tasks_with_distinct_instructions():
     env = make_env("metaworld", 10, env_id="MT10", max_episode_steps=5)
     assert env.task_names == list(INSTRUCTIONS)

@@ -8,6 +8,11 @@ of a group runs the same task. Goals are drawn from each copy's own seeded
 generator at every reset (MetaWorld's ``seeded_rand_vec``), with the goal position observable
 (as in MetaWorld's MT benchmarks), so copies that share a seed start identically.
 
+``reward`` picks what a step pays (``REWARDS``): ``dense`` is MetaWorld's shaped reward (0-10 a
+step), ``success`` pays 1 for every step that ends in a success state and 0 otherwise, so an
+episode's return counts its steps in success (with ``terminate_on_success`` it is 1 if the episode
+succeeded, else 0): the signal success-rate targets measure, for GRPO-style outcome scoring.
+
 Besides the adapter contract it exposes, per copy: ``successes`` (MetaWorld's ``success`` at the
 last step), ``task_names``, ``instructions`` and ``states`` (the raw 39-value state, what the
 scripted experts read even when the policy sees only pixels).
@@ -35,6 +40,17 @@ INSTRUCTIONS = {
     "window-open-v3": "slide the window open",
     "window-close-v3": "slide the window closed",
 }
+
+
+def _dense_reward(env_reward: np.ndarray, successes: np.ndarray) -> np.ndarray:
+    return env_reward
+
+
+def _success_reward(env_reward: np.ndarray, successes: np.ndarray) -> np.ndarray:
+    return successes.astype(np.float32)
+
+
+REWARDS = {"dense": _dense_reward, "success": _success_reward}
 
 
 def instruction_for(task: str) -> str:
@@ -84,6 +100,7 @@ class MetaWorldVectorEnv:
         instruction_tokens: int = 16,
         vocab_size: int = 1024,
         terminate_on_success: bool = False,
+        reward: str = "dense",
         vectorization_mode: str = "sync",
         env_kwargs: dict | None = None,
         first_env: int = 0,
@@ -98,6 +115,11 @@ class MetaWorldVectorEnv:
                 f"env.vectorization_mode: the metaworld adapter steps copies in-process "
                 f"('sync'), got {vectorization_mode!r}"
             )
+        if reward not in REWARDS:
+            raise ValueError(
+                f"env.adapter_kwargs.reward: expected one of {', '.join(REWARDS)}, got {reward!r}"
+            )
+        self._reward = REWARDS[reward]
         if "pixels" in obs_mode and image_size < 8:
             raise ValueError(f"env.image_size: must be >= 8, got {image_size}")
         if "pixels" in obs_mode:
@@ -167,7 +189,7 @@ class MetaWorldVectorEnv:
         terms = self.successes & self.terminate_on_success
         truncs = (self._steps >= self.max_episode_steps) & ~terms
         self._ended = terms | truncs
-        return self._observe(), rewards, terms, truncs
+        return self._observe(), self._reward(rewards, self.successes), terms, truncs
 
     def _observe(self) -> np.ndarray:
         parts = [self._tokens]
