@@ -113,6 +113,19 @@ def test_generator_two_step_terse_problems_are_equations_alone():
             assert re.fullmatch(r"\d+ [-+*] \d+", lhs) and eval(lhs) == int(rhs)  # noqa: S307
 
 
+def test_generator_dev_and_test_split_the_held_out_problems():
+    spec = importlib.util.spec_from_file_location(
+        "make_word_problems", DATA / "make_word_problems.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    held_out = module.unique_problems(10, seed=0)
+    assert module.held_out_splits(held_out) == {"eval.parquet": held_out}
+    splits = module.held_out_splits(held_out, dev_size=4)
+    assert splits["eval.parquet"] == held_out
+    assert splits["dev.parquet"] == held_out[:4] and splits["test.parquet"] == held_out[4:]
+
+
 def test_example_sft_conversations(cache):
     table = load_conversations(DATA / "sft.jsonl", cache)
     roles = [[m["role"] for m in row] for row in table["messages"]]

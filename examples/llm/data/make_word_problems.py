@@ -4,9 +4,11 @@ calculator annotations). Templated multi-step problems with random names and num
 held-out split has no question of the training split.
 
     python examples/llm/data/make_word_problems.py [--out DIR] [--train-size 200] [--eval-size 64]
-        [--max-operand N] [--two-step] [--terse]
+        [--max-operand N] [--two-step] [--terse] [--dev-size N]
 
-writes ``train.jsonl``, ``eval.parquet`` and ``sft.jsonl`` (chat conversations in ``messages``).
+writes ``train.jsonl``, ``eval.parquet`` and ``sft.jsonl`` (chat conversations in ``messages``);
+with ``--dev-size N`` also ``dev.parquet`` (the first N held-out problems, to choose settings
+such as the SFT length) and ``test.parquet`` (the rest, the number to report).
 """
 
 from __future__ import annotations
@@ -225,7 +227,16 @@ def main() -> None:
     parser.add_argument(
         "--terse", action="store_true", help="worked answers of equations alone: 3 * 4 = 12"
     )
+    parser.add_argument(
+        "--dev-size",
+        type=int,
+        default=None,
+        help="also split the held-out problems: the first N into dev.parquet, the rest into "
+        "test.parquet",
+    )
     args = parser.parse_args()
+    if args.dev_size is not None and not 0 < args.dev_size < args.eval_size:
+        parser.error(f"--dev-size: must be between 1 and --eval-size - 1, got {args.dev_size}")
 
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -236,13 +247,23 @@ def main() -> None:
     train, held_out = problems[: args.train_size], problems[args.train_size :]
     args.out.mkdir(parents=True, exist_ok=True)
     write_jsonl(args.out / "train.jsonl", train)
-    pq.write_table(pa.Table.from_pylist(held_out), args.out / "eval.parquet")
+    for name, rows in held_out_splits(held_out, args.dev_size).items():
+        pq.write_table(pa.Table.from_pylist(rows), args.out / name)
     chats = conversations(train[: args.sft_size], random.Random(args.seed))
     write_jsonl(args.out / "sft.jsonl", chats)
     print(
         f"wrote {len(train)} train, {len(held_out)} eval problems and {len(chats)} chats "
         f"to {args.out}"
     )
+
+
+def held_out_splits(held_out: list[dict], dev_size: int | None = None) -> dict[str, list[dict]]:
+    """The held-out files: ``eval.parquet`` with every problem and, with ``dev_size``, its first
+    ``dev_size`` problems as ``dev.parquet`` and the rest as ``test.parquet``."""
+    splits = {"eval.parquet": held_out}
+    if dev_size is not None:
+        splits.update({"dev.parquet": held_out[:dev_size], "test.parquet": held_out[dev_size:]})
+    return splits
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
