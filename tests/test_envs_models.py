@@ -10,6 +10,7 @@ from torch.distributions import Normal
 
 from tidal.envs import ChunkedEnv, make_env
 from tidal.models import MLPActorCritic, RunningNorm, build_policy
+from tidal.models.policy import sample_categorical
 
 
 def cartpole(n, **kw):
@@ -148,6 +149,19 @@ def test_policy_registry_errors():
         build_policy("nope", gym.spaces.Box(-1, 1, (2,)), gym.spaces.Discrete(2), 1)
     with pytest.raises(ValueError, match="needs a flat Box observation space"):
         MLPActorCritic(gym.spaces.Discrete(3), gym.spaces.Discrete(2))
+
+
+def test_gumbel_max_sampling_draws_the_categorical_distribution_and_never_a_masked_action():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.05, 0.15, 0.3, 0.5])
+    draws = sample_categorical(probs.log().expand(100_000, 2, 4))
+    assert draws.shape == (100_000, 2)
+    freq = torch.bincount(draws.flatten(), minlength=4).double() / draws.numel()
+    # 200k draws: a frequency's standard error is at most 0.0012
+    assert torch.allclose(freq, probs.double(), atol=0.006), freq
+    masked = torch.tensor([0.0, float("-inf"), 3.0, float("-inf")]).expand(50_000, 4)
+    counts = torch.bincount(sample_categorical(masked), minlength=4)
+    assert counts[1] == counts[3] == 0 and counts[0] > 0 and counts[2] > counts[0]
 
 
 def test_entropy_of_uniform_categorical():

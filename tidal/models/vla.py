@@ -19,7 +19,13 @@ from torch import nn
 from torch.distributions import Categorical
 
 from tidal.envs.layout import layout_of
-from tidal.models.policy import EmbodiedPolicy, LeadingNorm, PolicyStep, register_policy
+from tidal.models.policy import (
+    EmbodiedPolicy,
+    LeadingNorm,
+    PolicyStep,
+    register_policy,
+    sample_categorical,
+)
 
 
 @register_policy("vla")
@@ -138,7 +144,7 @@ class TokenActionPolicy(EmbodiedPolicy):
     def act(self, inputs, deterministic=False) -> PolicyStep:
         logits, values = self._forward(inputs["obs"])
         dist = Categorical(logits=logits, validate_args=False)
-        actions = logits.argmax(-1) if deterministic else dist.sample()
+        actions = logits.argmax(-1) if deterministic else sample_categorical(logits)
         return PolicyStep(
             actions=actions, logprobs=dist.log_prob(actions), values=values, inputs=inputs
         )
