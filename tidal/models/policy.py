@@ -17,7 +17,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 from torch import nn
-from torch.distributions import Categorical, Normal
+from torch.distributions import Normal
 
 from tidal.registry import Registry
 
@@ -206,6 +206,12 @@ def sample_categorical(logits: torch.Tensor) -> torch.Tensor:
     return (logits - noise.log()).argmax(-1)
 
 
+def categorical_entropy(logprobs: torch.Tensor) -> torch.Tensor:
+    """The entropy of normalised logits ``[..., K]`` (a masked, -inf logit adds nothing)."""
+    finite = logprobs.clamp(min=torch.finfo(logprobs.dtype).min)
+    return -(finite * logprobs.exp()).sum(-1)
+
+
 def _layer(n_in: int, n_out: int, gain: float) -> nn.Linear:
     layer = nn.Linear(n_in, n_out)
     nn.init.orthogonal_(layer.weight, gain)
@@ -304,17 +310,18 @@ class MLPActorCritic(EmbodiedPolicy):
         return inputs["obs"]
 
     def _dist(self, obs: torch.Tensor):
+        """Discrete: normalised logits ``[B, C, K]`` (a few tensor ops instead of a
+        ``Categorical``, whose construction and ``log_prob`` cost more than the MLP on the
+        batches of a chunk step). Continuous: a ``Normal``."""
         head = self.actor(obs)
         if self.discrete:
-            return Categorical(
-                logits=head.view(-1, self.chunks, self.num_actions), validate_args=False
-            )
+            return head.view(-1, self.chunks, self.num_actions).log_softmax(-1)
         mean = head.view(-1, self.chunks, self.action_dim)
         return Normal(mean, self.log_std.exp().expand_as(mean), validate_args=False)
 
     def _logprob(self, dist, actions: torch.Tensor) -> torch.Tensor:
         if self.discrete:
-            return dist.log_prob(actions).unsqueeze(-1)
+            return dist.gather(-1, actions.long().unsqueeze(-1))
         logp = dist.log_prob(actions)
         if self.squash:  # a = tanh(u): log p(a) = log p(u) - log(1 - tanh(u)^2), stably
             logp = logp - 2.0 * (
@@ -326,10 +333,10 @@ class MLPActorCritic(EmbodiedPolicy):
     def act(self, inputs, deterministic=False) -> PolicyStep:
         obs = self.features(inputs)
         dist = self._dist(obs)
-        if deterministic:
-            actions = dist.probs.argmax(-1) if self.discrete else dist.mean
+        if self.discrete:
+            actions = dist.argmax(-1) if deterministic else sample_categorical(dist)
         else:
-            actions = sample_categorical(dist.logits) if self.discrete else dist.sample()
+            actions = dist.mean if deterministic else dist.sample()
         values = self._critic_value(obs) if self.critic is not None else None
         return PolicyStep(
             actions=actions, logprobs=self._logprob(dist, actions), values=values, inputs=inputs
@@ -338,10 +345,9 @@ class MLPActorCritic(EmbodiedPolicy):
     def evaluate(self, inputs, actions):
         obs = self.features(inputs)
         dist = self._dist(obs)
-        entropy = dist.entropy()
         out = {
             "logprobs": self._logprob(dist, actions),
-            "entropy": entropy.unsqueeze(-1) if self.discrete else entropy,
+            "entropy": categorical_entropy(dist).unsqueeze(-1) if self.discrete else dist.entropy(),
         }
         if self.critic is not None:
             out["values"] = self._critic_value(obs)

@@ -26,8 +26,9 @@ def batch_size(batch: Any) -> int:
 
 
 def _first_size(batch: Any) -> int | None:
-    if isinstance(batch, (torch.Tensor, np.ndarray)):
-        return batch.shape[0] if batch.ndim else None
+    shape = getattr(batch, "shape", None)  # a tensor or an array (cheaper than isinstance)
+    if shape is not None and isinstance(shape, tuple):  # torch.Size is a tuple
+        return shape[0] if shape else None
     for value in _children(batch):
         size = _first_size(value)
         if size is not None:

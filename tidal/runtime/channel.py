@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import functools
 import threading
 from collections import defaultdict, deque
 from collections.abc import Callable, Hashable
@@ -34,13 +35,13 @@ class Waiter:
     from any thread, waited on from any thread, awaited from any loop. A ``cf.Future`` builds
     a Condition per instance; this builds a lock, and an Event only if a thread blocks on it."""
 
-    __slots__ = ("_lock", "_state", "_value", "_error", "_callbacks", "_event")
+    __slots__ = ("_lock", "_state", "_value", "_error", "_callbacks", "_event", "_follower")
     _PENDING, _RUNNING, _DONE, _CANCELLED = range(4)
 
     def __init__(self):
         self._lock = threading.Lock()
         self._state = self._PENDING
-        self._value = self._error = self._event = None
+        self._value = self._error = self._event = self._follower = None
         self._callbacks: list = []
 
     def set_running_or_notify_cancel(self) -> bool:
@@ -72,11 +73,31 @@ class Waiter:
     def _finish(self) -> None:
         with self._lock:
             callbacks, self._callbacks = self._callbacks, []
-            event = self._event
+            event, follower = self._event, self._follower
         if event is not None:
             event.set()
+        if follower is not None:
+            loop, thread, out = follower
+            if threading.get_ident() == thread:
+                _copy_outcome(self, out)  # only schedules the awaiting task: safe under a lock
+            else:
+                loop.call_soon_threadsafe(_copy_outcome, self, out)
         for fn in callbacks:
             fn(self)
+
+    def follow_on(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        """An asyncio future on ``loop`` (the running one) that takes this waiter's outcome:
+        in place when the waiter settles on the loop's own thread (ranks sharing one loop hand
+        items over without an extra turn of the loop), through ``call_soon_threadsafe``
+        otherwise. What ``_bridge`` does for any future, without its closures: this is the
+        local hot path."""
+        out = loop.create_future()
+        with self._lock:
+            if not self.done():
+                self._follower = (loop, threading.get_ident(), out)
+                return out
+        _copy_outcome(self, out)
+        return out
 
     def done(self) -> bool:
         return self._state in (self._DONE, self._CANCELLED)
@@ -227,30 +248,33 @@ def _wait_or_cancel(fut: cf.Future, timeout: float, on_timeout: Callable[[], Exc
         return fut.result()
 
 
+def _copy_outcome(fut, out: asyncio.Future) -> None:
+    if out.done():
+        return
+    if fut.cancelled():
+        out.cancel()
+    elif (exc := fut.exception()) is not None:
+        out.set_exception(exc)
+    else:
+        out.set_result(fut.result())
+
+
 def _bridge(fut: cf.Future) -> asyncio.Future:
     """An asyncio future on the running loop that follows ``fut``. Unlike
     ``asyncio.wrap_future`` it is resolved in place when ``fut`` is resolved on the loop's own
     thread (ranks sharing one loop hand items over without an extra turn of the loop), and
     through ``call_soon_threadsafe`` otherwise."""
     loop = asyncio.get_running_loop()
+    if isinstance(fut, Waiter):
+        return fut.follow_on(loop)
     loop_thread = threading.get_ident()
     out = loop.create_future()
 
-    def copy(f: cf.Future) -> None:
-        if out.done():
-            return
-        if f.cancelled():
-            out.cancel()
-        elif (exc := f.exception()) is not None:
-            out.set_exception(exc)
-        else:
-            out.set_result(f.result())
-
     def on_done(f: cf.Future) -> None:
         if threading.get_ident() == loop_thread:
-            copy(f)  # only schedules the awaiting task: safe under the store's lock
+            _copy_outcome(f, out)  # only schedules the awaiting task: safe under the store's lock
         else:
-            loop.call_soon_threadsafe(copy, f)
+            loop.call_soon_threadsafe(_copy_outcome, f, out)
 
     fut.add_done_callback(on_done)
     return out
@@ -259,6 +283,24 @@ def _bridge(fut: cf.Future) -> asyncio.Future:
 async def _await_or_cancel(
     fut: cf.Future, timeout: float | None, on_timeout: Callable[[], Exception]
 ):
+    return await _Following(fut, timeout, on_timeout)
+
+
+class _Following:
+    """``await`` it: ``_follow`` of its arguments."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __await__(self):
+        return _follow(*self.args)
+
+
+def _follow(fut, timeout: float | None, on_timeout: Callable[[], Exception]):
+    """Await ``fut`` (a generator, for ``__await__``: no coroutine object per wait) for at
+    most ``timeout``; on timeout withdraw it, unless it was served meanwhile."""
     if fut.done():  # the common case when producers run ahead: no task, no timer
         return fut.result()
     waiter = _bridge(fut)
@@ -268,7 +310,7 @@ async def _await_or_cancel(
         else None
     )
     try:
-        return await waiter
+        return (yield from waiter.__await__())
     except _Expired:
         if fut.cancel():
             raise on_timeout() from None
@@ -290,6 +332,8 @@ def _expire(waiter: asyncio.Future) -> None:
 class AsyncWork:
     """The result of an ``async_op=True`` channel operation: ``wait()`` it or ``await`` it."""
 
+    __slots__ = ("_future", "_on_timeout", "_timeout")
+
     def __init__(
         self, future: cf.Future, on_timeout: Callable[[], Exception], timeout: float | None
     ):
@@ -304,19 +348,24 @@ class AsyncWork:
 
     async def async_wait(self, timeout: float | None = None) -> Any:
         timeout = timeout if timeout is not None else (self._timeout or DEFAULT_TIMEOUT_S)
-        return await _await_or_cancel(self._future, timeout, self._on_timeout)
+        return await _Following(self._future, timeout, self._on_timeout)
 
-    def __await__(self):  # one coroutine fewer than ``async_wait``: this is the hot path
-        timeout = self._timeout or DEFAULT_TIMEOUT_S
-        return _await_or_cancel(self._future, timeout, self._on_timeout).__await__()
+    def __await__(self):  # no coroutine in between: this is the hot path
+        return _follow(self._future, self._timeout or DEFAULT_TIMEOUT_S, self._on_timeout)
+
+
+# Every async put admitted at once: one settled work serves them all.
+PUT_DONE_WORK = AsyncWork(_PUT_DONE, ChannelTimeoutError, None)
 
 
 def timeout_error(channel: str, op: str, key, timeout: float) -> Callable[[], Exception]:
-    return lambda: ChannelTimeoutError(channel, op, key, timeout)
+    return functools.partial(ChannelTimeoutError, channel, op, key, timeout)
 
 
 def settle(fut, channel: str, op: str, key, async_op: bool, timeout: float | None):
     """Wait for a store future (at most ``timeout``), or hand it back as an ``AsyncWork``."""
+    if async_op and fut is _PUT_DONE:
+        return PUT_DONE_WORK
     limit = DEFAULT_TIMEOUT_S if timeout is None else timeout
     on_timeout = timeout_error(channel, op, key, limit)
     if async_op:

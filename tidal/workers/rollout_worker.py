@@ -43,6 +43,7 @@ class RolloutWorker(Worker):
         torch.manual_seed(cfg.runner.seed + 7 * self.rank + 1)
         self.policy = make_policy(cfg, observation_space, action_space).eval()
         self.version = -1  # no weights received yet
+        self._stamp, self._stamp_version = None, None
 
     async def sync_weights(self, weights_ch: Channel, timeout: float = 600.0) -> int:
         update = await async_recv_weights(weights_ch, self.rank, timeout=timeout)
@@ -115,7 +116,9 @@ class RolloutWorker(Worker):
             self.policy.load_state_dict(state["weights"])
             self.version = state["version"]
 
-    @torch.no_grad()
+    # inference mode: cheaper per op than no_grad. What it makes is only read later (stacked
+    # into trajectories, or pickled on ray), which inference tensors allow.
+    @torch.inference_mode()
     def _act(self, out: EnvOutput, deterministic: bool, with_values: bool) -> ChunkActions:
         inputs = self.policy.prepare(out.obs)
         step = self.policy.act(inputs, deterministic=deterministic)
@@ -132,5 +135,13 @@ class RolloutWorker(Worker):
             values=step.values if with_values else None,
             final_values=final_values,
             forward_inputs=step.inputs,
-            version=torch.full((step.actions.shape[0],), self.version, dtype=torch.int64),
+            version=self._version_stamp(step.actions.shape[0]),
         )
+
+    def _version_stamp(self, rows: int) -> torch.Tensor:
+        """``[rows]`` of the current version; one tensor per (version, rows), shared by the chunk
+        steps that carry it (read-only: trajectories stack it)."""
+        if self._stamp is None or self._stamp.shape[0] != rows or self._stamp_version != self.version:
+            self._stamp = torch.full((rows,), self.version, dtype=torch.int64)
+            self._stamp_version = self.version
+        return self._stamp
