@@ -259,6 +259,18 @@ def test_channel_async_ops_wait_and_await(cluster):
 
     assert asyncio.run(main()) == "v2"
 
+    async def two_awaiters():  # one wait awaited twice: both awaiters see the item
+        pending = ch.get(key="k", async_op=True, timeout=30)
+        first, second = (
+            asyncio.ensure_future(pending.async_wait()),
+            asyncio.ensure_future(pending.async_wait()),
+        )
+        await asyncio.sleep(0.01)
+        await ch.put("v3", key="k", async_op=True)
+        return await first, await second
+
+    assert asyncio.run(two_awaiters()) == ("v3", "v3")
+
 
 def test_channel_get_batch_by_weight(cluster):
     ch = new_channel(cluster)

@@ -91,13 +91,12 @@ class Waiter:
         items over without an extra turn of the loop), through ``call_soon_threadsafe``
         otherwise. What ``_bridge`` does for any future, without its closures: this is the
         local hot path."""
-        out = loop.create_future()
         with self._lock:
-            if not self.done():
+            if not self.done() and self._follower is None:
+                out = loop.create_future()
                 self._follower = (loop, threading.get_ident(), out)
                 return out
-        _copy_outcome(self, out)
-        return out
+        return _follow_by_callback(self, loop)  # settled, or awaited a second time
 
     def done(self) -> bool:
         return self._state in (self._DONE, self._CANCELLED)
@@ -267,6 +266,10 @@ def _bridge(fut: cf.Future) -> asyncio.Future:
     loop = asyncio.get_running_loop()
     if isinstance(fut, Waiter):
         return fut.follow_on(loop)
+    return _follow_by_callback(fut, loop)
+
+
+def _follow_by_callback(fut, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
     loop_thread = threading.get_ident()
     out = loop.create_future()
 

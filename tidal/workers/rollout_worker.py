@@ -141,7 +141,11 @@ class RolloutWorker(Worker):
     def _version_stamp(self, rows: int) -> torch.Tensor:
         """``[rows]`` of the current version; one tensor per (version, rows), shared by the chunk
         steps that carry it (read-only: trajectories stack it)."""
-        if self._stamp is None or self._stamp.shape[0] != rows or self._stamp_version != self.version:
+        if (
+            self._stamp is None
+            or self._stamp.shape[0] != rows
+            or self._stamp_version != self.version
+        ):
             self._stamp = torch.full((rows,), self.version, dtype=torch.int64)
             self._stamp_version = self.version
         return self._stamp
