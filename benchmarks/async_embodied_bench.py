@@ -6,7 +6,8 @@ halfcheetah  HalfCheetah-v5 (examples/embodied/halfcheetah_ppo.yaml), eta in --e
              (default 0 1 2) side by side, --env-steps each (1M in the issue).
 
 For every run: final and best eval return, env steps to the target, wall time, env-steps/s and
-the mean time per phase. From the synchronous run's own timers (collection: sync_weights +
+the mean time per phase (training steps after the first, which also starts the workers). From
+the synchronous run's own timers (collection: sync_weights +
 generate_rollouts; training: compute_advantages + train) the ceiling an overlap can reach,
 ``(t_collect + t_train) / max(t_collect, t_train)``; for each asynchronous run its speed-up
 (its env-steps/s over the synchronous run's, both over training steps, evaluations excluded),
@@ -72,19 +73,23 @@ def summarize(run_dir: str, eta: int, wall: float, target: float | None) -> dict
     evals = [(r["env_steps"], r["eval/return_mean"]) for r in rows if r.get("eval/return_mean")]
     phases = sorted({k for r in rows for k in r if k.startswith("time/") and k != "time/elapsed"})
     reached = [s for s, v in evals if target is not None and v >= target]
+    # the first training step also starts the workers (its weight sync waits for them: seconds
+    # on ray), so rates and phase times leave it out
+    steady = rows[1:] if len(rows) > 1 else rows
     return {
         "eta": eta,
         "run_dir": run_dir,
         "steps": len(rows),
         "env_steps": rows[-1]["env_steps"],
         "wall_s": wall,
-        # training steps only (evaluations excluded): what the overlap changes
-        "env_steps_per_s": rows[-1]["env_steps"] / sum(r["time/step"] for r in rows),
+        # training steps only (evaluations excluded), after the first: what the overlap changes
+        "env_steps_per_s": (rows[-1]["env_steps"] - rows[0]["env_steps"])
+        / sum(r["time/step"] for r in steady),
         "final_eval_return": evals[-1][1] if evals else None,
         "best_eval_return": max(v for _, v in evals) if evals else None,
         "env_steps_to_target": reached[0] if reached else None,
-        "phase_mean_s": {k: float(np.mean([r.get(k, 0.0) for r in rows])) for k in phases},
-        "phase_total_s": {k: float(np.sum([r.get(k, 0.0) for r in rows])) for k in phases},
+        "phase_mean_s": {k: float(np.mean([r.get(k, 0.0) for r in steady])) for k in phases},
+        "phase_total_s": {k: float(np.sum([r.get(k, 0.0) for r in steady])) for k in phases},
         "staleness_mean": float(np.mean([r.get("staleness/mean", 0.0) for r in rows])),
         "staleness_max": max(r.get("staleness/max", 0.0) for r in rows),
         "eval_curve": evals,
