@@ -510,3 +510,38 @@ def test_a_resume_that_cannot_be_exact_says_so(tmp_path, caplog):
         "resume is not exact: env rank 0 (CartPole-v1) has state that is not checkpointed: "
         "_AdapterWithoutState has no state_dict"
     ) in warnings, warnings
+
+
+def test_a_policy_started_from_model_path_keeps_its_normaliser_statistics(tmp_path):
+    """A cloned policy's weights were fitted to its normaliser's statistics: RL keeps them
+    (moving them would change the policy without a gradient step); a fresh policy fits its own."""
+    from safetensors.torch import load_file
+
+    from tidal.checkpoint import MODEL_FILE, complete_checkpoints
+    from tidal.models import save_policy
+    from tidal.models.policy import build_from_config
+
+    config = EXAMPLES / "pendulum_ppo.yaml"
+    cfg = load_config(EmbodiedConfig, config, [])
+    env = gym.make("Pendulum-v1")
+    policy = build_from_config(cfg.model, env.observation_space, env.action_space, 1)
+    policy.obs_norm.update(torch.randn(256, 3, dtype=torch.float64) * 3 + 7)
+    fitted = policy.obs_norm.mean.clone()
+    save_policy(policy, tmp_path / "policy")
+    small = [
+        "runner.max_steps=2",
+        "runner.save_interval=2",
+        "runner.eval_interval=0",
+        "env.total_num_envs=4",
+        "env.eval_num_envs=4",
+        "rollout.num_steps=16",
+        "actor.global_batch_size=64",
+        "actor.micro_batch_size=64",
+    ]
+    means = {}
+    for name, path in (("cloned", str(tmp_path / "policy")), ("fresh", "null")):
+        summary = run(config, tmp_path / name, *small, f"model.path={path}")
+        last = complete_checkpoints(Path(summary["run_dir"]) / "checkpoints")[-1]
+        means[name] = load_file(str(last / MODEL_FILE))["obs_norm.mean"]
+    torch.testing.assert_close(means["cloned"], fitted)
+    assert means["fresh"].abs().max() > 0.01  # fitted to the rollouts from zero
