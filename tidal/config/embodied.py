@@ -36,6 +36,11 @@ class EmbodiedRunnerConfig(RunnerConfig):
     eval_video_envs: int = setting(2, "eval envs shown side by side in the video")
     eval_video_size: int = setting(128, "side of each env's square frame, in pixels")
     eval_video_format: str = setting("gif", "gif | mp4 (mp4 needs imageio-ffmpeg)")
+    eval_sampled: bool = setting(
+        False,
+        "also evaluate each time with sampled actions, on the same episodes: eval_sampled/* "
+        "(eval/* stays the rollout.eval_deterministic evaluation)",
+    )
 
 
 @dataclass
