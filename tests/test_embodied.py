@@ -130,6 +130,38 @@ def test_a_failing_worker_is_named_with_its_traceback(tmp_path):
         )
 
 
+def test_a_kl_penalty_keeps_the_policy_near_the_one_training_started_from(tmp_path):
+    """``algorithm.kl_coef`` > 0: ``train/kl_ref`` (k3 to a frozen copy of the starting policy)
+    is logged every step, and a large coefficient holds the policy closer than a tiny one."""
+    tiny = [
+        "env.total_num_envs=8",
+        "env.group_size=4",
+        "env.max_episode_steps=48",
+        "env.eval_num_envs=2",
+        "rollout.num_steps=48",
+        "actor.global_batch_size=384",
+        "actor.micro_batch_size=192",
+        "actor.lr=1.0e-2",
+        "runner.max_steps=3",
+        "runner.eval_interval=100",
+        "runner.save_interval=100",
+        "runner.target_value=null",
+        "runner.loggers=[jsonl]",
+    ]
+    kl = {}
+    for coef in (1e-6, 10.0):
+        summary = run(
+            EXAMPLES / "cartpole_grpo.yaml",
+            tmp_path / str(coef),
+            *tiny,
+            f"algorithm.kl_coef={coef}",
+        )
+        steps = [r for r in read_metrics(summary["run_dir"]) if "train/policy_loss" in r]
+        assert len(steps) == 3 and all(r["train/kl_ref"] >= 0 for r in steps)
+        kl[coef] = [r["train/kl_ref"] for r in steps]
+    assert kl[1e-6][-1] > 0 and kl[10.0][-1] < 0.5 * kl[1e-6][-1], kl
+
+
 def test_truncated_episode_is_bootstrapped_not_terminal():
     rec = _StageRecorder(torch.zeros(3, 2, dtype=torch.bool))
     from tidal.data import EnvOutput

@@ -50,7 +50,8 @@ def test_sft_then_train_from_the_saved_policy_reports_success(tmp_path, capsys):
     assert [r["step"] for r in bc_rows if "bc/loss" in r] == [1, 10, 20, 30]
 
     video = ["runner.eval_video=true", "runner.eval_video_envs=2", "runner.eval_video_size=32"]
-    assert main(["train", str(VLA), *overrides, *video]) == 0
+    sampled = ["runner.eval_sampled=true"]  # a second pass, sampled actions, no video
+    assert main(["train", str(VLA), *overrides, *video, *sampled]) == 0
     summary = json.loads(capsys.readouterr().out)
     _assert_eval_videos(Path(summary["run_dir"]), steps=[0, 2], episode_steps=50)
     metrics = rows(Path(summary["run_dir"]) / "metrics.jsonl")
@@ -59,8 +60,13 @@ def test_sft_then_train_from_the_saved_policy_reports_success(tmp_path, capsys):
     assert first["eval/return_mean"] == pytest.approx(
         sft["eval/return"], rel=1e-5
     )  # the same weights
+    # the same episodes with sampled actions: other returns, reported apart
+    assert first["eval_sampled/episodes"] == first["eval/episodes"] == 4
+    assert first["eval_sampled/return_mean"] != first["eval/return_mean"]
+    assert 0 <= first["eval_sampled/success_rate"] <= 1
     steps = [r for r in metrics if "train/policy_loss" in r]
     assert len(steps) == 2 and all(0 <= r["rollout/success_rate"] <= 1 for r in steps)
+    assert "eval_sampled/success_rate/reach-v3" in steps[-1]
     assert (
         "eval/success_rate/reach-v3" in steps[-1]
         and summary["target_metric"] == "eval/success_rate"

@@ -86,6 +86,42 @@ def test_success_reward_pays_one_per_step_in_success_and_unknown_rewards_are_ref
         make_env("metaworld", 1, env_id="reach-v3", reward="sparse")
 
 
+def test_terminate_on_success_scores_an_episode_exactly_one_or_zero():
+    """``reward: success`` with ``terminate_on_success``: the episode ends at its first success
+    step, which pays 1, so the GRPO score (rewards up to the first done) is 1 for a success,
+    however soon, and 0 for a failure; without termination it counts the steps in success."""
+    from tidal.algorithms import episode_scores
+
+    def scores(terminate: bool) -> list[float]:
+        env = make_env(
+            "metaworld",
+            2,
+            env_id="reach-v3",
+            max_episode_steps=100,
+            reward="success",
+            terminate_on_success=terminate,
+        )
+        chunked = ChunkedEnv(env, auto_reset=False, seeds=[3, 3])
+        chunked.reset()
+        rewards, dones = [], [torch.zeros(2, dtype=torch.bool)]
+        for _ in range(100):
+            actions = expert_actions(env)
+            actions[1] = 0.0  # the second copy stands still: it fails
+            out = chunked.step(actions[:, None].astype(np.float32))
+            rewards.append(out.rewards[:, 0])
+            dones.append(out.dones[:, 0])
+        stats = chunked.stats.drain()
+        assert stats["successes"] == [1.0, 0.0] and chunked.all_reported()
+        if terminate:
+            assert stats["lengths"][0] < 100 and stats["lengths"][1] == 100
+        env.close()
+        return episode_scores(torch.stack(rewards), torch.stack(dones)).tolist()
+
+    assert scores(terminate=True) == [1.0, 0.0]
+    steps_in_success, failed = scores(terminate=False)
+    assert steps_in_success > 1 and failed == 0.0
+
+
 def test_mt10_spreads_envs_over_tasks_with_distinct_instructions():
     env = make_env("metaworld", 10, env_id="MT10", max_episode_steps=5)
     assert env.task_names == list(INSTRUCTIONS)
@@ -140,6 +176,8 @@ def test_bad_metaworld_options_name_their_key():
         make_env("metaworld", 1, env_id="reach-v3", obs_mode="rgb")
     with pytest.raises(ValueError, match="env.vectorization_mode"):
         make_env("metaworld", 1, env_id="reach-v3", vectorization_mode="async")
+    with pytest.raises(ValueError, match="adapter_kwargs.terminate_on_success: expected true or"):
+        make_env("metaworld", 1, env_id="reach-v3", terminate_on_success="no")
 
 
 def test_module_colon_env_id_imports_the_users_module(tmp_path, monkeypatch):

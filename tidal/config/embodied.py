@@ -36,6 +36,11 @@ class EmbodiedRunnerConfig(RunnerConfig):
     eval_video_envs: int = setting(2, "eval envs shown side by side in the video")
     eval_video_size: int = setting(128, "side of each env's square frame, in pixels")
     eval_video_format: str = setting("gif", "gif | mp4 (mp4 needs imageio-ffmpeg)")
+    eval_sampled: bool = setting(
+        False,
+        "also evaluate each time with sampled actions, on the same episodes: eval_sampled/* "
+        "(eval/* stays the rollout.eval_deterministic evaluation)",
+    )
 
 
 @dataclass
@@ -154,6 +159,12 @@ class EmbodiedAlgorithmConfig(AlgorithmConfig):
     update_epochs: int = setting(4, "passes over the batch per training step")
     critic_warmup_steps: int = setting(0, "training steps that update only the critic")
     target_kl: float | None = setting(None, "stop a step's epochs early past this approximate KL")
+    kl_coef: float = setting(
+        0.0,
+        "KL penalty (in the loss) to the policy training started from, e.g. model.path's "
+        "behaviour-cloned one (> 0 keeps a frozen copy)",
+    )
+    kl_kind: str = setting("k3", "KL estimator: k1 | k2 | k3 | abs")
     recompute_values: bool = setting(
         True,
         "asynchronous runs: GAE, returns and value clipping use the actor's critic, not the "
@@ -204,6 +215,7 @@ class EmbodiedConfig:
 def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
     """Check every cross-field rule; return the world size of each component."""
     from tidal.algorithms import advantage_spec
+    from tidal.algorithms.kl import KL_KINDS
     from tidal.algorithms.losses import AGGREGATIONS, LOGPROB_LEVELS
     from tidal.envs import list_env_adapters
     from tidal.models.policy import POLICIES
@@ -218,6 +230,8 @@ def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
     one_of(alg.logprob_type, LOGPROB_LEVELS, "algorithm.logprob_type")
     one_of(alg.loss_agg, AGGREGATIONS, "algorithm.loss_agg")
     one_of(alg.bootstrap_type, ("truncated", "always"), "algorithm.bootstrap_type")
+    one_of(alg.kl_kind, KL_KINDS, "algorithm.kl_kind")
+    require(alg.kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0, got {alg.kl_coef}")
     one_of(env.adapter, list_env_adapters(), "env.adapter")
     one_of(cfg.reward.mode, ("replace", "add"), "reward.mode")
     one_of(cfg.runner.eval_video_format, ("gif", "mp4"), "runner.eval_video_format")

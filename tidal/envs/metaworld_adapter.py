@@ -120,6 +120,11 @@ class MetaWorldVectorEnv:
                 f"env.adapter_kwargs.reward: expected one of {', '.join(REWARDS)}, got {reward!r}"
             )
         self._reward = REWARDS[reward]
+        if not isinstance(terminate_on_success, bool | np.bool_):  # "false" would be true
+            raise ValueError(
+                f"env.adapter_kwargs.terminate_on_success: expected true or false, "
+                f"got {terminate_on_success!r}"
+            )
         if "pixels" in obs_mode and image_size < 8:
             raise ValueError(f"env.image_size: must be >= 8, got {image_size}")
         if "pixels" in obs_mode:

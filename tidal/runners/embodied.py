@@ -250,10 +250,25 @@ class EmbodiedRunner(RunLoop):
         }
 
     def evaluate(self, step: int) -> dict:
-        """The policy just trained: every eval env through one episode, in segments of at most
-        ``EVAL_SEGMENT`` chunk steps (the evaluation ends with the last episode, not at the
-        time limit)."""
+        """The policy just trained: every eval env through one episode (``eval/*``, greedy by
+        default); with ``runner.eval_sampled``, again on the same episodes with sampled actions
+        (``eval_sampled/*``, what the training rollouts do)."""
         self.current_rollout_weights(step)
+        metrics = self.evaluate_once(step, "eval")
+        if self.cfg.runner.eval_sampled:
+            timeout = self.cfg.runner.timeout_s
+            self.rollout.set_eval_deterministic(False).wait(timeout)
+            try:
+                metrics.update(self.evaluate_once(step, "eval_sampled"))
+            finally:
+                deterministic = self.cfg.rollout.eval_deterministic
+                self.rollout.set_eval_deterministic(deterministic).wait(timeout)
+        return metrics
+
+    def evaluate_once(self, step: int, prefix: str) -> dict:
+        """Every eval env through one episode, in segments of at most ``EVAL_SEGMENT`` chunk
+        steps (the evaluation ends with the last episode, not at the time limit); the video
+        (``runner.eval_video``) is the ``eval`` pass's."""
         c, timeout = self.channels, self.cfg.runner.timeout_s
         returns, done, outcomes, videos = [], 0, [], []
         while done < self.eval_horizon:
@@ -271,13 +286,13 @@ class EmbodiedRunner(RunLoop):
             done += steps
             if all(res["finished"] for res in results):
                 break
-        if videos:
+        if videos and prefix == "eval":
             self.write_eval_video(step, np.concatenate(videos))
         return {
-            **_success(outcomes, "eval"),
-            "eval/return_mean": float(np.mean(returns)) if returns else None,
-            "eval/return_std": float(np.std(returns)) if returns else None,
-            "eval/episodes": len(returns),
+            **_success(outcomes, prefix),
+            f"{prefix}/return_mean": float(np.mean(returns)) if returns else None,
+            f"{prefix}/return_std": float(np.std(returns)) if returns else None,
+            f"{prefix}/episodes": len(returns),
         }
 
     def write_eval_video(self, step: int, frames: np.ndarray) -> None:

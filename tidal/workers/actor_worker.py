@@ -3,6 +3,7 @@ the policy with PPO (micro-batches, gradient accumulation, data parallel over ra
 
 from __future__ import annotations
 
+import copy
 import math
 
 import gymnasium as gym
@@ -13,6 +14,7 @@ from tidal.algorithms import (
     advantage_spec,
     decoupled_ppo_loss,
     get_advantage,
+    kl_estimate,
     loglinear_prox_logp,
     loss_mask_from_dones,
     masked_whiten,
@@ -59,6 +61,11 @@ class ActorWorker(Worker):
             self.policy, cfg.actor, cfg.runner.max_steps, distributed=self.world_size > 1
         )
         self.estimator = advantage_spec(cfg.algorithm.adv_type)
+        # a KL penalty keeps the policy near the one training started from (model.path, e.g.
+        # the behaviour-cloned policy): a frozen copy, as the language half keeps its reference
+        self.ref = None
+        if cfg.algorithm.kl_coef > 0:
+            self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
         self.max_chunk_steps = math.ceil(
             (max_episode_steps or cfg.rollout.num_steps) / cfg.env.num_action_chunks
         )
@@ -157,6 +164,8 @@ class ActorWorker(Worker):
         if values is not None:
             self.batch["old_values"] = _flatten_steps(values[:-1])
         self.batch["versions"] = _flatten_steps(_time_major(traj.versions))
+        if self.ref is not None:
+            self.batch["ref_logprobs"] = self._logprobs_under(self.ref)
         metrics.update(self._staleness())
         return metrics
 
@@ -221,7 +230,7 @@ class ActorWorker(Worker):
         critic_only = step < alg.critic_warmup_steps
         accumulation = per_rank // act.micro_batch_size
         if alg.use_decoupled_loss and alg.prox_logp_method == "recompute":
-            self.batch["prox_logprobs"] = self._current_logprobs()
+            self.batch["prox_logprobs"] = self._logprobs_under(self.policy)
 
         def loss_fn(model, micro):
             loss, info = self._micro_loss(model, micro, critic_only)
@@ -244,15 +253,18 @@ class ActorWorker(Worker):
         return self.all_reduce_mean(out)
 
     @torch.no_grad()
-    def _current_logprobs(self) -> torch.Tensor:
-        """The batch's per-dimension log-probs under the weights before this step: the proximal
-        policy of the decoupled loss (``prox_logp_method=recompute``)."""
+    def _logprobs_under(self, model) -> torch.Tensor:
+        """The batch's per-dimension log-probs under ``model``: this policy before the step
+        (the proximal policy of the decoupled loss, ``prox_logp_method=recompute``) or the
+        frozen reference of the KL penalty."""
         size, micro = self.batch["actions"].shape[0], self.cfg.actor.micro_batch_size
         outs = []
+        inputs = {k[3:]: v for k, v in self.batch.items() if k.startswith("in.")}
         for start in range(0, size, micro):
-            part = {k: v[start : start + micro] for k, v in self.batch.items()}
-            inputs = {k[3:]: v for k, v in part.items() if k.startswith("in.")}
-            outs.append(self.policy(inputs, part["actions"])["logprobs"].float())
+            part = {k: v[start : start + micro] for k, v in inputs.items()}
+            outs.append(
+                model(part, self.batch["actions"][start : start + micro])["logprobs"].float()
+            )
         return torch.cat(outs)
 
     def _policy_loss(self, logp, micro, adv, mask, mask_sum):
@@ -306,6 +318,13 @@ class ActorWorker(Worker):
         loss = torch.zeros(())
         if not critic_only:
             loss = pg_loss - alg.entropy_bonus * entropy_mean
+        if self.ref is not None:  # k1..k3 per element at the loss's level, masked mean
+            ref = reshape_logprobs(micro["ref_logprobs"], level)
+            kl = torch.where(mask, kl_estimate(logp, ref, alg.kl_kind), 0.0)
+            kl_ref = kl.sum() / mask.sum().clamp(min=1)
+            if not critic_only:
+                loss = loss + alg.kl_coef * kl_ref
+            info["kl_ref"] = kl_ref.item()
         if "values" in out and "old_values" in micro:
             step_mask = micro["mask"] if micro["mask"].dim() == 1 else micro["mask"].any(-1)
             v_loss, v = value_loss(

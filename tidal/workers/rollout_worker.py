@@ -44,6 +44,13 @@ class RolloutWorker(Worker):
         self.policy = make_policy(cfg, observation_space, action_space).eval()
         self.version = -1  # no weights received yet
         self._stamp, self._stamp_version = None, None
+        self.eval_deterministic = cfg.rollout.eval_deterministic
+
+    def set_eval_deterministic(self, deterministic: bool) -> bool:
+        """Evaluate with the mode of the action distribution or with sampled actions from now
+        on (``runner.eval_sampled``: the runner's second evaluation pass)."""
+        self.eval_deterministic = deterministic
+        return deterministic
 
     async def sync_weights(self, weights_ch: Channel, timeout: float = 600.0) -> int:
         update = await async_recv_weights(weights_ch, self.rank, timeout=timeout)
@@ -73,7 +80,7 @@ class RolloutWorker(Worker):
         newer weights are taken between chunk steps; every answer carries its version."""
         stages = self.topo.stages if mode == "train" else 1
         steps = self.cfg.rollout.num_steps + 1 if mode == "train" else num_steps
-        deterministic = mode == "eval" and self.cfg.rollout.eval_deterministic
+        deterministic = mode == "eval" and self.eval_deterministic
         batch = self.topo.stage_batch(mode)
         outbox = Outbox()
         for _ in range(steps):
