@@ -254,18 +254,12 @@ class EmbodiedRunner(RunLoop):
         default); with ``runner.eval_sampled``, again on the same episodes with sampled actions
         (``eval_sampled/*``, what the training rollouts do)."""
         self.current_rollout_weights(step)
-        metrics = self.evaluate_once(step, "eval")
+        metrics = self.evaluate_once(step, "eval", self.cfg.rollout.eval_deterministic)
         if self.cfg.runner.eval_sampled:
-            timeout = self.cfg.runner.timeout_s
-            self.rollout.set_eval_deterministic(False).wait(timeout)
-            try:
-                metrics.update(self.evaluate_once(step, "eval_sampled"))
-            finally:
-                deterministic = self.cfg.rollout.eval_deterministic
-                self.rollout.set_eval_deterministic(deterministic).wait(timeout)
+            metrics.update(self.evaluate_once(step, "eval_sampled", deterministic=False))
         return metrics
 
-    def evaluate_once(self, step: int, prefix: str) -> dict:
+    def evaluate_once(self, step: int, prefix: str, deterministic: bool) -> dict:
         """Every eval env through one episode, in segments of at most ``EVAL_SEGMENT`` chunk
         steps (the evaluation ends with the last episode, not at the time limit); the video
         (``runner.eval_video``) is the ``eval`` pass's."""
@@ -276,7 +270,9 @@ class EmbodiedRunner(RunLoop):
             results = wait_all(
                 [
                     self.env.evaluate(c["rollout"], c["env"], steps, done == 0, timeout),
-                    self.rollout.generate(c["rollout"], c["env"], "eval", steps, timeout),
+                    self.rollout.generate(
+                        c["rollout"], c["env"], "eval", steps, timeout, deterministic=deterministic
+                    ),
                 ],
                 timeout,
             )[0]

@@ -44,13 +44,6 @@ class RolloutWorker(Worker):
         self.policy = make_policy(cfg, observation_space, action_space).eval()
         self.version = -1  # no weights received yet
         self._stamp, self._stamp_version = None, None
-        self.eval_deterministic = cfg.rollout.eval_deterministic
-
-    def set_eval_deterministic(self, deterministic: bool) -> bool:
-        """Evaluate with the mode of the action distribution or with sampled actions from now
-        on (``runner.eval_sampled``: the runner's second evaluation pass)."""
-        self.eval_deterministic = deterministic
-        return deterministic
 
     async def sync_weights(self, weights_ch: Channel, timeout: float = 600.0) -> int:
         update = await async_recv_weights(weights_ch, self.rank, timeout=timeout)
@@ -74,13 +67,18 @@ class RolloutWorker(Worker):
         num_steps: int | None = None,
         timeout: float = 600.0,
         weights_ch: Channel | None = None,
+        deterministic: bool | None = None,
     ) -> int:
         """Answer ``num_steps`` chunk steps of every pipeline stage (train: ``rollout.num_steps``
         plus one whose values bootstrap the last step). With ``weights_ch`` (asynchronous runs)
-        newer weights are taken between chunk steps; every answer carries its version."""
+        newer weights are taken between chunk steps; every answer carries its version. Eval
+        acts by the mode of the policy unless ``deterministic`` (default
+        ``rollout.eval_deterministic``) is false."""
         stages = self.topo.stages if mode == "train" else 1
         steps = self.cfg.rollout.num_steps + 1 if mode == "train" else num_steps
-        deterministic = mode == "eval" and self.eval_deterministic
+        if deterministic is None:
+            deterministic = self.cfg.rollout.eval_deterministic
+        deterministic = mode == "eval" and deterministic
         batch = self.topo.stage_batch(mode)
         outbox = Outbox()
         for _ in range(steps):
