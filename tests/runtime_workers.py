@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -31,6 +32,14 @@ class EchoWorker(Worker):
 
     def env(self, *names):
         return {n: os.environ.get(n) for n in names}
+
+    def cpu_affinity(self):
+        """The cores this rank's calls run on, and those of a thread it starts now."""
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))
+        thread.start()
+        thread.join()
+        return sorted(os.sched_getaffinity(0)), seen[0]
 
     def node_id(self):
         import ray

@@ -46,6 +46,24 @@ def test_ranks_land_on_the_nodes_asked_for(two_nodes):
         group.shutdown()
 
 
+def test_pinned_ranks_run_on_the_core_of_their_cpu_slot(two_nodes):
+    """``pin_cpus``: slot s of a node runs on the (s mod n)-th allowed core, in every thread
+    (those started later too); a group launched without it keeps every core."""
+    import os
+
+    pinned = Cluster("ray", address="auto", devices_per_node=2, pin_cpus=True)
+    cores = sorted(os.sched_getaffinity(0))
+    group = EchoWorker.create_group().launch(pinned, placement="0-3", name="pinned")
+    free = EchoWorker.create_group().launch(two_nodes, placement="1", name="unpinned")
+    try:
+        expected = [[cores[slot % len(cores)]] for slot in (0, 1, 0, 1)]
+        assert group.cpu_affinity().wait(timeout=120) == [(e, e) for e in expected]
+        assert free.cpu_affinity().wait(timeout=120) == [(cores, cores)]
+    finally:
+        group.shutdown()
+        free.shutdown()
+
+
 def test_one_rank_dying_fails_fast_naming_it(two_nodes):
     group = EchoWorker.create_group().launch(two_nodes, placement="0-2", name="fragile")
     start = time.monotonic()

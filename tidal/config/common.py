@@ -13,6 +13,7 @@ from typing import Any
 
 from tidal.config.loader import ConfigError, require
 from tidal.config.schema import setting
+from tidal.runtime.backends import backend_class
 from tidal.runtime.defaults import DEFAULT_TIMEOUT_S
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -36,6 +37,10 @@ class ClusterConfig:
     gil_switch_interval: float | None = setting(
         2e-4,
         "local backend: sys.setswitchinterval while the run lives (ranks woken by a peer get the GIL sooner); null: Python's 5 ms",
+    )
+    pin_cpus: bool = setting(
+        False,
+        "ray backend, CPU nodes: each rank's process runs only on the core of its CPU slot (slot mod cores), so ranks placed apart never share a core",
     )
     placement: dict[str, str] = setting(
         factory=dict,
@@ -148,6 +153,11 @@ def validate_common(
     from tidal.algorithms import list_advantages
 
     one_of(cluster.backend, ("local", "ray"), "cluster.backend")
+    require(
+        not cluster.pin_cpus or backend_class(cluster.backend).multi_process,
+        "cluster.pin_cpus",
+        f"pins a process per rank; the {cluster.backend} backend's ranks are threads of one process",
+    )
     one_of(algorithm.cap_mode, ("mask", "clamp"), "algorithm.cap_mode")
     require(
         algorithm.behav_weight_cap is None or algorithm.behav_weight_cap > 0,

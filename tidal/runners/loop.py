@@ -137,6 +137,7 @@ class RunLoop(ABC):
             connect_timeout_s=c.connect_timeout_s,
             devices_per_node=c.devices_per_node,
             gil_switch_interval=c.gil_switch_interval,
+            pin_cpus=c.pin_cpus,
         )
 
     # -- the loop --------------------------------------------------------------------------

@@ -27,10 +27,13 @@ class Cluster:
         ray_init_kwargs: Mapping | None = None,
         shared_event_loop: bool = True,
         gil_switch_interval: float | None = None,
+        pin_cpus: bool = False,
     ):
         """``gil_switch_interval`` (local backend, opt-in): seconds for
         ``sys.setswitchinterval`` while the cluster lives, e.g. ``2e-4`` so a rank woken by a
-        peer gets the GIL sooner than Python's 5 ms; the previous value returns at shutdown."""
+        peer gets the GIL sooner than Python's 5 ms; the previous value returns at shutdown.
+        ``pin_cpus`` (process backends, CPU nodes): each rank's process runs on the core of its
+        CPU slot only (``placement.pin_to_cpu_slot``)."""
         options = BackendOptions(
             namespace=namespace,
             address=address,
@@ -39,8 +42,10 @@ class Cluster:
             ray_init_kwargs=dict(ray_init_kwargs or {}),
             shared_event_loop=shared_event_loop,
             gil_switch_interval=gil_switch_interval,
+            pin_cpus=pin_cpus,
         )
         self.backend = backend
+        self.pin_cpus = pin_cpus
         self.namespace = namespace
         self.backend_impl = backend_class(backend)(options)
         self.nodes = self.backend_impl.start()

@@ -6,10 +6,13 @@ next ``n1``, and so on. A component gets one rank per device it is placed on.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tidal.runtime.errors import PlacementError
+
+CPU_SLOT_ENV = "TIDAL_CPU_SLOT"
 
 
 @dataclass(frozen=True)
@@ -30,11 +33,27 @@ class RankPlacement:
     node: NodeInfo
     local_device: int
 
-    def device_env(self) -> dict[str, str]:
-        """Environment that pins the rank to its device (CUDA_VISIBLE_DEVICES on GPU nodes)."""
+    def device_env(self, pin_cpus: bool = False) -> dict[str, str]:
+        """Environment that pins the rank to its device: CUDA_VISIBLE_DEVICES on GPU nodes; on
+        CPU nodes, with ``pin_cpus``, the CPU slot its process pins itself to (``pin_to_cpu_slot``)."""
         if self.node.device_kind == "gpu":
             return {"CUDA_VISIBLE_DEVICES": str(self.local_device)}
-        return {}
+        return {CPU_SLOT_ENV: str(self.local_device)} if pin_cpus else {}
+
+
+def pin_to_cpu_slot(slot: int) -> set[int]:
+    """Pin every thread of this process, and so every thread it starts later, to one core:
+    slot ``s`` of a node takes the ``s mod n``-th of the ``n`` cores the process may use. Ranks
+    placed on different slots then never take each other's core (the kernel otherwise moves
+    them around, so an overlapped collection lands on the trainer's core)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    core = {allowed[slot % len(allowed)]}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), core)
+        except OSError:  # the thread ended meanwhile
+            pass
+    return core
 
 
 def parse_devices(

@@ -159,7 +159,7 @@ class GroupSpec:
                 local_rank=per_node[r.node.index].index(r.rank),
                 local_world_size=len(per_node[r.node.index]),
                 backend=cluster.backend,
-                env=tuple({**r.device_env(), **(env or {})}.items()),
+                env=tuple({**r.device_env(cluster.pin_cpus), **(env or {})}.items()),
             )
             for r in ranks
         ]

@@ -28,6 +28,7 @@ class BackendOptions:
     ray_init_kwargs: dict = field(default_factory=dict)
     shared_event_loop: bool = True
     gil_switch_interval: float | None = None
+    pin_cpus: bool = False
 
 
 class RankHandle(Protocol):
@@ -82,6 +83,11 @@ class Backend(ABC):
     multi_process: ClassVar[bool]
 
     def __init__(self, options: BackendOptions):
+        if options.pin_cpus and not self.multi_process:
+            raise ValueError(
+                f"pin_cpus: the {self.name} backend runs ranks as threads of one process; "
+                "pinning needs a process per rank (e.g. ray)"
+            )
         self.options = options
 
     @abstractmethod

@@ -20,7 +20,7 @@ from tidal.runtime.backends.ray_channel import (
 from tidal.runtime.backends.ray_pipe import INBOX, OUTBOXES, REPLIES, DeathWatch, dumps, loads
 from tidal.runtime.errors import ClusterUnreachable, WorkerError
 from tidal.runtime.handle import CallResult
-from tidal.runtime.placement import NodeInfo
+from tidal.runtime.placement import CPU_SLOT_ENV, NodeInfo, pin_to_cpu_slot
 from tidal.runtime.rank import RankInfo, RankRunner
 
 
@@ -35,6 +35,8 @@ class RayRankActor:
 
     def __init__(self):
         self.runner: RankRunner | None = None
+        if CPU_SLOT_ENV in os.environ:  # before the rank builds anything (its threads inherit)
+            pin_to_cpu_slot(int(os.environ[CPU_SLOT_ENV]))
 
     def node_address(self) -> tuple[str, int]:
         import ray
