@@ -75,7 +75,10 @@ def test_overrides_apply_with_types():
             r"cluster.placement: a data-parallel actor .* needs cluster.backend=ray",
         ),
         (["cluster.backend=slurm"], r"cluster.backend: expected one of local, ray, got 'slurm'"),
-        (["cluster.pin_cpus=true"], r"cluster.pin_cpus: pins a process per rank; the local backend"),
+        (
+            ["cluster.pin_cpus=true"],
+            r"cluster.pin_cpus: pins a process per rank; the local backend",
+        ),
         (["algorithm.dual_clip=0.5"], r"algorithm.dual_clip: must be > 1"),
         (["algorithm.kl_coef=-0.1"], r"algorithm.kl_coef: must be >= 0, got -0.1"),
         (["algorithm.kl_kind=k9"], r"algorithm.kl_kind: expected one of k1, k2, k3, abs, got 'k9'"),
