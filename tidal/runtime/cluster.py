@@ -45,7 +45,6 @@ class Cluster:
             pin_cpus=pin_cpus,
         )
         self.backend = backend
-        self.pin_cpus = pin_cpus
         self.namespace = namespace
         self.backend_impl = backend_class(backend)(options)
         self.nodes = self.backend_impl.start()

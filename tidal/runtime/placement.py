@@ -46,6 +46,8 @@ def pin_to_cpu_slot(slot: int) -> set[int]:
     slot ``s`` of a node takes the ``s mod n``-th of the ``n`` cores the process may use. Ranks
     placed on different slots then never take each other's core (the kernel otherwise moves
     them around, so an overlapped collection lands on the trainer's core)."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise OSError("cluster.pin_cpus: this OS cannot pin threads to cores (needs Linux)")
     allowed = sorted(os.sched_getaffinity(0))
     core = {allowed[slot % len(allowed)]}
     for tid in os.listdir("/proc/self/task"):

@@ -159,7 +159,9 @@ class GroupSpec:
                 local_rank=per_node[r.node.index].index(r.rank),
                 local_world_size=len(per_node[r.node.index]),
                 backend=cluster.backend,
-                env=tuple({**r.device_env(cluster.pin_cpus), **(env or {})}.items()),
+                env=tuple(
+                    {**r.device_env(cluster.backend_impl.options.pin_cpus), **(env or {})}.items()
+                ),
             )
             for r in ranks
         ]
