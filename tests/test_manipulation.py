@@ -75,6 +75,40 @@ def test_sft_then_train_from_the_saved_policy_reports_success(tmp_path, capsys):
         summary["best_value"] == steps[-1]["eval/success_rate"]
     )  # the one evaluation after a step
 
+    # tidal eval: the saved policy, then the run's last checkpoint, on the same fresh episodes
+    bc = _eval(capsys, [str(VLA), *overrides, "--episodes", "3", "--sampled"])
+    assert bc["episodes"] == 3 and bc["checkpoint"] is None
+    assert {"eval/success_rate/reach-v3", "eval_sampled/success_rate/reach-v3"} <= set(bc)
+    assert bc["eval_sampled/return"] != bc["eval/return"]
+    assert (
+        _eval(capsys, [str(VLA), *overrides, "--episodes", "3"])["eval/return"] == bc["eval/return"]
+    )
+    last = str(Path(summary["run_dir"]) / "checkpoints")
+    trained = _eval(capsys, [str(VLA), *overrides, "--episodes", "3", "--checkpoint", last])
+    assert trained["checkpoint"].endswith("step_000002")
+    assert trained["eval/return"] != bc["eval/return"]  # the checkpoint's weights, not BC's
+    assert json.loads((Path(trained["run_dir"]) / "summary.json").read_text())["episodes"] == 3
+
+
+def _eval(capsys, args: list[str]) -> dict:
+    assert main(["eval", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--episodes", "0"], "--episodes: must be >= 1, got 0"),
+        (["--n", "2"], "--n: embodied configs take --episodes and --sampled"),
+        (["--checkpoint", "nowhere"], "--checkpoint"),
+        (["model.path=null"], "model.path: tidal eval needs a saved policy"),
+    ],
+)
+def test_bad_embodied_eval_arguments_name_them(tmp_path, capsys, args, message):
+    assert main(["eval", str(VLA), f"runner.run_dir={tmp_path}", *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before a run folder exists
+
 
 def _assert_eval_videos(run_dir: Path, steps: list[int], episode_steps: int) -> None:
     """One GIF per evaluation: two envs side by side, a frame per action (not per chunk), and

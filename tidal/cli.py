@@ -107,15 +107,25 @@ def sft(args: argparse.Namespace) -> int:
 
 
 def evaluate(args: argparse.Namespace) -> int:
-    """Evaluate a model folder or checkpoint on the held-out records; print the summary."""
-    from tidal.config import ConfigError, load_config
-    from tidal.config.llm import LLMConfig
-    from tidal.runners.evaluate import run_eval
+    """Evaluate a model folder or checkpoint: an LM on the held-out records, an embodied policy
+    on fresh episodes; print the summary."""
+    from tidal.config import ConfigError
 
     _setup_logging()
     try:
-        cfg = load_config(LLMConfig, args.config, args.overrides)
-        summary = run_eval(cfg, args.checkpoint, args.n)
+        task, cfg = _config(args)
+        if task == "embodied":
+            if args.n is not None:
+                raise ConfigError("--n: embodied configs take --episodes and --sampled")
+            from tidal.runners.embodied_eval import run_embodied_eval
+
+            summary = run_embodied_eval(cfg, args.checkpoint, args.episodes, args.sampled)
+        else:
+            if args.episodes is not None or args.sampled:
+                raise ConfigError("--episodes, --sampled: LM configs take --n (pass@k)")
+            from tidal.runners.evaluate import run_eval
+
+            summary = run_eval(cfg, args.checkpoint, 1 if args.n is None else args.n)
     except (ConfigError, FileNotFoundError) as exc:
         return _fail("config error", exc)
     print(json.dumps(summary, indent=2))
@@ -171,9 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     p_sft.add_argument("overrides", nargs="*")
     p_sft.set_defaults(fn=sft)
     p_eval = sub.add_parser(
-        "eval", help="score a model or checkpoint on data.eval_path (the config's reward)"
+        "eval",
+        help="score a model or checkpoint: an LM on data.eval_path (the config's reward), "
+        "an embodied policy on fresh episodes",
     )
-    p_eval.add_argument("config", help="an LLM config, e.g. examples/llm/gsm8k_grpo.yaml")
+    p_eval.add_argument("config", help="a config, e.g. examples/llm/gsm8k_grpo.yaml")
     p_eval.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     p_eval.add_argument(
         "--checkpoint",
@@ -183,8 +195,19 @@ def main(argv: list[str] | None = None) -> int:
     p_eval.add_argument(
         "--n",
         type=int,
-        default=1,
-        help="sampled completions per record besides the greedy one (pass@k)",
+        default=None,
+        help="LM: sampled completions per record besides the greedy one (pass@k; default 1)",
+    )
+    p_eval.add_argument(
+        "--episodes",
+        type=int,
+        default=None,
+        help="embodied: episodes, one per env copy (default env.eval_num_envs)",
+    )
+    p_eval.add_argument(
+        "--sampled",
+        action="store_true",
+        help="embodied: also run the same episodes with sampled actions (eval_sampled/*)",
     )
     p_eval.set_defaults(fn=evaluate)
     p_serve = sub.add_parser(

@@ -1,0 +1,100 @@
+"""``tidal eval`` for embodied configs: a saved policy (``model.path``, or a training checkpoint
+of it) on ``episodes`` fresh episodes, greedy and optionally with sampled actions on the same
+episodes; success rates overall and per task, and the mean return. Env copy ``i`` runs task
+``i % len(tasks)`` on a multi-task env, so a multiple of the task count weighs tasks equally.
+
+The episodes' seeds start at ``runner.seed + EPISODE_SEED``, far from the training envs' seeds and
+from those of the training run's evaluations, so a comparison of two policies (e.g. after
+``tidal sft`` and after ``tidal train``) runs on the same episodes that neither has seen. Writes
+``summary.json`` into a new run folder ``run_dir/<experiment>-eval``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from tidal.config import ConfigError, to_yaml
+from tidal.config.embodied import (
+    EmbodiedConfig,
+    env_make_kwargs,
+    validate_embodied,
+    validate_saved_policy,
+)
+from tidal.envs import make_env
+from tidal.models.imitation import evaluate_success
+from tidal.models.policy import build_from_config
+from tidal.runners.loop import run_folder
+
+log = logging.getLogger("tidal.eval")
+EPISODE_SEED = 5 * 10**6  # training envs use runner.seed + i, evaluations 10**6 + i + 7,919 * step
+
+
+def validate_embodied_eval(
+    cfg: EmbodiedConfig, checkpoint: str | None, episodes: int
+) -> Path | None:
+    """A saved policy to evaluate, a positive episode count, and the checkpoint folder when one is
+    given; all before the env or the run folder exists."""
+    if episodes < 1:
+        raise ConfigError(f"--episodes: must be >= 1, got {episodes}")
+    if cfg.model.path is None:
+        raise ConfigError("model.path: tidal eval needs a saved policy (tidal sft writes one)")
+    folder = None
+    if checkpoint is not None:
+        from tidal.checkpoint import resolve_checkpoint
+
+        try:
+            folder = resolve_checkpoint(checkpoint)
+        except FileNotFoundError as exc:
+            raise ConfigError(str(exc).replace("runner.resume_from", "--checkpoint")) from None
+    validate_embodied(cfg)
+    validate_saved_policy(cfg.model, cfg.env.num_action_chunks)
+    return folder
+
+
+def run_embodied_eval(
+    cfg: EmbodiedConfig,
+    checkpoint: str | None = None,
+    episodes: int | None = None,
+    sampled: bool = False,
+) -> dict:
+    episodes = cfg.env.eval_num_envs if episodes is None else episodes
+    folder = validate_embodied_eval(cfg, checkpoint, episodes)
+    torch.set_num_threads(cfg.cluster.torch_threads)
+    env = make_env(cfg.env.adapter, episodes, **env_make_kwargs(cfg.env))
+    try:
+        policy = build_from_config(
+            cfg.model, env.observation_space, env.action_space, cfg.env.num_action_chunks
+        )
+        if folder is not None:
+            from tidal.checkpoint import load_checkpoint
+
+            policy.load_state_dict(load_checkpoint(folder)[0])
+        seeds = [cfg.runner.seed + EPISODE_SEED + i for i in range(episodes)]
+        start = time.perf_counter()
+        summary = {
+            "model_path": cfg.model.path,
+            "checkpoint": None if folder is None else str(folder),
+            "episodes": episodes,
+            **evaluate_success(policy, env, seeds, deterministic=True),
+        }
+        if sampled:
+            torch.manual_seed(cfg.runner.seed)
+            summary.update(
+                evaluate_success(policy, env, seeds, deterministic=False, prefix="eval_sampled")
+            )
+        summary["wall_time"] = time.perf_counter() - start
+    finally:
+        env.close()
+    run_dir = run_folder(
+        dataclasses.replace(cfg.runner, experiment=f"{cfg.runner.experiment}-eval"), None
+    )
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    log.info("eval: success %.3f on %d episodes", summary.get("eval/success_rate", 0.0), episodes)
+    return {**summary, "run_dir": str(run_dir)}
