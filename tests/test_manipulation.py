@@ -88,6 +88,9 @@ def test_sft_then_train_from_the_saved_policy_reports_success(tmp_path, capsys):
     assert trained["checkpoint"].endswith("step_000002")
     assert trained["eval/return"] != bc["eval/return"]  # the checkpoint's weights, not BC's
     assert json.loads((Path(trained["run_dir"]) / "summary.json").read_text())["episodes"] == 3
+    # a checkpoint alone: the policy is built from the config, the checkpoint's weights loaded
+    alone = [str(VLA), *overrides, "model.path=null", "--episodes", "3", "--checkpoint", last]
+    assert _eval(capsys, alone)["eval/return"] == trained["eval/return"]
 
 
 def _eval(capsys, args: list[str]) -> dict:
@@ -101,7 +104,10 @@ def _eval(capsys, args: list[str]) -> dict:
         (["--episodes", "0"], "--episodes: must be >= 1, got 0"),
         (["--n", "2"], "--n: embodied configs take --episodes and --sampled"),
         (["--checkpoint", "nowhere"], "--checkpoint"),
-        (["model.path=null"], "model.path: tidal eval needs a saved policy"),
+        (
+            ["model.path=null"],
+            "model.path: tidal eval needs a saved policy (tidal sft writes one) or --checkpoint",
+        ),
     ],
 )
 def test_bad_embodied_eval_arguments_name_them(tmp_path, capsys, args, message):

@@ -1,6 +1,6 @@
-"""``tidal eval`` for embodied configs: a saved policy (``model.path``, or a training checkpoint
-of it) on ``episodes`` fresh episodes, greedy and optionally with sampled actions on the same
-episodes; success rates overall and per task, and the mean return. Env copy ``i`` runs task
+"""``tidal eval`` for embodied configs: a saved policy (``model.path``) or a training checkpoint on
+``episodes`` fresh episodes, as the run evaluates (greedy unless ``rollout.eval_deterministic``
+is off) and optionally with sampled actions on the same episodes; success rates overall and per task, and the mean return. Env copy ``i`` runs task
 ``i % len(tasks)`` on a multi-task env, so a multiple of the task count weighs tasks equally.
 
 The episodes' seeds start at ``runner.seed + EPISODE_SEED``, far from the training envs' seeds and
@@ -37,12 +37,15 @@ EPISODE_SEED = 5 * 10**6  # training envs use runner.seed + i, evaluations 10**6
 def validate_embodied_eval(
     cfg: EmbodiedConfig, checkpoint: str | None, episodes: int
 ) -> Path | None:
-    """A saved policy to evaluate, a positive episode count, and the checkpoint folder when one is
-    given; all before the env or the run folder exists."""
+    """A policy to evaluate (saved, or built from the config for a checkpoint's weights), a
+    positive episode count, and the checkpoint folder when one is given; all before the env or
+    the run folder exists."""
     if episodes < 1:
         raise ConfigError(f"--episodes: must be >= 1, got {episodes}")
-    if cfg.model.path is None:
-        raise ConfigError("model.path: tidal eval needs a saved policy (tidal sft writes one)")
+    if cfg.model.path is None and checkpoint is None:
+        raise ConfigError(
+            "model.path: tidal eval needs a saved policy (tidal sft writes one) or --checkpoint"
+        )
     folder = None
     if checkpoint is not None:
         from tidal.checkpoint import resolve_checkpoint
@@ -80,7 +83,7 @@ def run_embodied_eval(
             "model_path": cfg.model.path,
             "checkpoint": None if folder is None else str(folder),
             "episodes": episodes,
-            **evaluate_success(policy, env, seeds, deterministic=True),
+            **evaluate_success(policy, env, seeds, deterministic=cfg.rollout.eval_deterministic),
         }
         if sampled:
             torch.manual_seed(cfg.runner.seed)
