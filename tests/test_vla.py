@@ -14,6 +14,7 @@ from tidal.envs import LayoutBox, ObsLayout, make_env
 from tidal.envs.demos import Demonstrations, collect_metaworld_demos
 from tidal.models import build_policy, load_policy, save_policy
 from tidal.models.imitation import bc_loss, evaluate_success, train_bc
+from tidal.models.vla import GREEDY
 
 ACTIONS = gym.spaces.Box(-1.0, 1.0, (4,), dtype=np.float32)
 STATE = LayoutBox(ObsLayout(state_dim=6, num_tokens=5, vocab_size=50))
@@ -78,6 +79,24 @@ def test_vla_bins_follow_openvla_discretisation():
     assert (
         np.abs(recovered - any_action[..., :2].numpy()).max() <= 1 / 256 + 1e-6
     )  # within half a bin
+
+
+def test_greedy_action_is_the_likeliest_bin_or_the_one_nearest_the_mean(tmp_path):
+    """Two modes 100 bins apart, the lower one likelier: argmax takes it, mean the bin between
+    them (its distribution's mean); the choice is saved with the folder."""
+    policies = {g: build_policy("vla", STATE, ACTIONS, 1, greedy=g, **SMALL) for g in GREEDY}
+    logits = torch.full((256,), -30.0)
+    logits[[50, 150]] = torch.tensor([0.6, 0.4]).log()
+    for policy in policies.values():
+        with torch.no_grad():
+            policy.action_head.bias.copy_(logits)  # the head's weights start at zero
+    obs = policy.prepare(packed(STATE, 3))
+    assert (policies["argmax"].act(obs, deterministic=True).actions == 50).all()
+    assert (policies["mean"].act(obs, deterministic=True).actions == 90).all()
+    loaded = load_policy(save_policy(policies["mean"], tmp_path / "p"))
+    assert (loaded.act(loaded.prepare(packed(STATE, 3)), deterministic=True).actions == 90).all()
+    with pytest.raises(ValueError, match="model.kwargs.greedy: expected one of argmax, mean"):
+        build_policy("vla", STATE, ACTIONS, 1, greedy="median", **SMALL)
 
 
 def test_vla_and_cnn_see_pixels_and_learn_through_them():

@@ -7,7 +7,9 @@ decoded at once from learned queries with bidirectional attention (OpenVLA-OFT's
 decoding), so a chunk costs one forward pass. Log-probabilities are per token ``[B, C, A]``
 (the loss sums them per action or per chunk when asked). An optional critic head for PPO
 reads the trunk's pooled output, detached so that the value loss cannot move the actor
-(``critic_detached``; off: a value query in the sequence, trained end to end).
+(``critic_detached``; off: a value query in the sequence, trained end to end). Evaluation's
+deterministic action is each token's most likely bin (``greedy: argmax``) or the bin nearest its
+distribution's mean (``greedy: mean``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,18 @@ from tidal.models.policy import (
 )
 
 
+def mean_bin(logits: torch.Tensor) -> torch.Tensor:
+    """The bin nearest the distribution's mean: bins are ordered values of one action
+    dimension, so this is the Gaussian policy's deterministic action for binned actions."""
+    bins = torch.arange(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+    return (logits.softmax(-1) @ bins).round().long()
+
+
+# the deterministic action (evaluation): argmax is OpenVLA's; mean is steadier when the bins'
+# distribution is broad (BENCHMARKS.md, issue 14: button-press 0% -> 90% for the same weights)
+GREEDY = {"argmax": lambda logits: logits.argmax(-1), "mean": mean_bin}
+
+
 @register_policy("vla")
 class TokenActionPolicy(EmbodiedPolicy):
     def __init__(
@@ -45,8 +59,14 @@ class TokenActionPolicy(EmbodiedPolicy):
         obs_norm: bool = False,
         dropout: float = 0.0,
         critic_detached: bool = True,
+        greedy: str = "argmax",
     ):
         super().__init__()
+        if greedy not in GREEDY:
+            raise ValueError(
+                f"model.kwargs.greedy: expected one of {', '.join(GREEDY)}, got {greedy!r}"
+            )
+        self.greedy = GREEDY[greedy]
         self.layout = layout = layout_of(observation_space)
         if not isinstance(action_space, gym.spaces.Box) or len(action_space.shape) != 1:
             raise ValueError(f"model 'vla': needs a flat Box action space, got {action_space}")
@@ -144,7 +164,7 @@ class TokenActionPolicy(EmbodiedPolicy):
     def act(self, inputs, deterministic=False) -> PolicyStep:
         logits, values = self._forward(inputs["obs"])
         dist = Categorical(logits=logits, validate_args=False)
-        actions = logits.argmax(-1) if deterministic else sample_categorical(logits)
+        actions = self.greedy(logits) if deterministic else sample_categorical(logits)
         return PolicyStep(
             actions=actions, logprobs=dist.log_prob(actions), values=values, inputs=inputs
         )
