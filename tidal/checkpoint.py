@@ -177,6 +177,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return path
 
 
+def checkpoint_argument(path: str | None) -> Path | None:
+    """``tidal eval --checkpoint``: the checkpoint folder it names (None when not given), or a
+    config error naming the flag."""
+    if path is None:
+        return None
+    from tidal.config.loader import ConfigError
+
+    try:
+        return resolve_checkpoint(path)
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc).replace("runner.resume_from", "--checkpoint")) from None
+
+
 def load_extra(path: str | Path, name: str) -> Any | None:
     """An ``extra`` file of a checkpoint (weights-only load); None when it has none."""
     file = resolve_checkpoint(path) / name

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from tidal.checkpoint import checkpoint_argument, load_checkpoint
 from tidal.config import ConfigError, to_yaml
 from tidal.config.embodied import (
     EmbodiedConfig,
@@ -46,14 +47,7 @@ def validate_embodied_eval(
         raise ConfigError(
             "model.path: tidal eval needs a saved policy (tidal sft writes one) or --checkpoint"
         )
-    folder = None
-    if checkpoint is not None:
-        from tidal.checkpoint import resolve_checkpoint
-
-        try:
-            folder = resolve_checkpoint(checkpoint)
-        except FileNotFoundError as exc:
-            raise ConfigError(str(exc).replace("runner.resume_from", "--checkpoint")) from None
+    folder = checkpoint_argument(checkpoint)
     validate_embodied(cfg)
     validate_saved_policy(cfg.model, cfg.env.num_action_chunks)
     return folder
@@ -74,8 +68,6 @@ def run_embodied_eval(
             cfg.model, env.observation_space, env.action_space, cfg.env.num_action_chunks
         )
         if folder is not None:
-            from tidal.checkpoint import load_checkpoint
-
             policy.load_state_dict(load_checkpoint(folder)[0])
         seeds = [cfg.runner.seed + EPISODE_SEED + i for i in range(episodes)]
         start = time.perf_counter()

@@ -12,6 +12,7 @@ import logging
 import time
 from pathlib import Path
 
+from tidal.checkpoint import checkpoint_argument
 from tidal.config import ConfigError, to_yaml
 from tidal.config.llm import LLMConfig, validate_llm, validate_model_path
 from tidal.inference import GenerationEngine, InferenceClient, InferenceServer
@@ -39,14 +40,7 @@ def validate_eval(cfg: LLMConfig, checkpoint: str | None, n: int) -> Path | None
         raise ConfigError("data.eval_path: tidal eval needs held-out records (a dataset file)")
     if n < 0:
         raise ConfigError(f"--n: must be >= 0, got {n}")
-    if checkpoint is None:
-        return None
-    from tidal.checkpoint import resolve_checkpoint
-
-    try:
-        return resolve_checkpoint(checkpoint)
-    except FileNotFoundError as exc:
-        raise ConfigError(str(exc).replace("runner.resume_from", "--checkpoint")) from None
+    return checkpoint_argument(checkpoint)
 
 
 def serve_and_evaluate(
