@@ -54,10 +54,44 @@ def describe(cfg: Any, indent: int = 0) -> str:
             lines.append(f"{pad}{f.name}:{comment}")
             lines.append(describe(value, indent + 1))
         else:
-            rendered = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
-            rendered = rendered.removesuffix("\n...").removesuffix("...").strip()
-            lines.append(f"{pad}{f.name}: {rendered}{comment}")
+            lines.append(f"{pad}{f.name}: {yaml_value(value)}{comment}")
     return "\n".join(lines)
+
+
+def yaml_value(value: Any) -> str:
+    """A value as one line of YAML, the way a config file would spell it."""
+    rendered = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+    return rendered.removesuffix("\n...").removesuffix("...").strip()
+
+
+def markdown_reference(halves: Mapping[str, type], header: str = "") -> str:
+    """Every key of every half as markdown: a table per section with type, default and help."""
+    out = [header.strip(), ""] if header else []
+    for half, cfg_cls in halves.items():
+        out += [f"## {half} (`runner.task: {half}`)", ""]
+        cfg = cfg_cls()
+        for f in dataclasses.fields(cfg):
+            value = getattr(cfg, f.name)
+            if not dataclasses.is_dataclass(value):
+                raise TypeError(f"{cfg_cls.__name__}.{f.name}: top-level keys must be sections")
+            out += [f"### `{f.name}`", "", " ".join(f.metadata.get("help", "").split()), ""]
+            out += ["| key | type | default | help |", "| --- | --- | --- | --- |"]
+            out += _markdown_rows(value, f"{f.name}.")
+            out.append("")
+    return "\n".join(out)
+
+
+def _markdown_rows(cfg: Any, prefix: str) -> list[str]:
+    rows = []
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), f"{prefix}{f.name}"
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        default = "(section)" if dataclasses.is_dataclass(value) else f"`{yaml_value(value)}`"
+        cells = [f"`{key}`", f"`{kind}`", default, f.metadata.get("help", "")]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        if dataclasses.is_dataclass(value):
+            rows += _markdown_rows(value, f"{key}.")
+    return rows
 
 
 def flat_keys(data: Mapping, prefix: str = "") -> Iterable[str]:
