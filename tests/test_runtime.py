@@ -495,6 +495,24 @@ def test_backends_register_by_name():
         group.shutdown()
 
 
+def test_reading_a_config_loads_no_backend_machinery():
+    """Backends are imported on first use: a config that names ray loads neither torch nor
+    cloudpickle nor Ray (a fresh interpreter: this one has them all)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).parent.parent / "examples" / "embodied" / "cartpole_ppo.yaml"
+    code = (
+        "import sys\n"
+        "from tidal.config import EmbodiedConfig, load_config\n"
+        f"load_config(EmbodiedConfig, {str(example)!r}, ['cluster.backend=ray'])\n"
+        "print(sorted({'torch', 'cloudpickle', 'ray'} & set(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_worker_module_does_not_import_the_cluster():
     """No import cycle: ``worker`` may name the cluster in annotations only."""
     import ast
