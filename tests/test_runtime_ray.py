@@ -73,9 +73,15 @@ def test_one_rank_dying_fails_fast_naming_it(two_nodes):
     group.shutdown()
 
 
+def assert_no_channel_actor(channel: Channel) -> None:
+    with pytest.raises(ValueError):  # Ray's answer for an actor name it does not know
+        ray.get_actor(f"tidal.channel.{channel.name}", namespace="tidal")
+
+
 def test_point_to_point_across_nodes_bypasses_the_channel_actor(two_nodes):
-    """A channel bound to its reader sends routed keys rank to rank: with the channel actor
-    gone, shards still cross from node 0 to node 1 (and the weights too)."""
+    """A channel bound to its reader sends routed keys rank to rank, with no channel actor:
+    shards cross from node 0 to node 1 (and the weights too). Only the rank a key is routed to
+    reads it, and every key is routed to a rank of the group."""
     import torch
 
     src = EchoWorker.create_group().launch(two_nodes, placement="0-1", name="p2p_src")
@@ -83,7 +89,12 @@ def test_point_to_point_across_nodes_bypasses_the_channel_actor(two_nodes):
     try:
         ch = Channel.create(f"p2p-{time.monotonic_ns()}", two_nodes, consumer=dst)
         assert ch.direct
-        ray.kill(ch._transport.actor)  # nothing may pass through it now
+        assert_no_channel_actor(ch)
+        key = CommMapper.build_channel_key(0, 1, "t")
+        with pytest.raises(RuntimeError, match=r"qsize\(key='0->1:t'\) outside rank 1 of group"):
+            ch.qsize(key)
+        with pytest.raises(ValueError, match=r"bound to group 'p2p_dst'.*dst in 0-1; got '0->2'"):
+            ch.put("lost", key=CommMapper.build_channel_key(0, 2))
         receiving = dst.async_recv_shard(ch, 2, 2, 12)
         src.send_shard(ch, 2, 2, 6).wait(timeout=60)
         assert [x for part in receiving.wait(timeout=60) for x in part] == list(range(12))
@@ -122,6 +133,11 @@ def test_unbounded_channel_goes_to_its_channel_actor_by_zeromq_and_its_death_is_
         assert time.monotonic() - start < 30
     finally:
         group.shutdown()
+
+
+def test_ray_channels_are_unbounded(two_nodes):
+    with pytest.raises(ValueError, match=r"channel 'bounded': maxsize=3, but channels on the ray"):
+        Channel.create("bounded", two_nodes, maxsize=3)
 
 
 def test_rank_dying_mid_transfer_is_named_within_the_timeout(two_nodes):
@@ -167,11 +183,11 @@ def test_embodied_loop_across_nodes_on_the_fast_path(two_nodes, tmp_path):
     )
 
     class FastPathOnly(EmbodiedRunner):
-        def build(self):  # the runner binds each channel to its reader; no channel actor left
+        def build(self):  # the runner binds each channel to its reader: no channel actor
             super().build()
             for name in ("env", "rollout", "actor", "weights"):
                 assert self.channels[name].direct
-                ray.kill(self.channels[name]._transport.actor)
+                assert_no_channel_actor(self.channels[name])
 
     runner = FastPathOnly(cfg)
     try:

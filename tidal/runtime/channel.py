@@ -6,11 +6,10 @@ queued weight reaches a target and takes that many items at once. Every wait has
 a timed-out operation takes nothing and loses nothing.
 
 Backends: on ``local`` the queues live in this process and items pass by reference
-(zero-copy). On ``ray`` the queues live in a small Ray actor that holds only object
-references: the producer puts the item in the object store once and the consumer reads it
-from there, so payloads never pass through the channel actor. A channel bound to the group
-that reads it (``bind``) keeps its routed keys in the reading rank's own process instead
-(``tidal.runtime.backends.ray_channel``).
+(zero-copy). On ``ray`` channels are unbounded; a channel bound to the group that reads it
+(``consumer``) keeps each routed key in the reading rank's own process
+(``tidal.runtime.backends.ray_routed``), any other channel in a small channel actor
+(``tidal.runtime.backends.ray_channel_actor``); items reach either by ZeroMQ.
 """
 
 from __future__ import annotations
@@ -383,24 +382,24 @@ class Channel:
 
     def __init__(self, name: str, transport):
         self.name, self._transport = name, transport
-        self.direct = False  # routed keys go point to point (after ``bind``)
 
     @classmethod
     def create(cls, name: str, cluster, maxsize: int = 0, consumer=None) -> Channel:
-        """``consumer``: the group that reads this channel's routed keys (see ``bind``)."""
+        """``consumer``: the group (a ``WorkerGroup``) that reads this channel's routed keys
+        (``CommMapper.build_channel_key(src, dst, tag)``: rank ``dst`` of ``consumer``). Where
+        the backend can, those items then travel point to point to that rank (on ray: by
+        ZeroMQ straight into its process, and only that rank reads them); the backend picks the
+        transport here, once. Keyed FIFO per producer and timeouts that take nothing hold
+        either way."""
         if maxsize < 0:
             raise ValueError(f"channel {name!r}: maxsize must be >= 0, got {maxsize}")
-        channel = cls(name, cluster.backend_impl.create_channel(name, maxsize))
-        return channel.bind(consumer) if consumer is not None else channel
+        handles = consumer.rank_handles if consumer is not None else None
+        return cls(name, cluster.backend_impl.create_channel(name, maxsize, handles))
 
-    def bind(self, consumer) -> Channel:
-        """Declare ``consumer`` (a ``WorkerGroup``) the reader of this channel's routed keys
-        (``CommMapper.build_channel_key(src, dst, tag)``: rank ``dst`` of ``consumer``). Where
-        the backend can, those items then travel point to point to that rank (on ray: a direct
-        call to its process instead of two through the channel actor). Semantics do not change:
-        keyed FIFO, back-pressure, timeouts that take nothing; anyone may still get any key."""
-        self.direct = self._transport.bind(consumer.rank_handles)
-        return self
+    @property
+    def direct(self) -> bool:
+        """Whether routed keys go point to point to their reading rank."""
+        return self._transport.direct
 
     @property
     def backend(self) -> str:

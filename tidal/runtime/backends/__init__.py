@@ -1,6 +1,8 @@
-"""Runtime backends, registered by name: ``local`` (threads of this process) and ``ray``."""
+"""Runtime backends, registered by name: ``local`` (threads of this process) and ``ray``.
 
-from tidal.runtime.backends import local, ray  # noqa: F401  (importing registers them)
+Each is imported when ``backend_class`` first asks for it, so naming one (a config) costs
+nothing."""
+
 from tidal.runtime.backends.base import (
     Backend,
     BackendOptions,

@@ -8,6 +8,7 @@ groups and channels talk to it only through this interface.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ class ChannelTransport(ABC):
     return an ``AsyncWork``; the others wait (at most ``timeout``) and return the result."""
 
     backend: ClassVar[str]
+    direct: ClassVar[bool] = False  # routed keys go point to point to their reading rank
 
     @abstractmethod
     def put(
@@ -69,12 +71,6 @@ class ChannelTransport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release what the transport holds."""
-
-    def bind(self, rank_handles: list) -> bool:
-        """Declare the consumer group of the channel's routed keys (``RouteKey.dst`` is its
-        rank). Returns whether the transport delivers to them directly; by default it does
-        not, and binding changes nothing."""
-        return False
 
 
 class Backend(ABC):
@@ -106,14 +102,20 @@ class Backend(ABC):
         (a backend may fill in e.g. the rendezvous address)."""
 
     @abstractmethod
-    def create_channel(self, name: str, maxsize: int) -> ChannelTransport:
-        """The transport of a new channel."""
+    def create_channel(
+        self, name: str, maxsize: int, consumer: list[RankHandle] | None
+    ) -> ChannelTransport:
+        """The transport of a new channel; ``consumer``: the ranks of the group that reads its
+        routed keys (``RouteKey.dst`` is the rank), which a backend may deliver to directly."""
 
     def shared_loop(self) -> EventLoopThread | None:
         """The event loop ranks share for their ``async`` methods, if the backend has one."""
         return None
 
 
+# The built-in backends, imported on first use: reading a config that names one must not load
+# what running it needs (the ray backend's transports load torch and cloudpickle).
+_BUILTIN = {"local": "tidal.runtime.backends.local", "ray": "tidal.runtime.backends.ray"}
 _BACKENDS: dict[str, type[Backend]] = {}
 
 
@@ -121,7 +123,7 @@ def register_backend(name: str):
     """Class decorator: make a backend available as ``Cluster(name)``."""
 
     def decorate(cls: type[Backend]) -> type[Backend]:
-        if name in _BACKENDS:
+        if name in _BACKENDS or _BUILTIN.get(name, cls.__module__) != cls.__module__:
             raise ValueError(f"runtime backend {name!r} is registered twice")
         cls.name = name
         _BACKENDS[name] = cls
@@ -131,13 +133,15 @@ def register_backend(name: str):
 
 
 def backend_class(name: str) -> type[Backend]:
+    if name not in _BACKENDS and name in _BUILTIN:
+        importlib.import_module(_BUILTIN[name])  # registers it
     try:
         return _BACKENDS[name]
     except KeyError:
         raise ValueError(
-            f"cluster.backend: expected one of {', '.join(sorted(_BACKENDS))}, got {name!r}"
+            f"cluster.backend: expected one of {', '.join(backend_names())}, got {name!r}"
         ) from None
 
 
 def backend_names() -> list[str]:
-    return sorted(_BACKENDS)
+    return sorted({*_BUILTIN, *_BACKENDS})

@@ -97,8 +97,8 @@ class LocalBackend(Backend):
     def launch_ranks(self, group, ranks, infos, timeout):
         return [LocalRank(info, self.shared_loop()) for info in infos], infos
 
-    def create_channel(self, name: str, maxsize: int) -> LocalTransport:
-        return LocalTransport(name, maxsize)
+    def create_channel(self, name: str, maxsize: int, consumer: list | None) -> LocalTransport:
+        return LocalTransport(name, maxsize)  # every rank is here: binding changes nothing
 
     def shared_loop(self) -> EventLoopThread | None:
         if not self.options.shared_event_loop:

@@ -11,13 +11,9 @@ import sys
 from dataclasses import replace
 
 from tidal.runtime.backends.base import Backend, register_backend
-from tidal.runtime.backends.ray_channel import (
-    MAILBOX,
-    RayTransport,
-    create_channel_actor,
-    deliver_from_pipe,
-)
+from tidal.runtime.backends.ray_channel_actor import ChannelActorTransport, create_channel_actor
 from tidal.runtime.backends.ray_pipe import INBOX, OUTBOXES, REPLIES, DeathWatch, dumps, loads
+from tidal.runtime.backends.ray_routed import RoutedTransport, deliver_from_pipe
 from tidal.runtime.errors import ClusterUnreachable, WorkerError
 from tidal.runtime.handle import CallResult
 from tidal.runtime.placement import CPU_SLOT_ENV, NodeInfo, pin_to_cpu_slot
@@ -54,17 +50,9 @@ class RayRankActor:
     async def call(self, method: str, args: tuple, kwargs: dict) -> CallResult:
         return await self.runner.call(method, args, kwargs)
 
-    # the mailbox: routed channel keys homed on this rank (see ray_channel)
-    async def deliver(self, envelope: tuple) -> bool | None:
-        return await MAILBOX.deliver(envelope)
-
-    async def mailbox_take(self, channel, maxsize, key, target, timeout):
-        return await MAILBOX.take(channel, maxsize, key, target, timeout)
-
-    def mailbox_qsize(self, channel, key) -> int:
-        return MAILBOX.qsize(channel, key)
-
     async def inbox_address(self) -> str:
+        """The inbox of group calls and of the items of channels bound to this rank's group
+        (``ray_routed``)."""
         return await INBOX.open({"item": deliver_from_pipe, "call": self._serve_call})
 
     async def until_death(self) -> None:
@@ -173,10 +161,15 @@ class RayBackend(Backend):
             ray.shutdown()
             self._started_ray = False
 
-    def create_channel(self, name: str, maxsize: int) -> RayTransport:
-        return RayTransport(
-            name, create_channel_actor(name, self.options.namespace, maxsize), maxsize
-        )
+    def create_channel(self, name: str, maxsize: int, consumer: list | None):
+        if maxsize:
+            raise ValueError(
+                f"channel {name!r}: maxsize={maxsize}, but channels on the ray backend are "
+                "unbounded (a put never waits for room); back-pressure needs the local backend"
+            )
+        if consumer is not None:
+            return RoutedTransport(name, consumer)
+        return ChannelActorTransport(name, create_channel_actor(name, self.options.namespace))
 
     def launch_ranks(self, group, ranks, infos, timeout):
         import ray

@@ -1,18 +1,18 @@
 """The ray backend's fast path: ZeroMQ PUSH → PULL sockets from a producer's process straight
 into the consumer rank's mailbox, and group calls the same way.
 
-A channel bound to its consumer group (``Channel.bind``) without ``maxsize`` needs no answer to
-a put, so its routed items need not be Ray calls at all: each rank's process opens one PULL
-socket (its *inbox*, on its node's address) and serves it on the rank's event loop; a producer
-process keeps one PUSH socket per inbox it sends to. ZeroMQ keeps each connection's messages in
+Channels on ray are unbounded, so a put needs no answer and its item need not be a Ray call
+at all. For a channel bound to the group that reads it (``ray_routed``) each rank's process
+opens one PULL socket (its *inbox*, on its node's address) and serves it on the rank's event
+loop; a producer process keeps one PUSH socket per inbox it sends to. ZeroMQ keeps each connection's messages in
 order (keyed FIFO per producer, as the mailbox needs), works across nodes over TCP, and moves a
 message without the receiving process running a Ray task (measured: a Ray task per item
 competes with the rank's own work for the GIL). vLLM and SGLang move their engines' hot traffic
 the same way. Tensors travel as out-of-band NumPy buffers (no copy into the pickle).
 
-An unbounded channel's other keys live in its channel actor, reached the same way: puts one
-way, gets and qsize as requests answered into the asker's reply inbox (``Replies``).
-Bounded channels keep Ray calls: a put that may wait for room needs its answer.
+An unbound channel's keys live in its channel actor (``ray_channel_actor``), reached the same
+way: puts one way, gets and qsize as requests answered into the asker's reply inbox
+(``Replies``).
 
 Group calls take the same road (``Replies``): the request goes into the rank's inbox, the
 ``CallResult`` comes back into the caller's reply inbox (a thread resolving futures), about a
