@@ -109,6 +109,36 @@ class TrainEngine:
         metrics["grad_norm"].append(self._optimizer_step())
         return metrics
 
+    def train_epochs(
+        self,
+        batch: dict[str, torch.Tensor],
+        loss_fn: LossFn,
+        *,
+        epochs: int,
+        minibatch: int,
+        micro_batch: int,
+        generator: torch.Generator,
+        stop: Callable[[dict[str, list[float]]], bool] | None = None,
+    ) -> dict[str, list[float]]:
+        """``epochs`` shuffled passes over a flat batch (``{name: [N, ...]}``): every
+        ``minibatch`` rows are one optimizer step accumulated over ``micro_batch`` rows.
+        ``stop(epoch_metrics)`` true ends the passes after that epoch."""
+        size = next(iter(batch.values())).shape[0]
+        metrics: dict[str, list[float]] = defaultdict(list)
+        for _ in range(epochs):
+            order = torch.randperm(size, generator=generator)
+            epoch: dict[str, list[float]] = defaultdict(list)
+            for start in range(0, size, minibatch):
+                rows = order[start : start + minibatch].split(micro_batch)
+                micro_batches = [{k: v[i] for k, v in batch.items()} for i in rows]
+                for k, v in self.train_batch(micro_batches, loss_fn).items():
+                    epoch[k].extend(v)
+            for k, v in epoch.items():
+                metrics[k].extend(v)
+            if stop is not None and stop(epoch):
+                break
+        return metrics
+
     def _optimizer_step(self) -> float:
         """Clip and step, unless the gradient is not finite: then skip the step (a non-finite
         update would poison the weights), warn, and abort after too many in a row."""

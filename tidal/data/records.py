@@ -71,6 +71,26 @@ class Trajectory:
     valid: torch.Tensor | None = None
     bootstrap_inputs: dict[str, torch.Tensor] | None = None
 
+    def samples(self) -> dict[str, torch.Tensor]:
+        """The per-step tensors a trainer re-evaluates, flat and time-major (``[T * B, ...]``):
+        ``in.<name>`` forward inputs, ``actions``, ``old_logprobs``, ``versions``."""
+        return {
+            **{f"in.{k}": flat_time_major(v) for k, v in self.forward_inputs.items()},
+            "actions": flat_time_major(self.actions),
+            "old_logprobs": flat_time_major(self.prev_logprobs),
+            "versions": flat_time_major(self.versions),
+        }
+
+
+def flat_time_major(x: torch.Tensor) -> torch.Tensor:
+    """Batch-first ``[B, T, ...]`` → time-major and flat, ``[T * B, ...]``."""
+    return flatten_steps(x.transpose(0, 1))
+
+
+def flatten_steps(x: torch.Tensor) -> torch.Tensor:
+    """``[T, B, ...]`` → ``[T * B, ...]``."""
+    return x.reshape(-1, *x.shape[2:])
+
 
 # ----------------------------------------------------------------------------- language records
 

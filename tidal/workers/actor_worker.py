@@ -10,21 +10,10 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from tidal.algorithms import (
-    advantage_spec,
-    decoupled_ppo_loss,
-    get_advantage,
-    kl_estimate,
-    loglinear_prox_logp,
-    loss_mask_from_dones,
-    masked_whiten,
-    ppo_policy_loss,
-    reduce_chunk_level,
-    reshape_logprobs,
-    value_loss,
-    within_staleness,
-)
+from tidal.algorithms.chunks import chunk_advantages, chunk_loss_inputs, spread_to
+from tidal.algorithms.objectives import drop_stale, make_objective
 from tidal.data import Trajectory
+from tidal.data.records import flat_time_major, flatten_steps
 from tidal.engine import TrainEngine
 from tidal.runtime import Channel, CommMapper, ConfigSections, Worker, merge_batches, send_weights
 from tidal.workers.rollout_worker import make_policy
@@ -33,11 +22,6 @@ from tidal.workers.routes import TRAJECTORY_TAG, Topology
 
 def _time_major(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1)
-
-
-def _flatten_steps(x: torch.Tensor) -> torch.Tensor:
-    """``[T, B, ...]`` → ``[T * B, ...]``."""
-    return x.reshape(-1, *x.shape[2:])
 
 
 class ActorWorker(Worker):
@@ -60,7 +44,7 @@ class ActorWorker(Worker):
         self.engine = TrainEngine(
             self.policy, cfg.actor, cfg.runner.max_steps, distributed=self.world_size > 1
         )
-        self.estimator = advantage_spec(cfg.algorithm.adv_type)
+        self.objective = make_objective(cfg.algorithm)
         # a KL penalty keeps the policy near the one training started from (model.path, e.g.
         # the behaviour-cloned policy): a frozen copy, as the language half keeps its reference
         self.ref = None
@@ -115,55 +99,27 @@ class ActorWorker(Worker):
         # its weights were fitted with: moving them would change what it does without a step
         if self.policy.obs_norm is not None and traj.raw_obs is not None and cfg.model.path is None:
             self.policy.obs_norm.update(traj.raw_obs)
-        rewards = _time_major(traj.rewards).float() * alg.reward_scale  # [T, B, C]
-        dones = _time_major(traj.dones)  # [T + 1, B, C]
-        steps, batch, chunk = rewards.shape
-        r, d = reduce_chunk_level(rewards, dones, alg.reward_type)
-        if cfg.env.auto_reset:
-            mask = torch.ones_like(r, dtype=torch.bool)
-            mask_sum = torch.full(r.shape, float(r.shape[0]))
-        else:
-            mask, mask_sum = loss_mask_from_dones(d)
-        if traj.valid is not None:  # envs that returned non-finite values: their samples are out
-            valid = _time_major(traj.valid)
-            per_action = alg.reward_type == "action"
-            mask = mask & (valid.repeat_interleave(chunk, 0) if per_action else valid)
         values = self._values(traj)
-        adv, ret = get_advantage(alg.adv_type)(
-            rewards=r,
-            values=values,
-            dones=d,
-            mask=mask,
+        out = chunk_advantages(
+            _time_major(traj.rewards).float() * alg.reward_scale,
+            _time_major(traj.dones),
+            values,
+            None if traj.valid is None else _time_major(traj.valid),
+            adv_type=alg.adv_type,
+            reward_type=alg.reward_type,
             gamma=alg.gamma,
             lam=alg.gae_lambda,
             group_size=cfg.env.group_size,
+            auto_reset=cfg.env.auto_reset,
+            normalize=alg.normalize_advantages,
         )
-        if alg.normalize_advantages and self.estimator.whiten:
-            adv = masked_whiten(adv, mask)
-        metrics = {
-            "rollout/reward_per_step": float(r[mask].mean()) if mask.any() else 0.0,
-            "rollout/advantage_mean": float(adv[mask].mean()) if mask.any() else 0.0,
-            "rollout/return_target_mean": float(ret[mask].mean()) if mask.any() else 0.0,
-            "rollout/valid_fraction": float(mask.float().mean()),
-            "rollout/policy_version_lag": float(self.engine.step - traj.versions.float().mean()),
-        }
-        if alg.reward_type == "action":  # [T * C, B] → [T, B, C]: one advantage per action
-            adv, ret = (x.reshape(steps, chunk, batch).transpose(1, 2) for x in (adv, ret))
-            mask, mask_sum = (
-                x.reshape(steps, chunk, batch).transpose(1, 2) for x in (mask, mask_sum)
-            )
-        self.batch = {
-            **{f"in.{k}": _flatten_steps(_time_major(v)) for k, v in traj.forward_inputs.items()},
-            "actions": _flatten_steps(_time_major(traj.actions)),
-            "old_logprobs": _flatten_steps(_time_major(traj.prev_logprobs)),
-            "advantages": _flatten_steps(adv),
-            "returns": _flatten_steps(ret),
-            "mask": _flatten_steps(mask),
-            "mask_sum": _flatten_steps(mask_sum),
-        }
+        lag = self.engine.step - traj.versions.float().mean()
+        metrics = {**out.metrics, "rollout/policy_version_lag": float(lag)}
+        self.batch = traj.samples()
+        for key in ("advantages", "returns", "mask", "mask_sum"):
+            self.batch[key] = flatten_steps(getattr(out, key))
         if values is not None:
-            self.batch["old_values"] = _flatten_steps(values[:-1])
-        self.batch["versions"] = _flatten_steps(_time_major(traj.versions))
+            self.batch["old_values"] = flatten_steps(values[:-1])
         if self.ref is not None:
             self.batch["ref_logprobs"] = self._logprobs_under(self.ref)
         metrics.update(self._staleness())
@@ -180,37 +136,25 @@ class ActorWorker(Worker):
         if not (stale and self.cfg.algorithm.recompute_values and traj.bootstrap_inputs):
             return _time_major(traj.prev_values).float()
         inputs = {  # [B, T + 1, ...] → [(T + 1) * B, ...], time-major
-            k: _flatten_steps(_time_major(torch.cat([v, traj.bootstrap_inputs[k][:, None]], 1)))
+            k: flat_time_major(torch.cat([v, traj.bootstrap_inputs[k][:, None]], 1))
             for k, v in traj.forward_inputs.items()
         }
         return self._critic(inputs).view(traj.prev_values.shape[1], -1)
 
-    @torch.no_grad()
     def _critic(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The current critic's values of flat inputs, a micro-batch at a time."""
-        size, micro = next(iter(inputs.values())).shape[0], self.cfg.actor.micro_batch_size
-        parts = [
-            self.policy.value({k: v[start : start + micro] for k, v in inputs.items()}).float()
-            for start in range(0, size, micro)
-        ]
-        return torch.cat(parts)
+        """The current critic's values of flat inputs."""
+        return self._no_grad_passes(lambda part: self.policy.value(part), inputs)
 
     def _staleness(self) -> dict[str, float]:
-        """How many versions behind the weights each sample is (``staleness/*``, the names the
-        language half uses). Asynchronous runs leave samples older than ``max_staleness`` out of
-        the loss (none with ``staleness_policy=wait``: admission already bounds them)."""
-        eta, version = self.cfg.rollout.max_staleness, self.engine.step
-        versions, mask = self.batch["versions"], self.batch["mask"]
-        metrics = {}
-        if eta > 0:
-            keep = within_staleness(versions, version, eta)
-            self.batch["mask"] = mask & keep.view(-1, *([1] * (mask.dim() - 1)))
-            metrics["rollout/stale_dropped"] = float((~keep).sum())
-            versions = versions[keep]
-        stale = (version - versions).float()
-        empty = len(stale) == 0
-        metrics["staleness/mean"] = 0.0 if empty else float(stale.mean())
-        metrics["staleness/max"] = 0.0 if empty else float(stale.max())
+        """How many versions behind the weights the samples are; asynchronous runs leave those
+        older than ``max_staleness`` out of the loss (none with ``staleness_policy=wait``:
+        admission already bounds them)."""
+        self.batch["mask"], metrics = drop_stale(
+            self.batch["versions"],
+            self.batch["mask"],
+            self.engine.step,
+            self.cfg.rollout.max_staleness,
+        )
         return metrics
 
     # -- training ------------------------------------------------------------------------
@@ -229,130 +173,61 @@ class ActorWorker(Worker):
         generator = torch.Generator().manual_seed(self.cfg.runner.seed + 1000 * self.rank + step)
         critic_only = step < alg.critic_warmup_steps
         accumulation = per_rank // act.micro_batch_size
-        if alg.use_decoupled_loss and alg.prox_logp_method == "recompute":
+        if self.objective.needs_prox:
             self.batch["prox_logprobs"] = self._logprobs_under(self.policy)
 
         def loss_fn(model, micro):
             loss, info = self._micro_loss(model, micro, critic_only)
             return loss / accumulation, info
 
-        metrics: dict[str, list[float]] = {}
-        for _ in range(alg.update_epochs):
-            order = torch.randperm(size, generator=generator)
-            epoch_kl = []
-            for start in range(0, size, per_rank):
-                idx = order[start : start + per_rank].split(act.micro_batch_size)
-                micro_batches = [{k: v[i] for k, v in self.batch.items()} for i in idx]
-                for k, v in self.engine.train_batch(micro_batches, loss_fn).items():
-                    metrics.setdefault(k, []).extend(v)
-                epoch_kl.extend(metrics["approx_kl"][-len(micro_batches) :])
-            if alg.target_kl is not None and np.mean(epoch_kl) > alg.target_kl:
-                break
+        target_kl = alg.target_kl
+        metrics = self.engine.train_epochs(
+            self.batch,
+            loss_fn,
+            epochs=alg.update_epochs,
+            minibatch=per_rank,
+            micro_batch=act.micro_batch_size,
+            generator=generator,
+            stop=None if target_kl is None else lambda e: np.mean(e["approx_kl"]) > target_kl,
+        )
         out = {f"train/{k}": float(np.mean(v)) for k, v in metrics.items()}
         out.update(self.engine.end_step())
         return self.all_reduce_mean(out)
 
-    @torch.no_grad()
     def _logprobs_under(self, model) -> torch.Tensor:
         """The batch's per-dimension log-probs under ``model``: this policy before the step
-        (the proximal policy of the decoupled loss, ``prox_logp_method=recompute``) or the
-        frozen reference of the KL penalty."""
-        size, micro = self.batch["actions"].shape[0], self.cfg.actor.micro_batch_size
-        outs = []
+        (the proximal policy of the decoupled loss) or the frozen reference of the KL penalty."""
         inputs = {k[3:]: v for k, v in self.batch.items() if k.startswith("in.")}
-        for start in range(0, size, micro):
-            part = {k: v[start : start + micro] for k, v in inputs.items()}
-            outs.append(
-                model(part, self.batch["actions"][start : start + micro])["logprobs"].float()
-            )
-        return torch.cat(outs)
+        inputs["actions"] = self.batch["actions"]
+        return self._no_grad_passes(
+            lambda part: model(part, part.pop("actions"))["logprobs"], inputs
+        )
 
-    def _policy_loss(self, logp, micro, adv, mask, mask_sum):
-        """Standard PPO against the behaviour log-probs, or decoupled PPO (trust region around
-        the proximal policy, behaviour weights capped) with the language half's functions."""
-        alg = self.cfg.algorithm
-        old = reshape_logprobs(micro["old_logprobs"], alg.logprob_type)
-        clip = (alg.clip_ratio_low, alg.clip_ratio_high)
-        agg = {
-            "agg": alg.loss_agg,
-            "loss_mask_sum": mask_sum,
-            "max_episode_steps": self.max_chunk_steps,
-        }
-        if not alg.use_decoupled_loss:
-            return ppo_policy_loss(logp, old, adv, mask, *clip, alg.dual_clip, **agg)
-        if alg.prox_logp_method == "recompute":
-            prox = reshape_logprobs(micro["prox_logprobs"], alg.logprob_type)
-        else:
-            versions = self._broadcast(micro["versions"], logp)
-            prox = loglinear_prox_logp(old, logp, versions, self.engine.step)
-        return decoupled_ppo_loss(
-            logp,
-            prox,
-            old,
-            adv,
-            mask,
-            *clip,
-            behav_weight_cap=alg.behav_weight_cap,
-            cap_mode=alg.cap_mode,
-            dual_clip=alg.dual_clip,
-            **agg,
+    @torch.no_grad()
+    def _no_grad_passes(self, fn, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``fn`` over flat inputs a micro-batch at a time, concatenated (float32)."""
+        size, micro = next(iter(inputs.values())).shape[0], self.cfg.actor.micro_batch_size
+        return torch.cat(
+            [
+                fn({k: v[start : start + micro] for k, v in inputs.items()}).float()
+                for start in range(0, size, micro)
+            ]
         )
 
     def _micro_loss(self, model, micro: dict[str, torch.Tensor], critic_only: bool):
-        alg = self.cfg.algorithm
         inputs = {k[3:]: v for k, v in micro.items() if k.startswith("in.")}
         out = model(inputs, micro["actions"])
-        level = alg.logprob_type
-        logp = reshape_logprobs(out["logprobs"].float(), level)
-        adv, mask, mask_sum = (
-            self._broadcast(micro[k], logp) for k in ("advantages", "mask", "mask_sum")
+        level = self.cfg.algorithm.logprob_type
+        policy, value = chunk_loss_inputs(micro, out, level, self.engine.step)
+        loss, info = self.objective.loss(
+            policy,
+            value,
+            critic_only,
+            agg=self.cfg.algorithm.loss_agg,
+            loss_mask_sum=spread_to(micro["mask_sum"], policy.logp),
+            max_episode_steps=self.max_chunk_steps,
         )
-        pg_loss, pg = self._policy_loss(logp, micro, adv, mask, mask_sum)
-        entropy = reshape_logprobs(out["entropy"].float(), level)
-        entropy_mean = torch.where(mask, entropy, 0.0).sum() / mask.sum().clamp(min=1)
-        info = {
-            "policy_loss": pg_loss.item(),
-            "entropy": entropy_mean.item(),
-            **{k: v.item() for k, v in pg.items()},
-        }
-        loss = torch.zeros(())
-        if not critic_only:
-            loss = pg_loss - alg.entropy_bonus * entropy_mean
-        if self.ref is not None:  # k1..k3 per element at the loss's level, masked mean
-            ref = reshape_logprobs(micro["ref_logprobs"], level)
-            kl = torch.where(mask, kl_estimate(logp, ref, alg.kl_kind), 0.0)
-            kl_ref = kl.sum() / mask.sum().clamp(min=1)
-            if not critic_only:
-                loss = loss + alg.kl_coef * kl_ref
-            info["kl_ref"] = kl_ref.item()
-        if "values" in out and "old_values" in micro:
-            step_mask = micro["mask"] if micro["mask"].dim() == 1 else micro["mask"].any(-1)
-            v_loss, v = value_loss(
-                out["values"].float(),
-                micro["old_values"],
-                self._step_returns(micro["returns"]),
-                step_mask,
-                alg.value_clip,
-                alg.huber_delta,
-            )
-            loss = loss + alg.vf_coef * v_loss
-            info.update({"value_loss": v_loss.item(), **{k: x.item() for k, x in v.items()}})
-        return loss, info
-
-    @staticmethod
-    def _broadcast(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """Per-step (``[N]``) or per-action (``[N, C]``) values spread to the log-prob level."""
-        while x.dim() < like.dim():
-            x = x.unsqueeze(-1)
-        if x.dim() > like.dim():  # per-action values at chunk level cannot happen (validated)
-            raise ValueError(
-                f"cannot spread {tuple(x.shape)} onto log-probs of {tuple(like.shape)}"
-            )
-        return x.expand_as(like)
-
-    @staticmethod
-    def _step_returns(returns: torch.Tensor) -> torch.Tensor:
-        return returns if returns.dim() == 1 else returns[:, 0]
+        return loss, {k: v.item() for k, v in info.items()}
 
     # -- checkpoints ---------------------------------------------------------------------
 

@@ -9,13 +9,8 @@ import functools
 import numpy as np
 import torch
 
-from tidal.algorithms import (
-    decoupled_ppo_loss,
-    get_advantage,
-    kl_estimate,
-    loglinear_prox_logp,
-    ppo_policy_loss,
-)
+from tidal.algorithms import get_advantage, kl_estimate
+from tidal.algorithms.objectives import PolicyInputs, make_objective, staleness_metrics
 from tidal.data import LMBatch
 from tidal.engine import TrainEngine
 from tidal.models.lm import load_causal_lm
@@ -83,6 +78,7 @@ class LMActor(Worker):
             self.model, cfg.actor, cfg.runner.max_steps, distributed=self.world_size > 1
         )
         self.temperature = cfg.rollout.temperature
+        self.objective = make_objective(cfg.algorithm)
 
     def send_weights(self, weights_ch: Channel, num_servers: int) -> int:
         if self.rank == 0:
@@ -154,15 +150,12 @@ class LMActor(Worker):
         mask = batch.loss_mask
         minibatches = torch.arange(mask.shape[0]).chunk(a.ppo_minibatches)
         mine = torch.cat([self.my_rows(mb) for mb in minibatches])
-        stale = (self.version - batch.versions)[mask].float()
+        stale = (self.version - batch.versions)[mask]
         ref_logp = None
         if self.ref is not None:
             # KL in the reward shapes the advantages, which every rank computes over all rows
             ref_logp = self.compute_logp(batch, self.ref, None if alg.kl_in == "reward" else mine)
-        need_forward = (
-            alg.use_decoupled_loss and alg.prox_logp_method in ("recompute", "metrics")
-        ) or (not alg.use_decoupled_loss and alg.recompute_logprob)
-        prox = self.compute_logp(batch, rows=mine) if need_forward else None
+        prox = self.compute_logp(batch, rows=mine) if self.objective.needs_prox else None
         adv = self.advantages(batch, ref_logp)
         for minibatch in minibatches:
             # DDP averages gradients over ranks: weigh by the global minibatch, times world size
@@ -186,12 +179,7 @@ class LMActor(Worker):
         out.update(
             {
                 **self.engine.end_step(),
-                "staleness/mean": float(stale.mean()) if len(stale) else 0.0,
-                "staleness/max": float(stale.max()) if len(stale) else 0.0,
-                **{
-                    f"staleness/frac_{k}": float((stale == k).float().mean()) if len(stale) else 0.0
-                    for k in range(1, 5)
-                },
+                **staleness_metrics(stale, buckets=4),
             }
         )
         out = self.all_reduce_mean(out)
@@ -208,40 +196,20 @@ class LMActor(Worker):
         logp = token_logprobs(
             model, batch.input_ids[i, :w], batch.attention_mask[i, :w], self.temperature
         )
-        m, b, ad = mask[i, :w], behave[i, :w], adv[i, :w]
-        if alg.use_decoupled_loss:
-            approx = loglinear_prox_logp(b, logp, batch.versions[i, :w], self.version)
-            p = approx if alg.prox_logp_method == "loglinear" else prox[i, :w]
-            loss, info = decoupled_ppo_loss(
-                logp,
-                p,
-                b,
-                ad,
-                m,
-                alg.clip_ratio_low,
-                alg.clip_ratio_high,
-                behav_weight_cap=alg.behav_weight_cap,
-                cap_mode=alg.cap_mode,
-                agg=alg.loss_agg,
-            )
-            if alg.prox_logp_method == "metrics":
-                info["prox_approx_abs_err"] = (
-                    (approx - prox[i, :w])[m].abs().mean() if m.any() else torch.zeros(())
-                )
-        else:
-            old = prox[i, :w] if alg.recompute_logprob else b
-            loss, info = ppo_policy_loss(
-                logp, old, ad, m, alg.clip_ratio_low, alg.clip_ratio_high, agg=alg.loss_agg
-            )
-        if self.ref is not None and alg.kl_in == "loss":
-            kl = torch.where(
-                m, kl_estimate(logp, ref_logp[i, :w], alg.kl_kind), 0.0
-            ).sum() / m.sum().clamp(min=1)
-            loss = loss + alg.kl_coef * kl
-            info["kl_ref"] = kl.detach()
+        m = mask[i, :w]
+        policy = PolicyInputs(
+            logp=logp,
+            behave=behave[i, :w],
+            advantages=adv[i, :w],
+            mask=m,
+            version=self.version,
+            prox=None if prox is None else prox[i, :w],
+            versions=batch.versions[i, :w],
+            ref=None if ref_logp is None else ref_logp[i, :w],
+        )
+        loss, info = self.objective.loss(policy, agg=alg.loss_agg)
         # the micro-batch's share of the minibatch, so the sum equals the loss over it
         weight = m.sum() / mb_tokens if alg.loss_agg == "token-mean" else len(i) / mb_rows
-        info["policy_loss"] = loss.detach()
         return loss * weight, {k: float(v) for k, v in info.items()}
 
     def save(self, path: str, meta: dict) -> str | None:

@@ -1,0 +1,176 @@
+"""One objective per loss family, called by both trainers (embodied and language).
+
+An objective turns what a trainer computed for a micro-batch (log-probs, entropies, values,
+the reference's log-probs) into the micro-batch's loss and its metrics. It owns every choice
+of its family; the trainer owns only where the tensors come from. New families (SAC, ...)
+register a class under ``algorithm.name``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tidal.algorithms.kl import kl_estimate
+from tidal.algorithms.losses import decoupled_ppo_loss, ppo_policy_loss, value_loss
+from tidal.algorithms.prox import loglinear_prox_logp, within_staleness
+from tidal.registry import Registry
+
+OBJECTIVES: Registry[type] = Registry("objective", "algorithm.name")
+
+
+@dataclass
+class PolicyInputs:
+    """A micro-batch as the policy loss sees it, every tensor at the loss's level.
+
+    ``behave``: the log-probs of the policy that sampled; ``prox``: the proximal policy's
+    (a forward pass before the step), when the objective asked for them; ``versions``: the
+    weight version that sampled each element (for the log-linear proximal approximation).
+    """
+
+    logp: torch.Tensor
+    behave: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    version: int
+    prox: torch.Tensor | None = None
+    versions: torch.Tensor | None = None
+    ref: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+@dataclass
+class ValueInputs:
+    values: torch.Tensor
+    old_values: torch.Tensor | None
+    returns: torch.Tensor
+    mask: torch.Tensor
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
+
+
+@OBJECTIVES.register("ppo")
+class PPOObjective:
+    """Clipped PPO against the behaviour policy, or decoupled PPO (a trust region around the
+    proximal policy, behaviour weights capped or masked), plus an entropy bonus, a KL penalty
+    to a frozen reference and the value loss. ``alg`` is the algorithm section; keys one half
+    does not have take PPO's plain defaults."""
+
+    def __init__(self, alg):
+        self.alg = alg
+        self.clip = (alg.clip_ratio_low, alg.clip_ratio_high)
+        self.decoupled = bool(alg.use_decoupled_loss)
+        self.prox_method = alg.prox_logp_method
+        self.dual_clip = getattr(alg, "dual_clip", None)
+        # standard PPO with the old log-probs recomputed by the trainer (language half)
+        self.recompute_old = getattr(alg, "recompute_logprob", False)
+        self.kl_coef, self.kl_kind = alg.kl_coef, alg.kl_kind
+        self.kl_in_loss = getattr(alg, "kl_in", "loss") == "loss"
+        self.entropy_bonus = getattr(alg, "entropy_bonus", 0.0)
+        self.vf_coef = getattr(alg, "vf_coef", 0.0)
+        self.value_clip = getattr(alg, "value_clip", None)
+        self.huber_delta = getattr(alg, "huber_delta", None)
+
+    @property
+    def needs_prox(self) -> bool:
+        """Whether the trainer must compute the proximal log-probs before the step."""
+        if self.decoupled:
+            return self.prox_method in ("recompute", "metrics")
+        return self.recompute_old
+
+    def policy_loss(self, p: PolicyInputs, **agg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if not self.decoupled:
+            old = p.prox if self.recompute_old else p.behave
+            return ppo_policy_loss(
+                p.logp, old, p.advantages, p.mask, *self.clip, self.dual_clip, **agg
+            )
+        approx = None
+        if self.prox_method in ("loglinear", "metrics"):
+            approx = loglinear_prox_logp(p.behave, p.logp, p.versions, p.version)
+        prox = approx if self.prox_method == "loglinear" else p.prox
+        loss, info = decoupled_ppo_loss(
+            p.logp,
+            prox,
+            p.behave,
+            p.advantages,
+            p.mask,
+            *self.clip,
+            behav_weight_cap=self.alg.behav_weight_cap,
+            cap_mode=self.alg.cap_mode,
+            dual_clip=self.dual_clip,
+            **agg,
+        )
+        if self.prox_method == "metrics":  # how far the approximation is from the forward pass
+            info["prox_approx_abs_err"] = _masked_mean((approx - p.prox).abs(), p.mask)
+        return loss, info
+
+    def loss(
+        self,
+        p: PolicyInputs,
+        value: ValueInputs | None = None,
+        critic_only: bool = False,
+        **agg,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The micro-batch's loss and its terms: policy loss (skipped while ``critic_only``),
+        entropy bonus, KL to the reference (when it is in the loss) and value loss."""
+        pg_loss, info = self.policy_loss(p, **agg)
+        info = {"policy_loss": pg_loss.detach(), **info}
+        loss = torch.zeros((), device=pg_loss.device) if critic_only else pg_loss
+        if p.entropy is not None:
+            entropy = _masked_mean(p.entropy, p.mask)
+            info["entropy"] = entropy.detach()
+            if not critic_only and self.entropy_bonus:
+                loss = loss - self.entropy_bonus * entropy
+        if p.ref is not None and self.kl_in_loss:
+            kl = _masked_mean(kl_estimate(p.logp, p.ref, self.kl_kind), p.mask)
+            info["kl_ref"] = kl.detach()
+            if not critic_only:
+                loss = loss + self.kl_coef * kl
+        if value is not None:
+            v_loss, v_info = value_loss(
+                value.values,
+                value.old_values,
+                value.returns,
+                value.mask,
+                self.value_clip,
+                self.huber_delta,
+            )
+            loss = loss + self.vf_coef * v_loss
+            info.update({"value_loss": v_loss.detach(), **v_info})
+        return loss, info
+
+
+def make_objective(alg):
+    """The objective ``algorithm.name`` names (PPO for a section without the key)."""
+    return OBJECTIVES.get(getattr(alg, "name", "ppo"))(alg)
+
+
+def staleness_metrics(lag: torch.Tensor, buckets: int = 0) -> dict[str, float]:
+    """``staleness/mean`` and ``/max`` of per-sample version lags (trainer version minus the
+    sampling version), and ``/frac_k`` for k in 1..buckets: the names both halves log."""
+    lag = lag.float()
+    empty = lag.numel() == 0
+    out = {
+        "staleness/mean": 0.0 if empty else float(lag.mean()),
+        "staleness/max": 0.0 if empty else float(lag.max()),
+    }
+    for k in range(1, buckets + 1):
+        out[f"staleness/frac_{k}"] = 0.0 if empty else float((lag == k).float().mean())
+    return out
+
+
+def drop_stale(
+    versions: torch.Tensor, mask: torch.Tensor, version: int, max_staleness: int
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The mask without samples more than ``max_staleness`` versions old (asynchronous runs,
+    ``max_staleness > 0``; ``versions`` per sample along dim 0), and the staleness metrics of
+    the samples kept (``rollout/stale_dropped`` counts the others)."""
+    if max_staleness == 0:
+        return mask, staleness_metrics(version - versions)
+    keep = within_staleness(versions, version, max_staleness)
+    kept = mask & keep.view(-1, *([1] * (mask.dim() - 1)))
+    metrics = staleness_metrics(version - versions[keep])
+    return kept, {"rollout/stale_dropped": float((~keep).sum()), **metrics}
