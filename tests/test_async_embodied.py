@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tidal.config import ConfigError, EmbodiedConfig, load_config, validate_embodied
+from tidal.config import ConfigError, EmbodiedConfig, load_config
 from tidal.rollout.staleness import StalenessManager
 from tidal.runners import EmbodiedRunner
 from tidal.runners.collection import Collection
+from tidal.runners.preflight import check_embodied
 from tidal.workers.actor_worker import ActorWorker
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "embodied"
@@ -199,7 +200,7 @@ def test_async_checkpoint_holds_the_staleness_counters_and_resumes(tmp_path):
 )
 def test_async_settings_are_validated_by_name(tmp_path, override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        validate_embodied(config(tmp_path, *override))
+        check_embodied(config(tmp_path, *override))
 
 
 class _Done:

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from tidal.config import ConfigError, load_config
-from tidal.config.llm import LLMConfig, validate_llm
+from tidal.config.llm import LLMConfig
 from tidal.data import LMBatch, TokenSequence
 from tidal.rollout.dispatcher import EpisodeError, RolloutDispatcher
 from tidal.rollout.staleness import StalenessManager
@@ -21,6 +21,7 @@ from tidal.rollout.tasks import (
     exact_match_reward,
     reverse_problems,
 )
+from tidal.runners.preflight import check_llm
 from tidal.workers.lm_actor import length_grouped_micro_batches, pack_by_tokens, token_logprobs
 
 # ----------------------------------------------------------------------------- staleness
@@ -222,25 +223,23 @@ def test_length_grouped_micro_batches_cover_every_row_once_without_padding_beyon
 
 def test_llm_config_rules():
     with pytest.raises(ConfigError, match="algorithm.adv_type: expected one of .*got .gae."):
-        validate_llm(load_config(LLMConfig, None, ["algorithm.adv_type=gae"]))
+        check_llm(load_config(LLMConfig, None, ["algorithm.adv_type=gae"]))
     with pytest.raises(ConfigError, match="algorithm.prox_logp_method"):
-        validate_llm(load_config(LLMConfig, None, ["algorithm.prox_logp_method=guess"]))
+        check_llm(load_config(LLMConfig, None, ["algorithm.prox_logp_method=guess"]))
     with pytest.raises(
         ConfigError, match="rollout.workflow: task 'arithmetic' runs the 'rlvr' workflow"
     ):
-        validate_llm(load_config(LLMConfig, None, ["rollout.workflow=multi_turn"]))
+        check_llm(load_config(LLMConfig, None, ["rollout.workflow=multi_turn"]))
     with pytest.raises(
         ConfigError, match="data.task: expected one of arithmetic, guess_number, reverse"
     ):
-        validate_llm(load_config(LLMConfig, None, ["data.task=chess"]))
+        check_llm(load_config(LLMConfig, None, ["data.task=chess"]))
     with pytest.raises(ConfigError, match="cluster.placement: a data-parallel trainer"):
-        validate_llm(
-            load_config(LLMConfig, None, ["cluster.placement={rollout: '0', actor: '1-2'}"])
-        )
+        check_llm(load_config(LLMConfig, None, ["cluster.placement={rollout: '0', actor: '1-2'}"]))
     with pytest.raises(
         ConfigError, match="rollout.batch_size: 9 sequences per step do not split evenly"
     ):
-        validate_llm(
+        check_llm(
             load_config(
                 LLMConfig,
                 None,

@@ -4,19 +4,20 @@ from pathlib import Path
 
 import pytest
 
-from tidal.config import ConfigError, EmbodiedConfig, load_config, validate_embodied
+from tidal.config import ConfigError, EmbodiedConfig, load_config
+from tidal.runners.preflight import check_embodied, check_llm
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples" / "embodied").glob("*.yaml"))
 
 
 def check(overrides):
-    validate_embodied(load_config(EmbodiedConfig, None, overrides))
+    check_embodied(load_config(EmbodiedConfig, None, overrides))
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_examples_load_and_validate(path):
     cfg = load_config(EmbodiedConfig, path)
-    worlds = validate_embodied(cfg)
+    worlds = check_embodied(cfg)
     assert worlds["env"] >= 1
 
 
@@ -152,10 +153,10 @@ def test_unknown_env_id_and_kwargs_are_config_errors_before_any_worker(tmp_path)
     ],
 )
 def test_llm_bad_values(overrides, message):
-    from tidal.config.llm import LLMConfig, validate_llm
+    from tidal.config.llm import LLMConfig
 
     with pytest.raises(ConfigError, match=message):
-        validate_llm(load_config(LLMConfig, None, overrides))
+        check_llm(load_config(LLMConfig, None, overrides))
 
 
 def test_llm_model_path_and_context_are_checked_before_anything_starts(tmp_path, capsys):

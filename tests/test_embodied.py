@@ -551,7 +551,7 @@ def test_a_policy_started_from_model_path_keeps_its_normaliser_statistics(tmp_pa
 
     from tidal.checkpoint import MODEL_FILE, complete_checkpoints
     from tidal.models import save_policy
-    from tidal.models.policy import build_from_config
+    from tidal.models.factory import build_from_config
 
     config = EXAMPLES / "pendulum_ppo.yaml"
     cfg = load_config(EmbodiedConfig, config, [])

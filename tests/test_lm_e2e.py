@@ -199,15 +199,15 @@ def test_pass_at_k_matches_counting_subsets():
 
 
 def test_sft_on_conversations_learns_only_the_assistant_turns(demo, tmp_path):
-    from tidal.config.llm import validate_sft
     from tidal.models.lm import load_tokenizer
     from tidal.runners.lm_common import sft_examples
+    from tidal.runners.preflight import check_llm_sft
 
     overrides, summary = demo
     chats = ROOT / "examples" / "llm" / "data" / "sft.jsonl"
     keys = [f"data.path={chats}", "data.messages_key=messages", "data.system_prompt=null"]
     cfg = load_config(LLMConfig, DEMO, [*overrides, *keys])
-    validate_sft(cfg)
+    check_llm_sft(cfg)
     tokenizer = load_tokenizer(summary["model_path"])
     examples = sft_examples(cfg, tokenizer, tmp_path)
     rows = [json.loads(x) for x in chats.read_text().splitlines()]

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from tidal.cli import main
-from tidal.config import ConfigError, EmbodiedConfig, load_config, validate_embodied
-from tidal.config.embodied import validate_sft
+from tidal.config import ConfigError, EmbodiedConfig, load_config
 from tidal.envs import make_env
 from tidal.models import build_policy, save_policy
+from tidal.runners.preflight import check_embodied, check_embodied_sft
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "embodied"
 VLA = EXAMPLES / "metaworld_reach_vla.yaml"
@@ -149,7 +149,7 @@ def test_target_success_rate_stops_the_run(tmp_path, capsys):
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("metaworld_*.yaml")), ids=lambda p: p.name)
 def test_manipulation_examples_validate_for_sft(path):
-    validate_sft(load_config(EmbodiedConfig, path))
+    check_embodied_sft(load_config(EmbodiedConfig, path))
 
 
 @pytest.mark.parametrize(
@@ -168,13 +168,13 @@ def test_manipulation_examples_validate_for_sft(path):
 )
 def test_bad_manipulation_values_name_their_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("+", r"\+")):
-        validate_embodied(load_config(EmbodiedConfig, VLA, overrides))
+        check_embodied(load_config(EmbodiedConfig, VLA, overrides))
 
 
 def test_pixels_need_an_adapter_that_renders():
     cfg = load_config(EmbodiedConfig, None, ["env.obs_mode=pixels"])
     with pytest.raises(ConfigError, match="env.obs_mode: the gymnasium adapter renders no pixels"):
-        validate_embodied(cfg)
+        check_embodied(cfg)
 
 
 @pytest.mark.parametrize(

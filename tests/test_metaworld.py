@@ -142,7 +142,7 @@ def test_mt10_spreads_envs_over_tasks_with_distinct_instructions():
 
 def test_tasks_follow_the_global_env_numbering_and_grpo_groups_share_a_task():
     from tidal.config import EmbodiedConfig, load_config
-    from tidal.config.embodied import env_make_kwargs
+    from tidal.envs import env_make_kwargs
 
     cfg = load_config(
         EmbodiedConfig, None, ["env.adapter=metaworld", "env.id=MT10", "env.group_size=2"]

@@ -26,14 +26,14 @@ pytestmark = pytest.mark.timeout(600)  # the first test also waits for vLLM to s
 
 
 def test_vllm_without_its_virtualenv_is_a_config_error(tmp_path):
-    from tidal.config.llm import validate_llm
     from tidal.config.loader import ConfigError
+    from tidal.runners.preflight import check_llm
 
     overrides = ["rollout.engine=vllm", f"rollout.vllm_python={tmp_path}/no/python"]
     with pytest.raises(ConfigError, match=r"rollout\.vllm_python: .*no/python does not exist"):
-        validate_llm(load_config(LLMConfig, None, overrides))
+        check_llm(load_config(LLMConfig, None, overrides))
     with pytest.raises(ConfigError, match=r"rollout\.engine: expected one of tidal, vllm"):
-        validate_llm(load_config(LLMConfig, None, ["rollout.engine=sglang"]))
+        check_llm(load_config(LLMConfig, None, ["rollout.engine=sglang"]))
 
 
 def test_a_server_that_cannot_start_is_named_with_its_log(tmp_path):

@@ -123,12 +123,12 @@ def sft(args: argparse.Namespace) -> int:
     try:
         task, cfg = _config(args)
         if task == "embodied":
-            from tidal.config.embodied import validate_sft
             from tidal.runners.embodied_sft import run_embodied_sft as run
+            from tidal.runners.preflight import check_embodied_sft as check
         else:
-            from tidal.config.llm import validate_sft
+            from tidal.runners.preflight import check_llm_sft as check
             from tidal.runners.sft import run_sft as run
-        validate_sft(cfg)
+        check(cfg)
     except (ConfigError, FileNotFoundError) as exc:
         return _fail("config error", exc)
     print(json.dumps(run(cfg), indent=2))

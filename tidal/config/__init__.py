@@ -1,9 +1,12 @@
 """Structured configs: dataclasses per component, YAML files, ``key.sub=value`` overrides.
 
 ``load_config(schema, path, overrides)`` merges a YAML file and command-line overrides onto
-the dataclass defaults (OmegaConf). Unknown keys, moved keys, wrong types and impossible
-sizes raise ``ConfigError`` naming the key and the rule, before any worker starts. Both
-halves share ``cluster``, ``runner``, ``actor`` and ``algorithm`` (tidal.config.common).
+the dataclass defaults (OmegaConf). Unknown keys, moved keys, wrong types and broken rules
+between keys raise ``ConfigError`` naming the key and the rule. This package is the schema
+only: it imports nothing of tidal but its own modules, and the checks that need the world
+(registered names, files, models, envs, the placement) are tidal.runners.preflight's, which
+the runners run before any worker starts. Both halves share ``cluster``, ``runner``, ``actor``
+and ``algorithm`` (tidal.config.common).
 """
 
 from tidal.config.common import ActorConfig, AlgorithmConfig, ClusterConfig, RunnerConfig

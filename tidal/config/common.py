@@ -8,13 +8,17 @@ extends them with what only it has.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
-from tidal.config.loader import ConfigError, require
+from tidal.config.loader import require
 from tidal.config.schema import setting
-from tidal.runtime.backends import backend_class
-from tidal.runtime.defaults import DEFAULT_TIMEOUT_S
+
+# Every wait has a bound; this one when nobody gives one (``runner.timeout_s``, and the runtime's
+# handles, channels and groups through tidal.runtime.defaults). ``TIDAL_WAIT_TIMEOUT`` overrides
+# it for a whole process.
+DEFAULT_TIMEOUT_S = float(os.environ.get("TIDAL_WAIT_TIMEOUT", "600"))
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adam", "adamw")
@@ -149,15 +153,9 @@ def one_of(value, allowed, key: str) -> None:
 def validate_common(
     cluster: ClusterConfig, runner: RunnerConfig, actor: ActorConfig, algorithm: AlgorithmConfig
 ) -> None:
-    """The rules of the shared sections, the same in both halves."""
-    from tidal.algorithms import list_advantages
-
-    one_of(cluster.backend, ("local", "ray"), "cluster.backend")
-    require(
-        not cluster.pin_cpus or backend_class(cluster.backend).multi_process,
-        "cluster.pin_cpus",
-        f"pins a process per rank; the {cluster.backend} backend's ranks are threads of one process",
-    )
+    """The rules of the shared sections, the same in both halves (the names they take from a
+    registry, e.g. ``cluster.backend`` and ``algorithm.adv_type``, are checked by
+    tidal.runners.preflight)."""
     one_of(algorithm.cap_mode, ("mask", "clamp"), "algorithm.cap_mode")
     require(
         algorithm.behav_weight_cap is None or algorithm.behav_weight_cap > 0,
@@ -211,42 +209,9 @@ def validate_common(
         "actor.max_skipped_steps",
         f"must be >= 1, got {actor.max_skipped_steps}",
     )
-    one_of(algorithm.adv_type, list_advantages(), "algorithm.adv_type")
     require(
         0 <= algorithm.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {algorithm.gamma}"
     )
     for key in ("clip_ratio_low", "clip_ratio_high"):
         value = getattr(algorithm, key)
         require(value > 0, f"algorithm.{key}", f"must be > 0, got {value}")
-
-
-def world_sizes(cluster: ClusterConfig, components: list[str]) -> dict[str, int]:
-    """Ranks per component from the placement, checked before the cluster exists."""
-    from tidal.runtime import ComponentPlacement, PlacementError
-
-    try:
-        placement = ComponentPlacement(
-            cluster.resolved_placement(components), _num_devices_hint(cluster)
-        )
-        return {c: placement.get_world_size(c) for c in components}
-    except PlacementError as exc:
-        msg = str(exc)  # some placement errors already start with their key
-        raise ConfigError(msg if msg.startswith("cluster.") else f"cluster.{msg}") from None
-
-
-def _num_devices_hint(cluster: ClusterConfig) -> int:
-    """Devices to validate placement against before the cluster exists: the configured count,
-    or the highest device named (the cluster checks the real count when it starts)."""
-    if cluster.devices_per_node is not None:
-        return cluster.devices_per_node
-    import os
-
-    from tidal.runtime.placement import _parse_spec_string
-
-    named = [
-        d
-        for spec in cluster.placement.values()
-        if spec != "all"
-        for d in _parse_spec_string(str(spec), 1 << 16, "cluster.placement")
-    ]
-    return max([os.cpu_count() or 1, *(d + 1 for d in named)])

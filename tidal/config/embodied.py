@@ -1,5 +1,6 @@
-"""The embodied training config and its validation rules. Every field is visible here, with
-its help (``tidal config FILE`` prints it)."""
+"""The embodied training config and its rules between keys. Every field is visible here, with
+its help (``tidal config FILE`` prints it). The checks that need the world (registered names,
+the placement's ranks, the env, a saved policy) are tidal.runners.preflight's."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ from tidal.config.common import (
     RunnerConfig,
     one_of,
     validate_common,
-    world_sizes,
 )
-from tidal.config.loader import ConfigError, require
+from tidal.config.loader import require
 from tidal.config.schema import section, setting
 
 
@@ -212,27 +212,24 @@ class EmbodiedConfig:
     }
 
 
-def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
-    """Check every cross-field rule; return the world size of each component."""
-    from tidal.algorithms import advantage_spec
-    from tidal.algorithms.kl import KL_KINDS
-    from tidal.algorithms.losses import AGGREGATIONS, LOGPROB_LEVELS
-    from tidal.envs import list_env_adapters
-    from tidal.models.policy import POLICIES
+OBS_MODES = ("state", "pixels", "state+pixels")
+SHARED_MODEL_FIELDS = ("hidden_sizes", "activation", "critic", "obs_norm", "init_log_std", "squash")
 
+
+def components(cfg: EmbodiedConfig) -> list[str]:
+    """The worker groups of a run, as ``cluster.placement`` names them."""
+    return ["env", "rollout", "actor"] + (["reward"] if cfg.reward.enabled else [])
+
+
+def validate_embodied(cfg: EmbodiedConfig) -> None:
+    """The rules between keys of an embodied config (no registry, env or placement needed)."""
     env, alg, act = cfg.env, cfg.algorithm, cfg.actor
     validate_common(cfg.cluster, cfg.runner, act, alg)
-    spec = advantage_spec(alg.adv_type)
-    one_of(cfg.model.name, POLICIES.names(), "model.name")
     one_of(cfg.model.activation, ("tanh", "relu", "gelu"), "model.activation")
     one_of(env.vectorization_mode, ("sync", "async"), "env.vectorization_mode")
     one_of(alg.reward_type, ("chunk", "action"), "algorithm.reward_type")
-    one_of(alg.logprob_type, LOGPROB_LEVELS, "algorithm.logprob_type")
-    one_of(alg.loss_agg, AGGREGATIONS, "algorithm.loss_agg")
     one_of(alg.bootstrap_type, ("truncated", "always"), "algorithm.bootstrap_type")
-    one_of(alg.kl_kind, KL_KINDS, "algorithm.kl_kind")
     require(alg.kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0, got {alg.kl_coef}")
-    one_of(env.adapter, list_env_adapters(), "env.adapter")
     one_of(cfg.reward.mode, ("replace", "add"), "reward.mode")
     one_of(cfg.runner.eval_video_format, ("gif", "mp4"), "runner.eval_video_format")
     one_of(alg.prox_logp_method, ("recompute", "loglinear"), "algorithm.prox_logp_method")
@@ -265,29 +262,29 @@ def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
     ):
         require(value >= 1, key, f"must be >= 1, got {value}")
     require(
-        alg.reward_type == "chunk" or not spec.needs_critic,
-        "algorithm.reward_type",
-        f"'action' needs a value per action; use 'chunk' with adv_type {alg.adv_type}",
-    )
-    require(
         alg.reward_type == "chunk" or alg.logprob_type != "chunk",
         "algorithm.logprob_type",
         "reward_type 'action' gives one advantage per action: use logprob_type action or token",
-    )
-    require(
-        cfg.model.critic or not spec.needs_critic,
-        "model.critic",
-        f"adv_type {alg.adv_type} needs a critic",
     )
     require(
         alg.dual_clip is None or alg.dual_clip > 1,
         "algorithm.dual_clip",
         f"must be > 1, got {alg.dual_clip}",
     )
+    one_of(env.obs_mode, OBS_MODES, "env.obs_mode")
+    require(env.image_size >= 8, "env.image_size", f"must be >= 8, got {env.image_size}")
+    for key in ("obs_mode", "image_size"):
+        require(
+            key not in env.adapter_kwargs, f"env.adapter_kwargs.{key}", f"set env.{key} instead"
+        )
+    for key in cfg.model.kwargs:
+        require(key not in SHARED_MODEL_FIELDS, f"model.kwargs.{key}", f"set model.{key} instead")
 
-    components = ["env", "rollout", "actor"] + (["reward"] if cfg.reward.enabled else [])
-    worlds = world_sizes(cfg.cluster, components)
 
+def validate_layout(cfg: EmbodiedConfig, worlds: dict[str, int]) -> None:
+    """The sizes that must divide over the ranks of each group (``worlds``: ranks per component,
+    from ``cluster.placement``)."""
+    env, act = cfg.env, cfg.actor
     stages = env.pipeline_stage_num
     require(
         env.total_num_envs % (worlds["env"] * stages) == 0,
@@ -328,139 +325,30 @@ def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
         f"{act.global_batch_size} must be a multiple of micro_batch_size x actor ranks "
         f"= {act.micro_batch_size} x {worlds['actor']}",
     )
-    if spec.needs_groups:
-        require(
-            env.group_size > 1,
-            "env.group_size",
-            f"adv_type {alg.adv_type} needs groups of 2 or more envs",
-        )
-        require(
-            not env.auto_reset,
-            "env.auto_reset",
-            f"adv_type {alg.adv_type} scores whole episodes: set it to false",
-        )
-        per_actor = env.total_num_envs // worlds["actor"]
-        require(
-            per_actor % env.group_size == 0,
-            "env.group_size",
-            f"groups of {env.group_size} must not straddle actor ranks ({per_actor} envs each)",
-        )
-    if cfg.cluster.backend == "local":
-        require(
-            worlds["actor"] == 1,
-            "cluster.placement",
-            "a data-parallel actor (more than one rank) needs cluster.backend=ray",
-        )
-    validate_observations(env)
-    validate_model(cfg.model)
-    return worlds
 
 
-OBS_MODES = ("state", "pixels", "state+pixels")
-
-
-def env_make_kwargs(env: EnvConfig, first_env: int = 0, group_size: int = 1) -> dict[str, Any]:
-    """What ``make_env`` takes for this section (besides adapter and num_envs). The
-    observation mode goes to the adapter only when it is not plain state, every adapter's own.
-    A multi-task adapter (one that takes ``first_env`` and ``group_size``) learns where its copies
-    sit in the global numbering the seeds use, so tasks spread over every rank and stage and the
-    members of a GRPO group (``group_size`` consecutive training envs) share a task."""
-    kwargs = dict(env.adapter_kwargs)
-    if env.obs_mode != "state":
-        kwargs.update(obs_mode=env.obs_mode, image_size=env.image_size)
-    import inspect
-
-    from tidal.envs import get_env_adapter
-
-    takes = inspect.signature(get_env_adapter(env.adapter)).parameters
-    if "first_env" in takes and "group_size" in takes:
-        kwargs.update(first_env=first_env, group_size=group_size)
-    return {
-        "env_id": env.id,
-        "vectorization_mode": env.vectorization_mode,
-        "max_episode_steps": env.max_episode_steps,
-        "env_kwargs": dict(env.kwargs),
-        **kwargs,
-    }
-
-
-def validate_observations(env: EnvConfig) -> None:
-    import inspect
-
-    from tidal.envs import get_env_adapter
-
-    one_of(env.obs_mode, OBS_MODES, "env.obs_mode")
-    require(env.image_size >= 8, "env.image_size", f"must be >= 8, got {env.image_size}")
-    for key in ("obs_mode", "image_size"):
-        require(
-            key not in env.adapter_kwargs, f"env.adapter_kwargs.{key}", f"set env.{key} instead"
-        )
-    if env.obs_mode != "state":
-        takes = inspect.signature(get_env_adapter(env.adapter)).parameters
-        require(
-            "obs_mode" in takes,
-            "env.obs_mode",
-            f"the {env.adapter} adapter renders no pixels; use state (or e.g. adapter metaworld)",
-        )
-
-
-def validate_model(model: ModelConfig) -> None:
-    """``model.kwargs`` the policy takes; shared fields it does not take left at their defaults."""
-    from tidal.models.policy import policy_arguments
-
-    takes, defaults = policy_arguments(model.name), ModelConfig()
-    for key in model.kwargs:
-        require(key not in SHARED_MODEL_FIELDS, f"model.kwargs.{key}", f"set model.{key} instead")
-        require(
-            key in takes,
-            f"model.kwargs.{key}",
-            f"policy {model.name!r} takes no such argument; it takes {', '.join(sorted(takes))}",
-        )
-    for key in SHARED_MODEL_FIELDS:
-        require(
-            key in takes or getattr(model, key) == getattr(defaults, key),
-            f"model.{key}",
-            f"policy {model.name!r} does not use it; leave it at its default",
-        )
-
-
-def validate_saved_policy(model: ModelConfig, num_action_chunks: int) -> None:
-    """``model.path`` (when set) a saved folder of the same policy with the same chunk size;
-    checked when a run starts from it (``tidal sft`` writes it, so a config may name it first)."""
-    if model.path is not None:
-        saved = saved_policy_config(model.path)
-        require(
-            saved["name"] == model.name,
-            "model.name",
-            f"{model.path!r} holds a {saved['name']!r} policy, not {model.name!r}",
-        )
-        require(
-            saved["num_action_chunks"] == num_action_chunks,
-            "env.num_action_chunks",
-            f"{model.path!r} predicts chunks of {saved['num_action_chunks']}, not {num_action_chunks}",
-        )
-
-
-SHARED_MODEL_FIELDS = ("hidden_sizes", "activation", "critic", "obs_norm", "init_log_std", "squash")
-
-
-def saved_policy_config(path: str) -> dict:
-    """The ``config.json`` of a saved policy folder, or a config error naming ``model.path``."""
-    import json
-    from pathlib import Path
-
-    folder = Path(path)
-    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
-        raise ConfigError(
-            f"model.path: {path!r} is not a saved policy folder (config.json and "
-            "model.safetensors); `tidal sft CONFIG` writes one"
-        )
-    return json.loads((folder / "config.json").read_text())
+def validate_groups(cfg: EmbodiedConfig, actor_ranks: int) -> None:
+    """An estimator that scores groups of episodes (``spec.needs_groups``): whole episodes in
+    groups of 2 or more that stay on one actor rank."""
+    env, adv_type = cfg.env, cfg.algorithm.adv_type
+    require(
+        env.group_size > 1, "env.group_size", f"adv_type {adv_type} needs groups of 2 or more envs"
+    )
+    require(
+        not env.auto_reset,
+        "env.auto_reset",
+        f"adv_type {adv_type} scores whole episodes: set it to false",
+    )
+    per_actor = env.total_num_envs // actor_ranks
+    require(
+        per_actor % env.group_size == 0,
+        "env.group_size",
+        f"groups of {env.group_size} must not straddle actor ranks ({per_actor} envs each)",
+    )
 
 
 def validate_sft(cfg: EmbodiedConfig) -> None:
     """``tidal sft`` on an embodied config: an env with scripted experts and a place to save."""
-    validate_embodied(cfg)
     s = cfg.sft
     require(
         cfg.env.adapter == "metaworld",

@@ -1,4 +1,6 @@
-"""The config of asynchronous RL for language agents (``runner.task: llm``) and of ``tidal sft``."""
+"""The config of asynchronous RL for language agents (``runner.task: llm``) and of ``tidal sft``,
+with its rules between keys. The checks that need the world (registered names, dataset files,
+the reward, the model folder, the engine, the placement's ranks) are tidal.runners.preflight's."""
 
 from __future__ import annotations
 
@@ -12,9 +14,8 @@ from tidal.config.common import (
     RunnerConfig,
     one_of,
     validate_common,
-    world_sizes,
 )
-from tidal.config.loader import ConfigError, require
+from tidal.config.loader import require
 from tidal.config.schema import section, setting
 
 
@@ -217,21 +218,14 @@ class LLMConfig:
 
 
 def validate_llm(cfg: LLMConfig) -> None:
-    from tidal.algorithms import list_advantages
-    from tidal.algorithms.kl import KL_KINDS
-    from tidal.algorithms.losses import AGGREGATIONS
-
+    """The rules between keys of a language config (no registry, file or placement needed)."""
     a, alg, r = cfg.actor, cfg.algorithm, cfg.rollout
     validate_common(cfg.cluster, cfg.runner, a, alg)
-    one_of(alg.adv_type, list_advantages(needs_critic=False), "algorithm.adv_type")
     one_of(
         alg.prox_logp_method, ("recompute", "loglinear", "metrics"), "algorithm.prox_logp_method"
     )
-    one_of(alg.loss_agg, AGGREGATIONS[:3], "algorithm.loss_agg")
-    one_of(alg.kl_kind, KL_KINDS, "algorithm.kl_kind")
     one_of(alg.kl_in, ("loss", "reward"), "algorithm.kl_in")
     one_of(r.pause_mode, ("abort", "keep", "in_place"), "rollout.pause_mode")
-    _check_engine(cfg)
     require(
         r.temperature >= 0, "rollout.temperature", f"must be >= 0 (0: greedy), got {r.temperature}"
     )
@@ -252,185 +246,35 @@ def validate_llm(cfg: LLMConfig) -> None:
         "actor.ppo_minibatches",
         f"{a.ppo_minibatches} must divide rollout.batch_size {r.batch_size}",
     )
-    kind = _data_kind(cfg.data)
-    require(
-        r.workflow in ("auto", kind) or ":" in r.workflow,
-        "rollout.workflow",
-        f"{_data_name(cfg.data)} runs the {kind!r} workflow (or 'auto', or module.path:factory), "
-        f"got {r.workflow!r}",
-    )
-    if ":" in r.workflow:
-        import_object(r.workflow, "rollout.workflow")
-    _check_actor_ranks(cfg)
-    validate_data(cfg)
 
 
-def validate_sft(cfg: LLMConfig) -> None:
+def validate_llm_sft(cfg: LLMConfig) -> None:
+    """The ``sft`` section's rules."""
     s = cfg.sft
     for key in ("steps", "batch_size", "eval_size"):
         require(getattr(s, key) >= 1, f"sft.{key}", f"must be >= 1, got {getattr(s, key)}")
     require(s.lr > 0, "sft.lr", f"must be > 0, got {s.lr}")
-    validate_data(cfg, sft=True)
-    from pathlib import Path
-
-    if Path(cfg.model.path).exists():  # else tidal sft builds a tiny model there
-        validate_model_path(cfg)
-    else:
-        from tidal.models.lm import ModelConfigError, check_load_options
-
-        try:
-            check_load_options(cfg.model.dtype, cfg.model.attn_implementation)
-        except ModelConfigError as exc:
-            raise ConfigError(str(exc)) from None
-        require(
-            cfg.data.path is None or cfg.data.chat_template,
-            "data.chat_template",
-            "tidal sft builds a chat model for a dataset file: set data.chat_template=true",
-        )
-
-
-def _data_kind(d: DataConfig) -> str:
-    """The workflow the data runs: a dataset file is single-turn; a task says which it is."""
-    if d.path is not None:
-        return "rlvr"
-    from tidal.rollout.tasks import TASKS
-
-    require(
-        d.task in TASKS.names(),
-        "data.task",
-        f"expected one of {', '.join(TASKS.names())}, got {d.task!r}",
-    )
-    return "multi_turn" if TASKS.get(d.task).multi_turn else "rlvr"
-
-
-def _data_name(d: DataConfig) -> str:
-    return f"data.path {d.path!r}" if d.path is not None else f"task {d.task!r}"
 
 
 def validate_data(cfg: LLMConfig, sft: bool = False) -> None:
-    """Dataset files, their keys, the chat-template options and the reward, checked before the run
-    folder exists (``sft``: data.messages_key conversations may replace prompt/answer records)."""
+    """The ``data`` section's rules between keys (``sft``: data.messages_key conversations may
+    replace prompt/answer records)."""
     d = cfg.data
-    kind = _data_kind(d)
     require(
         d.system_prompt is None or d.chat_template,
         "data.system_prompt",
         "a system prompt needs data.chat_template=true",
     )
     require(d.eval_size >= 1, "data.eval_size", f"must be >= 1, got {d.eval_size}")
-    if d.path is not None:
-        conversations = sft and d.messages_key is not None
-        require(
-            not conversations or d.chat_template,
-            "data.messages_key",
-            "conversations are rendered with the chat template: set data.chat_template=true",
-        )
-        _check_file(d, d.path, "data.path", conversations)
-    if d.eval_path is not None:
-        _check_file(d, d.eval_path, "data.eval_path", conversations=False)
     require(
-        kind == "rlvr" or cfg.reward.name == "auto",
-        "reward.name",
-        f"task {d.task!r} is multi-turn: its environment gives the reward (leave reward.name: auto)",
-    )
-    if kind == "rlvr":
-        configured_reward(cfg)
-
-
-def _check_file(d: DataConfig, path: str, key: str, conversations: bool) -> None:
-    """The file loads, holds records with the configured keys, and chat-message prompts come
-    with data.chat_template."""
-    import tempfile
-
-    from tidal.data.datasets import DataConfigError, load_conversations, load_prompts
-
-    with tempfile.TemporaryDirectory(prefix="tidal-data-check-") as cache:
-        try:
-            if conversations:
-                load_conversations(path, cache, d.messages_key, d.id_key, key=key)
-                return
-            table = load_prompts(path, cache, d.prompt_key, d.answer_key, d.id_key, key=key)
-        except DataConfigError as exc:
-            raise ConfigError(str(exc)) from None
-        text = getattr(table.features["prompt"], "dtype", None) in ("string", "large_string")
-        require(
-            d.chat_template or text,
-            "data.chat_template",
-            f"the prompts in {path!r} are chat messages: set data.chat_template=true",
-        )
-
-
-def configured_reward(cfg: LLMConfig):
-    """The :class:`~tidal.rollout.rewards.Reward` of single-turn episodes and evaluation:
-    ``reward.name`` resolved, or with ``auto`` a generated task's own (exact_match for a file)."""
-    from tidal.rollout.rewards import Reward, resolve_reward
-
-    name, kwargs = cfg.reward.name, dict(cfg.reward.kwargs)
-    if name == "auto" and cfg.data.path is None:
-        from tidal.rollout.tasks import TASKS
-
-        return Reward(cfg.data.task, TASKS.get(cfg.data.task).reward, kwargs)
-    try:
-        return resolve_reward("exact_match" if name == "auto" else name, kwargs)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def validate_model_path(cfg: LLMConfig) -> None:
-    """The model folder holds a causal LM (no weights read), the load options are known, its
-    context holds the generated tokens, and its tokenizer has a chat template when asked."""
-    from tidal.models.lm import (
-        ModelConfigError,
-        check_causal_lm,
-        check_load_options,
-        load_tokenizer,
-        require_template,
-    )
-
-    m = cfg.model
-    try:
-        check_load_options(m.dtype, m.attn_implementation)
-        model_cfg = check_causal_lm(m.path)
-        if cfg.data.chat_template:
-            require_template(load_tokenizer(m.path))
-    except ModelConfigError as exc:
-        raise ConfigError(str(exc)) from None
-    context = getattr(model_cfg, "max_position_embeddings", None)
-    require(
-        context is None or cfg.rollout.max_new_tokens < context,
-        "rollout.max_new_tokens",
-        f"{cfg.rollout.max_new_tokens} does not fit the model's context of {context} tokens",
+        not (sft and d.path is not None and d.messages_key is not None) or d.chat_template,
+        "data.messages_key",
+        "conversations are rendered with the chat template: set data.chat_template=true",
     )
 
 
-def import_object(spec: str, key: str):
-    """``module.path:name`` imported, or a config error naming ``key``."""
-    import importlib
-
-    module_name, _, name = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{key}: cannot import {module_name!r}: {exc}") from None
-    require(hasattr(module, name), key, f"module {module_name!r} has no {name!r}")
-    return getattr(module, name)
-
-
-def _check_engine(cfg: LLMConfig) -> None:
-    from tidal.rollout.engines import ROLLOUT_ENGINES
-
-    one_of(cfg.rollout.engine, ROLLOUT_ENGINES.names(), "rollout.engine")
-    ROLLOUT_ENGINES.get(cfg.rollout.engine).validate(cfg)
-
-
-def _check_actor_ranks(cfg: LLMConfig) -> None:
-    """A data-parallel trainer (ray only) takes whole prompts' groups: batch_size splits evenly."""
-    ranks = world_sizes(cfg.cluster, ["rollout", "actor"])["actor"]
-    require(
-        ranks == 1 or cfg.cluster.backend == "ray",
-        "cluster.placement",
-        "a data-parallel trainer (more than one actor rank) needs cluster.backend=ray",
-    )
+def validate_actor_ranks(cfg: LLMConfig, ranks: int) -> None:
+    """A data-parallel trainer takes whole prompts' groups: batch_size splits evenly."""
     rows = cfg.rollout.batch_size * cfg.rollout.group_size
     require(
         rows % (ranks * cfg.actor.ppo_minibatches) == 0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -50,6 +51,31 @@ list_env_adapters = ENV_ADAPTERS.names
 
 def make_env(adapter: str, num_envs: int, **kwargs) -> VectorEnvAdapter:
     return get_env_adapter(adapter)(num_envs=num_envs, **kwargs)
+
+
+def env_make_kwargs(env, first_env: int = 0, group_size: int = 1) -> dict[str, Any]:
+    """What ``make_env`` takes for an ``env`` config section (besides adapter and num_envs). The
+    observation mode goes to the adapter only when it is not plain state, every adapter's own.
+    A multi-task adapter (one that takes ``first_env`` and ``group_size``) learns where its copies
+    sit in the global numbering the seeds use, so tasks spread over every rank and stage and the
+    members of a GRPO group (``group_size`` consecutive training envs) share a task."""
+    kwargs = dict(env.adapter_kwargs)
+    if env.obs_mode != "state":
+        kwargs.update(obs_mode=env.obs_mode, image_size=env.image_size)
+    if {"first_env", "group_size"} <= adapter_arguments(env.adapter):
+        kwargs.update(first_env=first_env, group_size=group_size)
+    return {
+        "env_id": env.id,
+        "vectorization_mode": env.vectorization_mode,
+        "max_episode_steps": env.max_episode_steps,
+        "env_kwargs": dict(env.kwargs),
+        **kwargs,
+    }
+
+
+def adapter_arguments(adapter: str) -> set[str]:
+    """The keyword arguments a registered adapter's factory takes."""
+    return set(inspect.signature(get_env_adapter(adapter)).parameters)
 
 
 @dataclass

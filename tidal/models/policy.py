@@ -1,4 +1,4 @@
-"""Policies behind one interface, and the registry that builds them from config.
+"""Policies behind one interface, and the registry that builds them by name.
 
 A policy acts on a batch of observations (``act``), re-evaluates stored inputs and actions
 (``evaluate``) and values observations (``value``). Log-probabilities and entropies are per
@@ -56,43 +56,6 @@ def policy_arguments(name: str) -> set[str]:
 
     params = inspect.signature(POLICIES.get(name)).parameters
     return set(params) - {"self", "observation_space", "action_space", "num_action_chunks"}
-
-
-def build_from_config(
-    model, observation_space: gym.Space, action_space: gym.Space, num_action_chunks: int
-) -> EmbodiedPolicy:
-    """The policy a ``model`` config section describes: loaded from ``model.path`` when set,
-    else built by name with the shared fields it takes and ``model.kwargs``."""
-    if model.path is not None:
-        from tidal.models.saving import load_policy
-
-        policy = load_policy(model.path)
-        spec = policy.build_spec
-        if (spec["observation_space"], spec["action_space"]) != (observation_space, action_space):
-            raise ValueError(
-                f"model.path: {model.path!r} was saved for observations {spec['observation_space']} "
-                f"and actions {spec['action_space']}; this env has {observation_space} and "
-                f"{action_space} (env.obs_mode, env.image_size, env.adapter_kwargs)"
-            )
-        return policy
-    takes = policy_arguments(model.name)
-    shared = {
-        "hidden_sizes": tuple(model.hidden_sizes),
-        "activation": model.activation,
-        "critic": model.critic,
-        "obs_norm": model.obs_norm,
-        "init_log_std": model.init_log_std,
-        "squash": model.squash,
-    }
-    kwargs = {k: v for k, v in shared.items() if k in takes}
-    return build_policy(
-        model.name,
-        observation_space,
-        action_space,
-        num_action_chunks,
-        **kwargs,
-        **dict(model.kwargs),
-    )
 
 
 @dataclass

@@ -72,13 +72,21 @@ def save_policy(policy: EmbodiedPolicy, folder: str | os.PathLike) -> Path:
     return folder
 
 
-def load_policy(folder: str | os.PathLike) -> EmbodiedPolicy:
+def read_saved_config(folder: str | os.PathLike) -> dict:
+    """The ``config.json`` of a saved policy folder (no weights read), or a ``ValueError`` naming
+    ``model.path``."""
     folder = Path(folder)
     if not (folder / CONFIG).is_file() or not (folder / WEIGHTS).is_file():
         raise ValueError(
-            f"model.path: {str(folder)!r} is not a saved policy (needs {CONFIG} and {WEIGHTS})"
+            f"model.path: {str(folder)!r} is not a saved policy folder ({CONFIG} and {WEIGHTS}); "
+            "`tidal sft CONFIG` writes one"
         )
-    config = json.loads((folder / CONFIG).read_text())
+    return json.loads((folder / CONFIG).read_text())
+
+
+def load_policy(folder: str | os.PathLike) -> EmbodiedPolicy:
+    folder = Path(folder)
+    config = read_saved_config(folder)
     policy = build_policy(
         config["name"],
         space_from_json(config["observation_space"]),

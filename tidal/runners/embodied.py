@@ -16,14 +16,14 @@ from pathlib import Path
 import numpy as np
 
 from tidal.checkpoint import load_extra
-from tidal.config import ConfigError, EmbodiedConfig, validate_embodied
-from tidal.config.embodied import env_make_kwargs, saved_policy_config, validate_saved_policy
-from tidal.envs import make_env, success_metrics
+from tidal.config import EmbodiedConfig
+from tidal.config.embodied import components
+from tidal.envs import success_metrics
 from tidal.envs.video import write_video
-from tidal.models.saving import space_from_json
 from tidal.rollout.staleness import StalenessManager
 from tidal.runners.collection import Collection
 from tidal.runners.loop import RunLoop, fmt
+from tidal.runners.preflight import check_embodied, probe_env
 from tidal.runtime import Channel, wait_all
 from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker, Topology
 
@@ -34,7 +34,7 @@ EVAL_SEGMENT = 32  # chunk steps per evaluation call: a few wasted steps against
 
 class EmbodiedRunner(RunLoop):
     def __init__(self, cfg: EmbodiedConfig):
-        self.worlds = validate_embodied(cfg)
+        self.worlds = check_embodied(cfg)
         env = cfg.env
         self.topo = Topology(
             env=self.worlds["env"],
@@ -45,7 +45,7 @@ class EmbodiedRunner(RunLoop):
             eval_num_envs=env.eval_num_envs,
             reward=self.worlds.get("reward", 0),
         )
-        self.spaces, self.max_episode_steps = _probe_env(cfg)
+        self.spaces, self.max_episode_steps = probe_env(cfg)
         self.cluster = self.env = self.rollout = self.actor = self.reward = None
         self.channels: dict[str, Channel] = {}
         self.env_steps, self.rollout_version = 0, None
@@ -68,8 +68,7 @@ class EmbodiedRunner(RunLoop):
     def build(self) -> None:
         cfg, spaces = self.cfg, self.spaces
         self.cluster = self.start_cluster()
-        components = ["env", "rollout", "actor"] + (["reward"] if cfg.reward.enabled else [])
-        placement = self.cluster.placement(cfg.cluster.resolved_placement(components))
+        placement = self.cluster.placement(cfg.cluster.resolved_placement(components(cfg)))
         self.env = EnvWorker.create_group(cfg, self.topo).launch(
             self.cluster, placement, name="env"
         )
@@ -418,39 +417,3 @@ def _success(results: list[dict], prefix: str) -> dict:
     successes = [x for res in results for x in res.get("successes", [])]
     tasks = [x for res in results for x in res.get("tasks", [])]
     return success_metrics(successes, tasks if len(tasks) == len(successes) else [], prefix)
-
-
-def _probe_env(cfg: EmbodiedConfig):
-    """The spaces and time limit of the configured env, from one instance made here: an env
-    that cannot be made is a config error before any worker starts."""
-    env = cfg.env
-    try:
-        probe = make_env(env.adapter, 1, **{**env_make_kwargs(env), "vectorization_mode": "sync"})
-    except Exception as exc:  # noqa: BLE001 - gymnasium raises many kinds for a bad id or kwarg
-        key = "env.kwargs" if isinstance(exc, TypeError) and env.kwargs else "env.id"
-        raise ConfigError(
-            f"{key}: cannot make {env.id!r} with kwargs {dict(env.kwargs)}: "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        ) from None
-    try:
-        spaces = (probe.observation_space, probe.action_space)
-    finally:
-        probe.close()
-    if cfg.model.path is not None:
-        validate_saved_policy(cfg.model, env.num_action_chunks)
-        _check_saved_spaces(cfg.model.path, *spaces)
-    return spaces, probe.max_episode_steps
-
-
-def _check_saved_spaces(path: str, observation_space, action_space) -> None:
-    """A saved policy acts in this env only if it was saved for the same spaces."""
-    saved = saved_policy_config(path)
-    for what, key, space in (
-        ("observations", "observation_space", observation_space),
-        ("actions", "action_space", action_space),
-    ):
-        if space_from_json(saved[key]) != space:
-            raise ConfigError(
-                f"model.path: {path!r} was saved for {what} {space_from_json(saved[key])}, "
-                f"this env has {space} (env.id, env.obs_mode, env.image_size, env.adapter_kwargs)"
-            )

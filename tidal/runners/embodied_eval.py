@@ -14,43 +14,20 @@ import dataclasses
 import json
 import logging
 import time
-from pathlib import Path
 
 import torch
 
-from tidal.checkpoint import checkpoint_argument, load_checkpoint
-from tidal.config import ConfigError, to_yaml
-from tidal.config.embodied import (
-    EmbodiedConfig,
-    env_make_kwargs,
-    validate_embodied,
-    validate_saved_policy,
-)
-from tidal.envs import make_env
+from tidal.checkpoint import load_checkpoint
+from tidal.config import to_yaml
+from tidal.config.embodied import EmbodiedConfig
+from tidal.envs import env_make_kwargs, make_env
+from tidal.models.factory import build_from_config
 from tidal.models.imitation import evaluate_success
-from tidal.models.policy import build_from_config
 from tidal.runners.loop import run_folder
+from tidal.runners.preflight import check_embodied_eval
 
 log = logging.getLogger("tidal.eval")
 EPISODE_SEED = 5 * 10**6  # training envs use runner.seed + i, evaluations 10**6 + i + 7,919 * step
-
-
-def validate_embodied_eval(
-    cfg: EmbodiedConfig, checkpoint: str | None, episodes: int
-) -> Path | None:
-    """A policy to evaluate (saved, or built from the config for a checkpoint's weights), a
-    positive episode count, and the checkpoint folder when one is given; all before the env or
-    the run folder exists."""
-    if episodes < 1:
-        raise ConfigError(f"--episodes: must be >= 1, got {episodes}")
-    if cfg.model.path is None and checkpoint is None:
-        raise ConfigError(
-            "model.path: tidal eval needs a saved policy (tidal sft writes one) or --checkpoint"
-        )
-    folder = checkpoint_argument(checkpoint)
-    validate_embodied(cfg)
-    validate_saved_policy(cfg.model, cfg.env.num_action_chunks)
-    return folder
 
 
 def run_embodied_eval(
@@ -60,7 +37,7 @@ def run_embodied_eval(
     sampled: bool = False,
 ) -> dict:
     episodes = cfg.env.eval_num_envs if episodes is None else episodes
-    folder = validate_embodied_eval(cfg, checkpoint, episodes)
+    folder = check_embodied_eval(cfg, checkpoint, episodes)
     torch.set_num_threads(cfg.cluster.torch_threads)
     env = make_env(cfg.env.adapter, episodes, **env_make_kwargs(cfg.env))
     try:

@@ -14,22 +14,22 @@ import time
 import torch
 
 from tidal.config import EmbodiedConfig, to_yaml
-from tidal.config.embodied import env_make_kwargs, validate_sft
 from tidal.engine import TrainEngine
-from tidal.envs import make_env
+from tidal.envs import env_make_kwargs, make_env
 from tidal.envs.demos import collect_metaworld_demos
 from tidal.metrics import MetricLogger
 from tidal.models import save_policy
+from tidal.models.factory import build_from_config
 from tidal.models.imitation import evaluate_success, train_bc
-from tidal.models.policy import build_from_config
 from tidal.runners.loop import run_folder
+from tidal.runners.preflight import check_embodied_sft
 
 log = logging.getLogger("tidal.sft")
 EVAL_SEED = 10**6  # the env worker's evaluation seeds start here (after runner.seed)
 
 
 def run_embodied_sft(cfg: EmbodiedConfig) -> dict:
-    validate_sft(cfg)
+    check_embodied_sft(cfg)
     torch.manual_seed(cfg.runner.seed)
     torch.set_num_threads(cfg.cluster.torch_threads)
     run_dir = run_folder(

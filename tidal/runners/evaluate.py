@@ -12,35 +12,16 @@ import logging
 import time
 from pathlib import Path
 
-from tidal.checkpoint import checkpoint_argument
-from tidal.config import ConfigError, to_yaml
-from tidal.config.llm import LLMConfig, validate_llm, validate_model_path
+from tidal.config import to_yaml
+from tidal.config.llm import LLMConfig
 from tidal.inference import GenerationEngine, InferenceClient, InferenceServer
 from tidal.models.lm import DTYPES, load_tokenizer
 from tidal.rollout.evaluation import EvalResult
 from tidal.runners.lm_common import data_cache, eval_records, evaluator
 from tidal.runners.loop import run_folder
+from tidal.runners.preflight import check_llm_eval
 
 log = logging.getLogger("tidal.eval")
-
-
-def validate_eval(cfg: LLMConfig, checkpoint: str | None, n: int) -> Path | None:
-    """The config and model as for training, something to evaluate on, and the checkpoint (its
-    folder) when one is given; all before the run folder exists."""
-    validate_llm(cfg)
-    validate_model_path(cfg)
-    from tidal.rollout.tasks import TASKS
-
-    if cfg.data.path is None and TASKS.get(cfg.data.task).multi_turn:
-        raise ConfigError(
-            f"data.task: tidal eval scores single-turn records; {cfg.data.task!r} is multi-turn "
-            "(the training run evaluates it)"
-        )
-    if cfg.data.path is not None and cfg.data.eval_path is None:
-        raise ConfigError("data.eval_path: tidal eval needs held-out records (a dataset file)")
-    if n < 0:
-        raise ConfigError(f"--n: must be >= 0, got {n}")
-    return checkpoint_argument(checkpoint)
 
 
 def serve_and_evaluate(
@@ -78,7 +59,7 @@ def serve_and_evaluate(
 
 def run_eval(cfg: LLMConfig, checkpoint: str | None = None, n: int = 1) -> dict:
     """Evaluate and write the results; the summary (also printed by the CLI)."""
-    folder = validate_eval(cfg, checkpoint, n)
+    folder = check_llm_eval(cfg, checkpoint, n)
     out = run_folder(
         dataclasses.replace(cfg.runner, experiment=f"{cfg.runner.experiment}-eval"), None
     )

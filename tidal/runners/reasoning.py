@@ -13,12 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tidal.config.llm import (
-    LLMConfig,
-    import_object,
-    validate_llm,
-    validate_model_path,
-)
+from tidal.config.llm import LLMConfig
 from tidal.data import LMBatch
 from tidal.inference import InferenceClient
 from tidal.models.lm import load_tokenizer
@@ -38,6 +33,7 @@ from tidal.runners.lm_common import (
     warmed_reward,
 )
 from tidal.runners.loop import RunLoop
+from tidal.runners.preflight import check_llm, check_llm_model, import_object
 from tidal.workers.lm_actor import LMActor
 
 log = logging.getLogger("tidal.train")
@@ -47,8 +43,8 @@ class ReasoningRunner(RunLoop):
     initial_evaluation = True
 
     def __init__(self, cfg: LLMConfig):
-        validate_llm(cfg)
-        validate_model_path(cfg)
+        check_llm(cfg)
+        check_llm_model(cfg)
         self.cluster = self.rollout = self.actor = self.client = self.dispatcher = None
         self.version = 0
         super().__init__(cfg)

@@ -18,13 +18,14 @@ from pathlib import Path
 import torch
 
 from tidal.config.common import ActorConfig
-from tidal.config.llm import LLMConfig, validate_sft
+from tidal.config.llm import LLMConfig
 from tidal.data.datasets import RecordIterator, load_conversations, load_prompts
 from tidal.engine import TrainEngine
 from tidal.inference.tiny import save_tiny_chat_model, save_tiny_model
 from tidal.models.lm import load_causal_lm
 from tidal.rollout.tasks import ARITH_ALPHABET, TASKS
 from tidal.runners.lm_common import data_cache, eval_records, sft_examples
+from tidal.runners.preflight import check_llm_sft
 
 log = logging.getLogger("tidal.sft")
 
@@ -98,7 +99,7 @@ def collate(batch: list[Example], pad_id: int, context: int) -> tuple[torch.Tens
 
 
 def run_sft(cfg: LLMConfig) -> dict:
-    validate_sft(cfg)
+    check_llm_sft(cfg)
     torch.manual_seed(cfg.runner.seed)
     torch.set_num_threads(max(1, cfg.cluster.torch_threads))
     with data_cache(cfg, None) as cache:

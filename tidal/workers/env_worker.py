@@ -9,9 +9,8 @@ import numpy as np
 import torch
 
 from tidal.algorithms import advantage_spec
-from tidal.config.embodied import env_make_kwargs
 from tidal.data import ChunkActions, EnvOutput, Trajectory
-from tidal.envs import ChunkedEnv, make_env
+from tidal.envs import ChunkedEnv, env_make_kwargs, make_env
 from tidal.envs.checks import NonFiniteGuard
 from tidal.envs.video import FrameRecorder
 from tidal.runtime import Channel, ConfigSections, Outbox, Worker, async_recv_batch

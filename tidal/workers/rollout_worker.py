@@ -9,7 +9,7 @@ import torch
 from tidal.checkpoint import rng_state, set_rng_state
 from tidal.config import EmbodiedConfig
 from tidal.data import ChunkActions, EnvOutput
-from tidal.models.policy import build_from_config
+from tidal.models.factory import build_from_config
 from tidal.runtime import (
     Channel,
     CommMapper,
