@@ -15,8 +15,8 @@ that speed-up as a fraction of the ceiling, and ``step_over_actor_time`` (its st
 collection is entirely hidden; unlike the speed-up it does not depend on the load staying the
 same between runs). Prints a line per run and writes JSON (--out).
 
-  python benchmarks/async_embodied_bench.py pendulum halfcheetah [--etas 0 1 2]
-      [--env-steps 1000000] [--out async_embodied_bench.json]
+  python benchmarks/async_embodied_bench.py pendulum halfcheetah [--etas 0 1 2] [--seeds 0 1 2]
+      [--env-steps 1000000] [--extra key=value ...] [--out async_embodied_bench.json]
 """
 
 from __future__ import annotations
@@ -43,19 +43,21 @@ TASKS = {
 }
 
 
-def run_one(config: str, eta: int, env_steps: int, target: float | None, extra: list[str]) -> dict:
-    """One run; asynchronous ones use the decoupled loss unless ``extra`` says otherwise."""
-    decoupled = ["algorithm.use_decoupled_loss=true"] if eta > 0 else []
+def run_one(
+    config: str, eta: int, env_steps: int, target: float | None, extra: list[str], seed: int
+) -> dict:
+    """One run with the config's loss (asynchronous runs: decoupled PPO unless ``extra`` sets
+    ``algorithm.use_decoupled_loss=false``)."""
     overrides = [
         f"runner.run_dir={RUN_DIR}",
-        f"runner.experiment={Path(config).stem}-eta{eta}",
+        f"runner.experiment={Path(config).stem}-eta{eta}-seed{seed}",
+        f"runner.seed={seed}",
         "runner.progress=false",
         "runner.save_interval=0",
         f"runner.max_env_steps={env_steps}",
         "runner.max_steps=100000",
         f"runner.target_value={'null' if target is None else target}",
         f"rollout.max_staleness={eta}",
-        *decoupled,
         *extra,
     ]
     cfg = load_config(EmbodiedConfig, EXAMPLES / config, overrides)
@@ -65,7 +67,7 @@ def run_one(config: str, eta: int, env_steps: int, target: float | None, extra: 
         summary = runner.run()
     finally:
         runner.close()
-    return summarize(summary["run_dir"], eta, time.perf_counter() - start, target)
+    return {**summarize(summary["run_dir"], eta, time.perf_counter() - start, target), "seed": seed}
 
 
 def summarize(run_dir: str, eta: int, wall: float, target: float | None) -> dict:
@@ -97,6 +99,12 @@ def summarize(run_dir: str, eta: int, wall: float, target: float | None) -> dict
 
 
 def compare(runs: list[dict]) -> dict:
+    """Per seed: the ceiling from its synchronous run, each asynchronous run's speed-up."""
+    seeds = sorted({r.get("seed", 0) for r in runs})
+    return {f"seed{s}": compare_one([r for r in runs if r.get("seed", 0) == s]) for s in seeds}
+
+
+def compare_one(runs: list[dict]) -> dict:
     """The ceiling from the synchronous run's timers; each asynchronous run's speed-up."""
     sync = next((r for r in runs if r["eta"] == 0), None)
     if sync is None:
@@ -128,6 +136,7 @@ def main() -> None:
     parser.add_argument("--env-steps", type=int, help="per run (default: the task's)")
     parser.add_argument("--target", type=float, default=-250.0, help="pendulum eval target")
     parser.add_argument("--extra", nargs="*", default=[], help="more config overrides")
+    parser.add_argument("--seeds", type=int, nargs="*", default=[0], help="runner.seed of each run")
     parser.add_argument("--out", default="async_embodied_bench.json")
     parser.add_argument(
         "--sync-run", nargs=2, metavar=("RUN_DIR", "WALL_S"), help="reuse a finished eta=0 run"
@@ -140,11 +149,11 @@ def main() -> None:
         runs = []
         if args.sync_run:
             runs.append(summarize(args.sync_run[0], 0, float(args.sync_run[1]), target))
-        for eta in args.etas if args.etas else etas:
-            r = run_one(config, eta, args.env_steps or steps, target, args.extra)
+        for seed, eta in ((s, e) for s in args.seeds for e in (args.etas or etas)):
+            r = run_one(config, eta, args.env_steps or steps, target, args.extra, seed)
             runs.append(r)
             print(
-                f"{task} eta={eta}: env_steps {r['env_steps']} wall {r['wall_s']:.0f}s "
+                f"{task} eta={eta} seed={seed}: env_steps {r['env_steps']} wall {r['wall_s']:.0f}s "
                 f"{r['env_steps_per_s']:.0f} steps/s final eval {r['final_eval_return']} "
                 f"best {r['best_eval_return']} to target {r['env_steps_to_target']} "
                 f"staleness mean {r['staleness_mean']:.2f} max {r['staleness_max']:.0f} "

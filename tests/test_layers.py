@@ -13,11 +13,6 @@ DOC = ROOT / "docs" / "architecture.md"
 
 # Edges against the order, each named under the table in docs/architecture.md with its reason.
 EXCEPTIONS = {("tidal.rollout", "tidal.workers")}
-# Cycles that another part of issue 25 removes (the split of ray_channel.py); drop this entry
-# when it lands.
-KNOWN_CYCLES = [
-    {"tidal.runtime.backends", "tidal.runtime.backends.ray", "tidal.runtime.backends.ray_channel"}
-]
 
 
 def layer_order() -> list[str]:
@@ -112,11 +107,7 @@ def test_config_imports_nothing_of_tidal_but_the_registry():
 
 
 def test_no_modules_import_each_other_in_a_cycle():
-    cycles = [
-        sorted(c)
-        for c in nx.strongly_connected_components(import_graph())
-        if len(c) > 1 and c not in KNOWN_CYCLES
-    ]
+    cycles = [sorted(c) for c in nx.strongly_connected_components(import_graph()) if len(c) > 1]
     assert not cycles, f"import cycles: {cycles}"
 
 
@@ -126,4 +117,4 @@ def test_the_import_graph_sees_imports_inside_functions():
     graph = import_graph()
     # tidal.cli imports the runners only inside its commands
     assert graph.has_edge("tidal.cli", "tidal.runners.preflight")
-    assert graph.has_edge("tidal.runtime.backends", "tidal.runtime.backends.local")
+    assert graph.has_edge("tidal.runtime.backends.ray_routed", "tidal.runtime.backends.ray_pipe")
