@@ -93,6 +93,45 @@ def test_async_cartpole_ppo_with_decoupled_loss_solves_within_100k_steps(tmp_pat
     assert 1 <= max(r["staleness/max"] for r in rows) <= 2
 
 
+@pytest.mark.slow
+def test_async_pendulum_with_the_default_loss_reaches_minus_250_within_300k_steps(tmp_path):
+    """The README's asynchronous command as a user types it (issue 31): eta = 2 and no loss
+    key. Plain PPO on these stale samples never got past -531 (BENCHMARKS.md); the default
+    for eta > 0 is the decoupled loss."""
+    cfg = load_config(
+        EmbodiedConfig,
+        EXAMPLES / "pendulum_ppo.yaml",
+        [
+            f"runner.run_dir={tmp_path}",
+            "runner.progress=false",
+            "runner.save_interval=0",
+            "runner.target_value=-250",
+            "rollout.max_staleness=2",
+        ],
+    )
+    assert cfg.algorithm.use_decoupled_loss is True
+    summary, rows = run(EmbodiedRunner, cfg)
+    assert summary["best_value"] >= -250, summary
+    assert rows[-1]["env_steps"] <= 300_000 + 2048
+    assert max(r["staleness/max"] for r in rows) == 2
+
+
+def test_the_decoupled_loss_is_the_default_exactly_when_samples_may_be_stale(tmp_path, caplog):
+    from tidal.config.llm import LLMConfig
+
+    assert config(tmp_path).algorithm.use_decoupled_loss is False
+    assert config(tmp_path, "rollout.max_staleness=1").algorithm.use_decoupled_loss is True
+    llm = load_config(LLMConfig, None, ["rollout.max_staleness=2"])
+    assert llm.algorithm.use_decoupled_loss is True
+    explicit = config(tmp_path, "rollout.max_staleness=1", "algorithm.use_decoupled_loss=false")
+    assert explicit.algorithm.use_decoupled_loss is False
+    from tidal.runners.preflight import check_embodied
+
+    with caplog.at_level("WARNING", logger="tidal.preflight"):
+        check_embodied(explicit)
+    assert "algorithm.use_decoupled_loss=false with rollout.max_staleness=1" in caplog.text
+
+
 @pytest.fixture
 def trained_versions(monkeypatch):
     """(trainer version, versions of the samples in the loss) of every training step."""

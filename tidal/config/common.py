@@ -135,8 +135,11 @@ class AlgorithmConfig:
         "token-mean",
         "loss aggregation: token-mean | seq-mean-token-sum | seq-mean-token-mean | ...",
     )
-    use_decoupled_loss: bool = setting(
-        False, "the decoupled PPO objective (proximal policy + behaviour weights)"
+    use_decoupled_loss: bool | None = setting(
+        None,
+        "the decoupled PPO objective (a trust region around the proximal policy, behaviour "
+        "weights); null: on exactly when rollout.max_staleness > 0, as plain PPO on stale "
+        "samples clips around the behaviour policy, versions behind the weights",
     )
     prox_logp_method: str = setting(
         "recompute",
@@ -144,6 +147,12 @@ class AlgorithmConfig:
     )
     behav_weight_cap: float | None = setting(5.0, "cap on the behaviour importance weight")
     cap_mode: str = setting("mask", "above the cap: mask the token or clamp the weight")
+
+
+def resolve_algorithm(algorithm: AlgorithmConfig, max_staleness: int) -> None:
+    """Defaults that follow other keys, set once when a config is built."""
+    if algorithm.use_decoupled_loss is None:
+        algorithm.use_decoupled_loss = max_staleness > 0
 
 
 def one_of(value, allowed, key: str) -> None:

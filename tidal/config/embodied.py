@@ -13,6 +13,7 @@ from tidal.config.common import (
     ClusterConfig,
     RunnerConfig,
     one_of,
+    resolve_algorithm,
     validate_common,
 )
 from tidal.config.loader import require
@@ -205,6 +206,9 @@ class EmbodiedConfig:
     actor: EmbodiedActorConfig = section(EmbodiedActorConfig)
     reward: RewardConfig = section(RewardConfig)
     sft: SFTConfig = section(SFTConfig)
+
+    def __post_init__(self):
+        resolve_algorithm(self.algorithm, self.rollout.max_staleness)
 
     MOVED_KEYS: ClassVar[dict[str, str]] = {
         "actor.seed": "runner.seed",

@@ -13,6 +13,7 @@ from tidal.config.common import (
     ClusterConfig,
     RunnerConfig,
     one_of,
+    resolve_algorithm,
     validate_common,
 )
 from tidal.config.loader import require
@@ -194,6 +195,9 @@ class LLMConfig:
     algorithm: LMAlgorithmConfig = section(LMAlgorithmConfig)
     actor: LMActorConfig = section(LMActorConfig)
     sft: SFTConfig = section(SFTConfig)
+
+    def __post_init__(self):
+        resolve_algorithm(self.algorithm, self.rollout.max_staleness)
 
     MOVED_KEYS: ClassVar[dict[str, str]] = {
         **{

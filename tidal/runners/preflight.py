@@ -9,6 +9,7 @@ runs them too, so a runner, ``tidal sft`` and ``tidal eval`` call one function e
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -60,6 +61,9 @@ from tidal.runtime.placement import _parse_spec_string
 # -- both halves ---------------------------------------------------------------------------------
 
 
+log = logging.getLogger("tidal.preflight")
+
+
 def check_common(cfg: EmbodiedConfig | LLMConfig) -> None:
     """The registered names of the shared sections."""
     cluster = cfg.cluster
@@ -70,6 +74,16 @@ def check_common(cfg: EmbodiedConfig | LLMConfig) -> None:
         f"pins a process per rank; the {cluster.backend} backend's ranks are threads of one process",
     )
     one_of(cfg.algorithm.adv_type, list_advantages(), "algorithm.adv_type")
+    eta = cfg.rollout.max_staleness
+    if eta > 0 and not cfg.algorithm.use_decoupled_loss:
+        log.warning(
+            "algorithm.use_decoupled_loss=false with rollout.max_staleness=%d: plain PPO clips "
+            "around the behaviour policy, up to %d versions behind the weights, and then pulls the "
+            "policy back towards it; expect slow or no learning (leave the key unset for the "
+            "decoupled loss)",
+            eta,
+            eta,
+        )
 
 
 def world_sizes(cluster: ClusterConfig, names: list[str]) -> dict[str, int]:
