@@ -297,21 +297,24 @@ def test_raw_is_unbaselined_score():
 
 
 def ref_reinpp(r, mask, gamma, baseline_group=None):
+    """OpenRLHF's REINFORCE++: rewards zeroed off the mask, the group's mean total reward
+    subtracted at each sample's last valid token (baseline), return-to-go discounted through
+    every position, whitened over the valid tokens."""
     T, B = r.shape
-    scores = (r * mask).sum(0)
+    tok = r * mask
     if baseline_group:
-        scores = ref_group_norm(scores, baseline_group, std=False)
-    tok = np.zeros((T, B))
-    for b in range(B):
-        valid = np.nonzero(mask[:, b])[0]
-        if len(valid):
-            tok[valid[-1], b] = scores[b]
+        totals = tok.sum(0)
+        means = totals.reshape(-1, baseline_group).mean(1).repeat(baseline_group)
+        for b in range(B):
+            valid = np.nonzero(mask[:, b])[0]
+            if len(valid):
+                tok[valid[-1], b] -= means[b]
     ret = np.zeros((T, B))
     for b in range(B):
         run = 0.0
         for t in range(T - 1, -1, -1):
-            run = (tok[t, b] + gamma * run) * mask[t, b]
-            ret[t, b] = run
+            run = tok[t, b] + gamma * run
+            ret[t, b] = run * mask[t, b]
     vals = ret[mask.astype(bool)]
     mu, var = vals.mean(), vals.var()
     adv = np.where(mask, (ret - mu) / np.sqrt(var + 1e-8), 0.0)
@@ -319,12 +322,22 @@ def ref_reinpp(r, mask, gamma, baseline_group=None):
 
 
 @pytest.mark.parametrize("baseline", [False, True])
-def test_reinforce_plus_plus(baseline):
+@pytest.mark.parametrize("holes", [False, True])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_reinforce_plus_plus(baseline, holes, per_token):
+    """Outcome rewards on the last token or per-token rewards (a KL shaped in), on a contiguous
+    mask or one with holes (multi-turn: tool tokens between two answers)."""
     L, B = 11, 8  # a language batch [B, L] passed time-major
-    r_bl = torch.zeros(B, L, dtype=torch.float64)
-    lengths = torch.randint(1, L + 1, (B,))
+    g = torch.Generator().manual_seed(int(baseline) + 2 * int(holes) + 4 * int(per_token))
+    lengths = torch.randint(1, L + 1, (B,), generator=g)
     mask_bl = torch.arange(L)[None, :] < lengths[:, None]
-    r_bl[torch.arange(B), lengths - 1] = torch.randn(B, dtype=torch.float64)
+    if holes:
+        mask_bl &= torch.rand(B, L, generator=g) > 0.3
+        mask_bl[torch.arange(B), lengths - 1] = True
+    r_bl = torch.zeros(B, L, dtype=torch.float64)
+    if per_token:
+        r_bl = -0.1 * torch.rand(B, L, generator=g, dtype=torch.float64)
+    r_bl[torch.arange(B), lengths - 1] += torch.randn(B, generator=g, dtype=torch.float64)
     name = "reinpp_baseline" if baseline else "reinpp"
     adv, ret = get_advantage(name)(rewards=r_bl.T, mask=mask_bl.T, gamma=0.99, group_size=4)
     ra, rr = ref_reinpp(
@@ -332,6 +345,27 @@ def test_reinforce_plus_plus(baseline):
     )
     np.testing.assert_allclose(adv.numpy(), ra, atol=1e-9)
     np.testing.assert_allclose(ret.numpy(), rr, atol=1e-9)
+
+
+def test_reinforce_plus_plus_examples_of_issue_30():
+    """Earlier turns get the outcome across masked tokens; a per-token penalty stays per token."""
+    _, ret = get_advantage("reinpp")(
+        rewards=torch.tensor([[0.0], [0.0], [0.0], [1.0]], dtype=torch.float64),
+        mask=torch.tensor([[1], [0], [1], [1]], dtype=torch.bool),
+    )
+    assert ret[:, 0].tolist() == [1.0, 0.0, 1.0, 1.0]  # the masked token's 0 is padding
+    _, ret = get_advantage("reinpp")(
+        rewards=torch.tensor([[-0.3], [0.0], [1.0]], dtype=torch.float64),
+        mask=torch.ones(3, 1, dtype=torch.bool),
+    )
+    np.testing.assert_allclose(ret[:, 0].numpy(), [0.7, 1.0, 1.0], atol=1e-12)
+
+
+def test_reinforce_plus_plus_restarts_after_an_embodied_episode_ends():
+    rewards = torch.ones(4, 1, dtype=torch.float64)
+    dones = torch.tensor([[0], [0], [1], [0], [0]], dtype=torch.bool)  # step 1 ends an episode
+    _, ret = get_advantage("reinpp")(rewards=rewards, dones=dones)
+    assert ret[:, 0].tolist() == [2.0, 1.0, 2.0, 1.0]
 
 
 def test_estimators_survive_edge_cases():

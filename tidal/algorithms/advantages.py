@@ -236,28 +236,27 @@ def _broadcast(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, per_sample.unsqueeze(0), 0.0)
 
 
-def _discounted_returns(
-    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float
-) -> torch.Tensor:
-    """Reverse cumulative sum with discount, restarting wherever the mask is off."""
-    returns = torch.zeros_like(token_rewards)
-    running = torch.zeros_like(token_rewards[0])
-    for t in reversed(range(token_rewards.shape[0])):
-        running = (token_rewards[t] + gamma * running) * mask[t]
-        returns[t] = running
-    return returns
-
-
 def _reinforce_pp(
-    scores: torch.Tensor, mask: torch.Tensor, gamma: float
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    dones: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score at the last valid step, discounted returns, whitened over all valid steps of the
-    batch. (A KL penalty, when wanted, is shaped into the rewards by the caller.)"""
-    horizon = mask.shape[0]
-    last = horizon - 1 - torch.flip(mask.long(), [0]).argmax(0)
-    token_rewards = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
-    token_rewards.scatter_(0, last.unsqueeze(0), (scores * mask.any(0)).unsqueeze(0))
-    returns = _discounted_returns(token_rewards, mask, gamma)
+    """REINFORCE++: each valid step's discounted return-to-go of the per-step rewards, whitened
+    over all valid steps of the batch. Rewards on masked steps (a tool's or an environment's
+    tokens between two answers) count as 0 and the discount runs through them, as OpenRLHF's
+    ``get_cumulative_returns`` does, so earlier turns get the episode's outcome; a KL penalty
+    shaped into the per-token rewards stays per token. ``dones`` ``[T + 1, B]`` (embodied
+    rollouts) restart the return after each episode's end."""
+    dtype = compute_dtype(token_rewards)
+    r = torch.where(mask, token_rewards.to(dtype), 0.0)
+    keep = torch.ones_like(r) if dones is None else 1.0 - dones[1:].to(dtype)
+    returns = torch.empty_like(r)
+    running = torch.zeros_like(r[0])
+    for t in reversed(range(r.shape[0])):
+        running = r[t] + gamma * keep[t] * running
+        returns[t] = running
+    returns = torch.where(mask, returns, 0.0)
     return masked_whiten(returns, mask), returns
 
 
@@ -292,13 +291,18 @@ def _raw(*, rewards, mask=None, **_):
 
 
 @register_advantage("reinpp")
-def _reinpp(*, rewards, mask=None, gamma=1.0, **_):
-    m = as_mask(mask, rewards)
-    return _reinforce_pp(_outcome_scores(rewards, m), m, gamma)
+def _reinpp(*, rewards, mask=None, gamma=1.0, dones=None, **_):
+    return _reinforce_pp(rewards, as_mask(mask, rewards), gamma, dones)
 
 
 @register_advantage("reinpp_baseline", needs_groups=True)
-def _reinpp_baseline(*, rewards, mask=None, group_size=1, gamma=1.0, **_):
+def _reinpp_baseline(*, rewards, mask=None, group_size=1, gamma=1.0, dones=None, **_):
+    """REINFORCE++ with the group's mean total reward subtracted at each sample's last valid
+    step (the baseline of OpenRLHF's ``reinforce_baseline``)."""
     m = as_mask(mask, rewards)
-    centred = group_normalize(_outcome_scores(rewards, m), group_size, std=False)
-    return _reinforce_pp(centred, m, gamma)
+    scores = _outcome_scores(rewards, m)
+    baseline = scores - group_normalize(scores, group_size, std=False)
+    last = m.shape[0] - 1 - torch.flip(m.long(), [0]).argmax(0)
+    shaped = torch.where(m, rewards.to(scores.dtype), 0.0)
+    shaped[last, torch.arange(m.shape[1])] -= baseline * m.any(0)
+    return _reinforce_pp(shaped, m, gamma, dones)
