@@ -112,7 +112,7 @@ class TrainEngine:
     def train_epochs(
         self,
         batch: dict[str, torch.Tensor],
-        loss_fn: LossFn,
+        loss_for: Callable[[list[dict[str, torch.Tensor]]], LossFn],
         *,
         epochs: int,
         minibatch: int,
@@ -121,8 +121,9 @@ class TrainEngine:
         stop: Callable[[dict[str, list[float]]], bool] | None = None,
     ) -> dict[str, list[float]]:
         """``epochs`` shuffled passes over a flat batch (``{name: [N, ...]}``): every
-        ``minibatch`` rows are one optimizer step accumulated over ``micro_batch`` rows.
-        ``stop(epoch_metrics)`` true ends the passes after that epoch."""
+        ``minibatch`` rows are one optimizer step accumulated over ``micro_batch`` rows, with
+        the loss function ``loss_for(micro_batches)`` makes for that minibatch (it may need
+        counts over all of it). ``stop(epoch_metrics)`` true ends the passes after that epoch."""
         size = next(iter(batch.values())).shape[0]
         metrics: dict[str, list[float]] = defaultdict(list)
         for _ in range(epochs):
@@ -131,7 +132,7 @@ class TrainEngine:
             for start in range(0, size, minibatch):
                 rows = order[start : start + minibatch].split(micro_batch)
                 micro_batches = [{k: v[i] for k, v in batch.items()} for i in rows]
-                for k, v in self.train_batch(micro_batches, loss_fn).items():
+                for k, v in self.train_batch(micro_batches, loss_for(micro_batches)).items():
                     epoch[k].extend(v)
             for k, v in epoch.items():
                 metrics[k].extend(v)

@@ -102,11 +102,12 @@ def chunk_loss_inputs(
     def at_level(key: str) -> torch.Tensor | None:
         return reshape_logprobs(micro[key], level) if key in micro else None
 
+    policy_mask, value_mask = chunk_masks(micro, level)
     policy = PolicyInputs(
         logp=logp,
         behave=at_level("old_logprobs"),
         advantages=spread_to(micro["advantages"], logp),
-        mask=spread_to(micro["mask"], logp),
+        mask=policy_mask,
         version=version,
         prox=at_level("prox_logprobs"),
         versions=spread_to(micro["versions"], logp),
@@ -115,11 +116,19 @@ def chunk_loss_inputs(
     )
     if "values" not in out or "old_values" not in micro:
         return policy, None
-    mask, returns = micro["mask"], micro["returns"]  # per step, or per action: its first's
+    returns = micro["returns"]  # per step, or per action: its first's
     value = ValueInputs(
         out["values"].float(),
         micro["old_values"],
         returns if returns.dim() == 1 else returns[:, 0],
-        mask if mask.dim() == 1 else mask.any(-1),
+        value_mask,
     )
     return policy, value
+
+
+def chunk_masks(micro: dict[str, torch.Tensor], level: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch's mask at the log-probs' level (the policy terms) and per step (the
+    value loss), from its ``mask`` (per step ``[N]`` or per action ``[N, C]``)."""
+    mask = micro["mask"]
+    policy = spread_to(mask, reshape_logprobs(micro["old_logprobs"], level))
+    return policy, mask if mask.dim() == 1 else mask.any(-1)

@@ -22,38 +22,60 @@ def aggregate_loss(
     agg: str = "token-mean",
     loss_mask_sum: torch.Tensor | None = None,
     max_episode_steps: int | None = None,
+    count_mask: torch.Tensor | None = None,
+    denominator: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
-    """Reduce per-element losses to a scalar.
+    """Reduce per-element losses to a scalar: a sum over the ``mask``ed elements divided by a
+    count over ``count_mask`` (default the mask; elements a behaviour cap rejected stay in it).
 
-    - ``token-mean``: mean over all valid elements.
-    - ``seq-mean-token-mean``: per sequence (the last dim) the mean of its valid elements,
+    - ``token-mean``: over all counted elements.
+    - ``seq-mean-token-mean``: per sequence (the last dim) the sum over its counted elements,
       then the mean over sequences that have any.
     - ``seq-mean-token-sum``: per sequence the sum, then the mean over sequences that have any.
     - ``embodied-ratio``: ``mean(L / (loss_mask_sum / max_episode_steps) * mask)`` over all
       elements: each env's steps weighted by how short its episode was.
-    An all-masked batch gives 0 (still attached to the graph).
+
+    ``denominator``: the count of the whole minibatch when these are one micro-batch of it
+    (``loss_denominator`` summed over its micro-batches): the micro-batches' losses then sum
+    to the minibatch's, however it is split. An all-masked batch gives 0 (still attached).
     """
     m = mask.bool()
+    counted = m if count_mask is None else count_mask.bool()
     zeroed = torch.where(m, losses, 0.0)
-    if agg == "token-mean":
-        return zeroed.sum() / m.sum().clamp(min=1)
     if agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
         if losses.dim() < 2:
             raise ValueError(
                 f"agg {agg!r}: expected [..., seq_len] losses, got shape {tuple(losses.shape)}"
             )
         per_seq = zeroed.sum(-1)
-        counts = m.sum(-1)
         if agg == "seq-mean-token-mean":
-            per_seq = per_seq / counts.clamp(min=1)
-        has_tokens = counts > 0
-        return torch.where(has_tokens, per_seq, 0.0).sum() / has_tokens.sum().clamp(min=1)
-    if agg == "embodied-ratio":
+            per_seq = per_seq / counted.sum(-1).clamp(min=1)
+        total = per_seq.sum()
+    elif agg == "token-mean":
+        total = zeroed.sum()
+    elif agg == "embodied-ratio":
         if loss_mask_sum is None or max_episode_steps is None:
             raise ValueError("agg 'embodied-ratio': needs loss_mask_sum and max_episode_steps")
         check_same_shape(losses=losses, loss_mask_sum=loss_mask_sum)
         scale = (loss_mask_sum.to(losses.dtype) / max_episode_steps).clamp(min=1e-8)
-        return torch.where(m, losses / scale, 0.0).mean()
+        total = torch.where(m, losses / scale, 0.0).sum()
+    else:
+        raise ValueError(f"agg: expected one of {', '.join(AGGREGATIONS)}, got {agg!r}")
+    if denominator is None:
+        denominator = loss_denominator(counted, agg)
+    return total / torch.as_tensor(denominator, dtype=total.dtype).clamp(min=1)
+
+
+def loss_denominator(mask: torch.Tensor, agg: str) -> torch.Tensor:
+    """What ``aggregate_loss`` divides by, for these elements: valid elements (token-mean),
+    sequences with any (the seq- modes), or every element (embodied-ratio)."""
+    m = mask.bool()
+    if agg == "token-mean":
+        return m.sum()
+    if agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return (m.sum(-1) > 0).sum()
+    if agg == "embodied-ratio":
+        return torch.tensor(m.numel())
     raise ValueError(f"agg: expected one of {', '.join(AGGREGATIONS)}, got {agg!r}")
 
 
@@ -146,8 +168,9 @@ def decoupled_ppo_loss(
     The clipped surrogate is taken on ``exp(logp - prox_logp)`` (trust region around the
     proximal policy) and multiplied by the behaviour weight ``w = exp(prox_logp - behave_logp)``
     (importance correction for the policy that actually sampled). Elements with
-    ``w > behav_weight_cap`` are dropped from the loss (``cap_mode="mask"``: out of the mask
-    and the denominator) or have ``w`` clamped to the cap (``"clamp"``).
+    ``w > behav_weight_cap`` are dropped from the loss (``cap_mode="mask"``: out of the sum,
+    still counted in the denominator, as AReaL does, so that a minibatch's loss does not depend
+    on how it is split) or have ``w`` clamped to the cap (``"clamp"``).
     Extra metrics: ``behave_weight_mean``, ``behave_weight_max``, ``behave_capped_frac``.
     """
     check_same_shape(
@@ -174,7 +197,7 @@ def decoupled_ppo_loss(
     surrogate, clip_active, dual_active = _clipped_surrogate(
         ratio, adv, clip_low, clip_high, dual_clip
     )
-    loss = aggregate_loss(surrogate * weight, train_mask, agg, **agg_kwargs)
+    loss = aggregate_loss(surrogate * weight, train_mask, agg, count_mask=m, **agg_kwargs)
     with torch.no_grad():
         metrics = {
             "clip_frac": _masked_mean(clip_active.to(dtype), train_mask),

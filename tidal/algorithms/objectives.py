@@ -13,7 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from tidal.algorithms.kl import kl_estimate
-from tidal.algorithms.losses import decoupled_ppo_loss, ppo_policy_loss, value_loss
+from tidal.algorithms.losses import (
+    decoupled_ppo_loss,
+    loss_denominator,
+    ppo_policy_loss,
+    value_loss,
+)
 from tidal.algorithms.prox import loglinear_prox_logp, within_staleness
 from tidal.registry import Registry
 
@@ -48,8 +53,44 @@ class ValueInputs:
     mask: torch.Tensor
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
+@dataclass
+class Denominators:
+    """Counts over a whole minibatch, divided by the data-parallel ranks that DDP averages
+    over: each micro-batch's loss is then its exact share of the minibatch's, however the
+    minibatch is split (``minibatch_denominators``)."""
+
+    policy: float  # the policy loss's count for ``loss_agg``
+    tokens: float  # valid elements (entropy, KL)
+    steps: float = 1.0  # valid critic steps (value loss)
+
+
+def minibatch_denominators(
+    policy_masks: list[torch.Tensor],
+    value_masks: list[torch.Tensor] | None,
+    agg: str,
+    ranks: int = 1,
+) -> Denominators:
+    """The denominators of a minibatch from its micro-batches' masks (policy masks at the
+    loss's level, value masks per step)."""
+    policy = sum(float(loss_denominator(m, agg)) for m in policy_masks)
+    tokens = sum(float(m.sum()) for m in policy_masks)
+    steps = sum(float(m.sum()) for m in value_masks) if value_masks else 1.0
+    return Denominators(policy / ranks, tokens / ranks, steps / ranks)
+
+
+def _masked_mean(
+    x: torch.Tensor, mask: torch.Tensor, denominator: float | None = None
+) -> torch.Tensor:
+    count = mask.sum().clamp(min=1) if denominator is None else max(denominator, 1e-12)
+    return torch.where(mask, x, 0.0).sum() / count
+
+
+def _as_micro_mean(share: torch.Tensor, whole: float | None, count) -> torch.Tensor:
+    """A micro-batch's share of a minibatch term, reported as the micro-batch's own mean
+    (so that metrics read the same however the minibatch is split)."""
+    if whole is None:
+        return share.detach()
+    return (share * whole / max(float(count), 1.0)).detach()
 
 
 @OBJECTIVES.register("ppo")
@@ -112,21 +153,28 @@ class PPOObjective:
         p: PolicyInputs,
         value: ValueInputs | None = None,
         critic_only: bool = False,
+        norm: Denominators | None = None,
         **agg,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The micro-batch's loss and its terms: policy loss (skipped while ``critic_only``),
-        entropy bonus, KL to the reference (when it is in the loss) and value loss."""
+        entropy bonus, KL to the reference (when it is in the loss) and value loss. With
+        ``norm`` every term is divided by the minibatch's count, not the micro-batch's."""
+        whole = (lambda name: None) if norm is None else (lambda name: getattr(norm, name))
+        if norm is not None:
+            agg["denominator"] = norm.policy
         pg_loss, info = self.policy_loss(p, **agg)
-        info = {"policy_loss": pg_loss.detach(), **info}
+        own = loss_denominator(p.mask, agg.get("agg", "token-mean"))
+        info = {"policy_loss": _as_micro_mean(pg_loss, whole("policy"), own), **info}
         loss = torch.zeros((), device=pg_loss.device) if critic_only else pg_loss
+        tokens = p.mask.sum()
         if p.entropy is not None:
-            entropy = _masked_mean(p.entropy, p.mask)
-            info["entropy"] = entropy.detach()
+            entropy = _masked_mean(p.entropy, p.mask, whole("tokens"))
+            info["entropy"] = _as_micro_mean(entropy, whole("tokens"), tokens)
             if not critic_only and self.entropy_bonus:
                 loss = loss - self.entropy_bonus * entropy
         if p.ref is not None and self.kl_in_loss:
-            kl = _masked_mean(kl_estimate(p.logp, p.ref, self.kl_kind), p.mask)
-            info["kl_ref"] = kl.detach()
+            kl = _masked_mean(kl_estimate(p.logp, p.ref, self.kl_kind), p.mask, whole("tokens"))
+            info["kl_ref"] = _as_micro_mean(kl, whole("tokens"), tokens)
             if not critic_only:
                 loss = loss + self.kl_coef * kl
         if value is not None:
@@ -137,9 +185,12 @@ class PPOObjective:
                 value.mask,
                 self.value_clip,
                 self.huber_delta,
+                denominator=whole("steps"),
             )
             loss = loss + self.vf_coef * v_loss
-            info.update({"value_loss": v_loss.detach(), **v_info})
+            steps = value.mask.sum()
+            info["value_loss"] = _as_micro_mean(v_loss, whole("steps"), steps)
+            info.update(v_info)
         return loss, info
 
 

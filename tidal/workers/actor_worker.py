@@ -10,8 +10,8 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from tidal.algorithms.chunks import chunk_advantages, chunk_loss_inputs, spread_to
-from tidal.algorithms.objectives import drop_stale, make_objective
+from tidal.algorithms.chunks import chunk_advantages, chunk_loss_inputs, chunk_masks, spread_to
+from tidal.algorithms.objectives import drop_stale, make_objective, minibatch_denominators
 from tidal.data import Trajectory
 from tidal.data.records import flat_time_major, flatten_steps
 from tidal.engine import TrainEngine
@@ -172,18 +172,21 @@ class ActorWorker(Worker):
         step = self.engine.step
         generator = torch.Generator().manual_seed(self.cfg.runner.seed + 1000 * self.rank + step)
         critic_only = step < alg.critic_warmup_steps
-        accumulation = per_rank // act.micro_batch_size
         if self.objective.needs_prox:
             self.batch["prox_logprobs"] = self._logprobs_under(self.policy)
 
-        def loss_fn(model, micro):
-            loss, info = self._micro_loss(model, micro, critic_only)
-            return loss / accumulation, info
+        def loss_for(micro_batches):  # every term divided by its count over the minibatch
+            masks = [chunk_masks(m, alg.logprob_type) for m in micro_batches]
+            critic = "old_values" in self.batch
+            norm = minibatch_denominators(
+                [p for p, _ in masks], [v for _, v in masks] if critic else None, alg.loss_agg
+            )
+            return lambda model, micro: self._micro_loss(model, micro, critic_only, norm)
 
         target_kl = alg.target_kl
         metrics = self.engine.train_epochs(
             self.batch,
-            loss_fn,
+            loss_for,
             epochs=alg.update_epochs,
             minibatch=per_rank,
             micro_batch=act.micro_batch_size,
@@ -214,7 +217,7 @@ class ActorWorker(Worker):
             ]
         )
 
-    def _micro_loss(self, model, micro: dict[str, torch.Tensor], critic_only: bool):
+    def _micro_loss(self, model, micro: dict[str, torch.Tensor], critic_only: bool, norm):
         inputs = {k[3:]: v for k, v in micro.items() if k.startswith("in.")}
         out = model(inputs, micro["actions"])
         level = self.cfg.algorithm.logprob_type
@@ -223,6 +226,7 @@ class ActorWorker(Worker):
             policy,
             value,
             critic_only,
+            norm,
             agg=self.cfg.algorithm.loss_agg,
             loss_mask_sum=spread_to(micro["mask_sum"], policy.logp),
             max_episode_steps=self.max_chunk_steps,

@@ -10,7 +10,12 @@ import numpy as np
 import torch
 
 from tidal.algorithms import get_advantage, kl_estimate
-from tidal.algorithms.objectives import PolicyInputs, make_objective, staleness_metrics
+from tidal.algorithms.objectives import (
+    PolicyInputs,
+    make_objective,
+    minibatch_denominators,
+    staleness_metrics,
+)
 from tidal.data import LMBatch
 from tidal.engine import TrainEngine
 from tidal.models.lm import load_causal_lm
@@ -158,8 +163,8 @@ class LMActor(Worker):
         prox = self.compute_logp(batch, rows=mine) if self.objective.needs_prox else None
         adv = self.advantages(batch, ref_logp)
         for minibatch in minibatches:
-            # DDP averages gradients over ranks: weigh by the global minibatch, times world size
-            mb_tokens = mask[minibatch].sum().clamp(min=1) / self.world_size
+            # every rank divides by the global minibatch's count over the ranks DDP averages
+            norm = minibatch_denominators([mask[minibatch]], None, alg.loss_agg, self.world_size)
             minibatch = self.my_rows(minibatch)
             micro_batches = length_grouped_micro_batches(
                 batch.attention_mask, minibatch, a.max_tokens_per_mb
@@ -170,8 +175,7 @@ class LMActor(Worker):
                 prox=prox,
                 ref_logp=ref_logp,
                 adv=adv,
-                mb_tokens=mb_tokens,
-                mb_rows=len(minibatch),
+                norm=norm,
             )
             for k, v in self.engine.train_batch(micro_batches, loss_fn).items():
                 metrics.setdefault(k, []).extend(v)
@@ -187,10 +191,10 @@ class LMActor(Worker):
         return out
 
     def _micro_batch_loss(
-        self, model, micro, *, batch, prox, ref_logp, adv, mb_tokens, mb_rows
+        self, model, micro, *, batch, prox, ref_logp, adv, norm
     ) -> tuple[torch.Tensor, dict]:
-        """The loss of a micro-batch's rows ``i`` (trimmed to width ``w``), weighted as their
-        share of the minibatch, and its terms. The version is the weights' before this step."""
+        """The loss of a micro-batch's rows ``i`` (trimmed to width ``w``) as its share of the
+        minibatch's (``norm``), and its terms. The version is the weights' before this step."""
         i, w = micro
         alg, mask, behave = self.cfg.algorithm, batch.loss_mask, batch.logprobs
         logp = token_logprobs(
@@ -207,10 +211,8 @@ class LMActor(Worker):
             versions=batch.versions[i, :w],
             ref=None if ref_logp is None else ref_logp[i, :w],
         )
-        loss, info = self.objective.loss(policy, agg=alg.loss_agg)
-        # the micro-batch's share of the minibatch, so the sum equals the loss over it
-        weight = m.sum() / mb_tokens if alg.loss_agg == "token-mean" else len(i) / mb_rows
-        return loss * weight, {k: float(v) for k, v in info.items()}
+        loss, info = self.objective.loss(policy, norm=norm, agg=alg.loss_agg)
+        return loss, {k: float(v) for k, v in info.items()}
 
     def save(self, path: str, meta: dict) -> str | None:
         if self.rank != 0:
