@@ -586,3 +586,44 @@ def test_a_killed_inference_server_restarts_the_llm_run(arith_model, tmp_path):
         json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_a_language_step_does_not_depend_on_the_micro_batch_split(arith_model, loss_agg):
+    """Micro-batches packed by a token budget of 400 (one per minibatch) or 40 (several, of
+    unequal token counts), decoupled PPO with behaviour-capped tokens: the same weights."""
+    from tidal.runtime import Cluster
+    from tidal.workers.lm_actor import LMActor
+
+    vocab = AutoTokenizer.from_pretrained(arith_model).vocab_size
+    batch = _synthetic_batch(16, 12, vocab, seed=3)
+    g = torch.Generator().manual_seed(4)  # behaviour log-probs far from the model's: some capped
+    batch.logprobs = torch.where(batch.loss_mask, -5 * torch.rand(16, 12, generator=g) - 1, 0.0)
+    weights = {}
+    cluster = Cluster("local")
+    try:
+        for budget in (400, 40):
+            cfg = load_config(
+                LLMConfig,
+                None,
+                [
+                    f"model.path={arith_model}",
+                    "rollout.group_size=4",
+                    "rollout.batch_size=4",
+                    "actor.ppo_minibatches=2",
+                    f"actor.max_tokens_per_mb={budget}",
+                    f"algorithm.loss_agg={loss_agg}",
+                    "algorithm.use_decoupled_loss=true",
+                    "algorithm.behav_weight_cap=1.5",
+                    "actor.lr=1e-3",
+                ],
+            )
+            group = LMActor.create_group(cfg).launch(cluster, "0", name=f"budget{budget}")
+            metrics = group.train_step(batch).wait(120)[0]
+            assert 0 < metrics["train/behave_capped_frac"] < 1
+            weights[budget] = group.state_dict().wait(60)[0]
+            group.shutdown()
+    finally:
+        cluster.shutdown()
+    for name, value in weights[400].items():
+        torch.testing.assert_close(weights[40][name], value, rtol=1e-5, atol=2e-6)

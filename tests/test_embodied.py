@@ -577,3 +577,32 @@ def test_a_policy_started_from_model_path_keeps_its_normaliser_statistics(tmp_pa
         means[name] = load_file(str(last / MODEL_FILE))["obs_norm.mean"]
     torch.testing.assert_close(means["cloned"], fitted)
     assert means["fresh"].abs().max() > 0.01  # fitted to the rollouts from zero
+
+
+def test_a_training_step_does_not_depend_on_the_micro_batch_size(tmp_path):
+    """Without auto-reset the steps after an episode's end are masked, so micro-batches hold
+    unequal counts of valid steps: the minibatch loss divides by its own count either way, and
+    one step with 4 micro-batches updates the weights as one micro-batch does."""
+    from safetensors.torch import load_file
+
+    def weights(micro):
+        summary = run(
+            EXAMPLES / "cartpole_ppo.yaml",
+            tmp_path / f"micro{micro}",
+            "env.auto_reset=false",
+            "env.total_num_envs=4",
+            "rollout.num_steps=16",
+            "actor.global_batch_size=64",
+            f"actor.micro_batch_size={micro}",
+            "algorithm.update_epochs=1",
+            "runner.max_steps=1",
+            "runner.eval_interval=0",
+            "runner.target_value=null",
+        )
+        rows = read_metrics(summary["run_dir"])
+        assert rows[0]["rollout/valid_fraction"] < 1.0  # the split is uneven
+        return load_file(Path(summary["checkpoint"]) / "model.safetensors")
+
+    whole, split = weights(64), weights(16)
+    for k in whole:
+        torch.testing.assert_close(split[k], whole[k], rtol=1e-5, atol=1e-6)
