@@ -230,7 +230,12 @@ def main(argv: list[str] | None = None) -> int:
 
     add_plot_parser(sub)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    from tidal.extras import MissingExtraError
+
+    try:
+        return args.fn(args)
+    except MissingExtraError as exc:  # a feature of an extra that is not installed
+        return _fail("missing extra", exc)
 
 
 if __name__ == "__main__":

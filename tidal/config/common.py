@@ -13,12 +13,26 @@ from typing import Any
 
 from tidal.config.loader import ConfigError, require
 from tidal.config.schema import setting
+from tidal.extras import installed, missing_extra
 from tidal.runtime.backends import backend_class
 from tidal.runtime.defaults import DEFAULT_TIMEOUT_S
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adam", "adamw")
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # 'trackers'
+
+
+def default_loggers() -> list[str]:
+    """metrics.jsonl, and TensorBoard where the 'trackers' extra is installed: a core install
+    trains with its defaults, and a full one writes what it always has."""
+    return ["jsonl", "tensorboard"] if installed("tensorboard") else ["jsonl"]
+
+
+def require_extra(key: str, extra: str, feature: str, *packages: str) -> None:
+    """A config error naming ``key`` and ``extra`` when one of ``packages`` is not installed."""
+    missing = missing_extra(extra, feature, *packages)
+    require(missing is None, key, missing)
 
 
 @dataclass
@@ -87,8 +101,8 @@ class RunnerConfig:
     )
     progress: bool = setting(True, "live progress on the terminal")
     loggers: list[str] = setting(
-        factory=lambda: ["jsonl", "tensorboard"],
-        help="metric sinks: jsonl, tensorboard, wandb, mlflow",
+        factory=default_loggers,
+        help="metric sinks: jsonl, tensorboard, wandb, mlflow (default: jsonl, plus tensorboard with the 'trackers' extra)",
     )
     wandb: dict[str, Any] = setting(
         factory=dict,
@@ -153,6 +167,8 @@ def validate_common(
     from tidal.algorithms import list_advantages
 
     one_of(cluster.backend, ("local", "ray"), "cluster.backend")
+    if cluster.backend == "ray":
+        require_extra("cluster.backend", "ray", "the ray backend", "ray", "zmq")
     require(
         not cluster.pin_cpus or backend_class(cluster.backend).multi_process,
         "cluster.pin_cpus",
@@ -186,6 +202,8 @@ def validate_common(
     )
     for name in runner.loggers:
         one_of(name, LOGGERS, "runner.loggers")
+        if name in LOGGER_PACKAGES:
+            require_extra("runner.loggers", "trackers", f"the {name} logger", LOGGER_PACKAGES[name])
     require(
         runner.experiment and "/" not in runner.experiment,
         "runner.experiment",

@@ -12,6 +12,7 @@ from tidal.config.common import (
     ClusterConfig,
     RunnerConfig,
     one_of,
+    require_extra,
     validate_common,
     world_sizes,
 )
@@ -233,6 +234,8 @@ def validate_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
     one_of(alg.kl_kind, KL_KINDS, "algorithm.kl_kind")
     require(alg.kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0, got {alg.kl_coef}")
     one_of(env.adapter, list_env_adapters(), "env.adapter")
+    if env.adapter == "metaworld":
+        require_extra("env.adapter", "embodied", "the metaworld env adapter", "metaworld", "mujoco")
     one_of(cfg.reward.mode, ("replace", "add"), "reward.mode")
     one_of(cfg.runner.eval_video_format, ("gif", "mp4"), "runner.eval_video_format")
     one_of(alg.prox_logp_method, ("recompute", "loglinear"), "algorithm.prox_logp_method")

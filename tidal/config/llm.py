@@ -11,11 +11,15 @@ from tidal.config.common import (
     ClusterConfig,
     RunnerConfig,
     one_of,
+    require_extra,
     validate_common,
     world_sizes,
 )
 from tidal.config.loader import ConfigError, require
 from tidal.config.schema import section, setting
+
+# What the language half imports (the 'llm' extra), checked before anything is loaded.
+LLM_PACKAGES = ("transformers", "datasets", "math_verify", "fastapi", "uvicorn", "aiohttp", "httpx")
 
 
 @dataclass
@@ -223,6 +227,7 @@ def validate_llm(cfg: LLMConfig) -> None:
 
     a, alg, r = cfg.actor, cfg.algorithm, cfg.rollout
     validate_common(cfg.cluster, cfg.runner, a, alg)
+    require_extra("runner.task", "llm", "the llm half", *LLM_PACKAGES)
     one_of(alg.adv_type, list_advantages(needs_critic=False), "algorithm.adv_type")
     one_of(
         alg.prox_logp_method, ("recompute", "loglinear", "metrics"), "algorithm.prox_logp_method"
@@ -266,6 +271,7 @@ def validate_llm(cfg: LLMConfig) -> None:
 
 
 def validate_sft(cfg: LLMConfig) -> None:
+    require_extra("runner.task", "llm", "the llm half", *LLM_PACKAGES)
     s = cfg.sft
     for key in ("steps", "batch_size", "eval_size"):
         require(getattr(s, key) >= 1, f"sft.{key}", f"must be >= 1, got {getattr(s, key)}")

@@ -10,6 +10,7 @@ import socket
 import sys
 from dataclasses import replace
 
+from tidal.extras import needs_extra
 from tidal.runtime.backends.base import Backend, register_backend
 from tidal.runtime.backends.ray_channel import (
     MAILBOX,
@@ -130,7 +131,9 @@ class RayBackend(Backend):
         self._started_ray = False
 
     def start(self) -> list[NodeInfo]:
-        import ray
+        with needs_extra("ray", "the ray backend"):
+            import ray
+            import zmq  # noqa: F401  (the point-to-point path, ray_pipe)
 
         from tidal.runtime.serialization import register_tensor_serializer
 
