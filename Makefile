@@ -29,7 +29,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $(TORCH_SPEC)
-	$(PIP) install --quiet -e ".[dev]"
+	$(PIP) install --quiet -e ".[all,dev]"  # every extra: `make train` and `make test` use them all
 	touch $@
 
 setup: system-deps $(VENV)/.installed

@@ -21,7 +21,7 @@ from tidal.rollout.tasks import (
     exact_match_reward,
     reverse_problems,
 )
-from tidal.runners.preflight import check_llm
+from tidal.runners.preflight_llm import check_llm
 from tidal.workers.lm_actor import length_grouped_micro_batches, pack_by_tokens, token_logprobs
 
 # ----------------------------------------------------------------------------- staleness

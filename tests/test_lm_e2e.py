@@ -201,7 +201,7 @@ def test_pass_at_k_matches_counting_subsets():
 def test_sft_on_conversations_learns_only_the_assistant_turns(demo, tmp_path):
     from tidal.models.lm import load_tokenizer
     from tidal.runners.lm_common import sft_examples
-    from tidal.runners.preflight import check_llm_sft
+    from tidal.runners.preflight_llm import check_llm_sft
 
     overrides, summary = demo
     chats = ROOT / "examples" / "llm" / "data" / "sft.jsonl"

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(600)  # the first test also waits for vLLM to s
 
 def test_vllm_without_its_virtualenv_is_a_config_error(tmp_path):
     from tidal.config.loader import ConfigError
-    from tidal.runners.preflight import check_llm
+    from tidal.runners.preflight_llm import check_llm
 
     overrides = ["rollout.engine=vllm", f"rollout.vllm_python={tmp_path}/no/python"]
     with pytest.raises(ConfigError, match=r"rollout\.vllm_python: .*no/python does not exist"):

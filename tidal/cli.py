@@ -126,7 +126,7 @@ def sft(args: argparse.Namespace) -> int:
             from tidal.runners.embodied_sft import run_embodied_sft as run
             from tidal.runners.preflight import check_embodied_sft as check
         else:
-            from tidal.runners.preflight import check_llm_sft as check
+            from tidal.runners.preflight_llm import check_llm_sft as check
             from tidal.runners.sft import run_sft as run
         check(cfg)
     except (ConfigError, FileNotFoundError) as exc:
@@ -264,7 +264,12 @@ def main(argv: list[str] | None = None) -> int:
 
     add_plot_parser(sub)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    from tidal.extras import MissingExtraError
+
+    try:
+        return args.fn(args)
+    except MissingExtraError as exc:  # a feature of an extra that is not installed
+        return _fail("missing extra", exc)
 
 
 if __name__ == "__main__":

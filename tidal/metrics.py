@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tidal.extras import needs_extra
 from tidal.registry import Registry
 
 log = logging.getLogger("tidal.metrics")
@@ -103,7 +104,8 @@ class TensorBoardSink(MetricSink):
 
     def __init__(self, run_dir: Path, config: dict, options: dict):
         super().__init__(run_dir, config, options)
-        from torch.utils.tensorboard import SummaryWriter
+        with needs_extra("trackers", "the tensorboard logger"):
+            from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         if config:
@@ -130,7 +132,8 @@ class WandbSink(MetricSink):
 
     def __init__(self, run_dir: Path, config: dict, options: dict):
         super().__init__(run_dir, config, options)
-        import wandb
+        with needs_extra("trackers", "the wandb logger"):
+            import wandb
 
         kwargs = {"name": run_dir.name, **options}
         kwargs["mode"] = os.environ.get("WANDB_MODE") or options.get("mode")
@@ -162,7 +165,8 @@ class MlflowSink(MetricSink):
 
     def __init__(self, run_dir: Path, config: dict, options: dict):
         super().__init__(run_dir, config, options)
-        from mlflow.tracking import MlflowClient
+        with needs_extra("trackers", "the mlflow logger"):
+            from mlflow.tracking import MlflowClient
 
         uri = options.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
         local = not uri

@@ -14,6 +14,7 @@ from typing import Any
 
 from tidal.config.loader import require
 from tidal.config.schema import setting
+from tidal.extras import installed
 
 # Every wait has a bound; this one when nobody gives one (``runner.timeout_s``, and the runtime's
 # handles, channels and groups through tidal.runtime.defaults). ``TIDAL_WAIT_TIMEOUT`` overrides
@@ -23,6 +24,13 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("TIDAL_WAIT_TIMEOUT", "600"))
 LR_SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adam", "adamw")
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # 'trackers'
+
+
+def default_loggers() -> list[str]:
+    """metrics.jsonl, and TensorBoard where the 'trackers' extra is installed: a core install
+    trains with its defaults, and a full one writes what it always has."""
+    return ["jsonl", "tensorboard"] if installed("tensorboard") else ["jsonl"]
 
 
 @dataclass
@@ -91,8 +99,8 @@ class RunnerConfig:
     )
     progress: bool = setting(True, "live progress on the terminal")
     loggers: list[str] = setting(
-        factory=lambda: ["jsonl", "tensorboard"],
-        help="metric sinks: jsonl, tensorboard, wandb, mlflow",
+        factory=default_loggers,
+        help="metric sinks: jsonl, tensorboard, wandb, mlflow (default: jsonl, plus tensorboard with the 'trackers' extra)",
     )
     wandb: dict[str, Any] = setting(
         factory=dict,

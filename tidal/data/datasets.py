@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from tidal.extras import needs_extra
+
 # before ``datasets`` is imported: it reads these once; a local file never needs the hub
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,7 +32,8 @@ class DataConfigError(ValueError):
 
 def load_table(path: str | Path, cache_dir: str | Path, key: str = "data.path"):
     """The file at ``path`` as a ``datasets.Dataset``; its Arrow cache goes in ``cache_dir``."""
-    import datasets
+    with needs_extra("llm", "dataset files"):
+        import datasets
 
     path = Path(path)
     builder = FORMATS.get(path.suffix.lower())
@@ -73,14 +76,16 @@ def _require_column(table, column: str, key: str, path: str | Path) -> None:
 
 
 def _is_string(feature) -> bool:
-    import datasets
+    with needs_extra("llm", "dataset files"):
+        import datasets
 
     return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")
 
 
 def _is_messages(feature) -> bool:
     """A list of ``{role, content}`` structs (a chat conversation)."""
-    import datasets
+    with needs_extra("llm", "dataset files"):
+        import datasets
 
     inner = getattr(feature, "feature", None)
     return (

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tidal.envs.metaworld_adapter import MetaWorldVectorEnv, resolve_tasks
+from tidal.extras import needs_extra
 
 
 def _tool_centre_to_goal(task_env, state: np.ndarray) -> np.ndarray:
@@ -69,7 +70,8 @@ def collect_metaworld_demos(
 ) -> Demonstrations:
     """``demos_per_task`` episodes of each task of ``env_id`` (``reach-v3``, ``MT10``, ...).
     ``adapter_kwargs`` (``obs_mode``, ``image_size``, ...) shape the observations as in training."""
-    from metaworld.policies import ENV_POLICY_MAP
+    with needs_extra("embodied", "MetaWorld's scripted experts"):
+        from metaworld.policies import ENV_POLICY_MAP
 
     if demos_per_task < 1:
         raise ValueError(f"sft.demos: must be >= 1, got {demos_per_task}")

@@ -18,6 +18,7 @@ from tidal.envs.state import (
     restore_vector_env,
     to_plain,
 )
+from tidal.extras import needs_extra
 
 
 @register_env("gymnasium")
@@ -35,6 +36,9 @@ class GymnasiumVectorEnv:
             spec = gym.spec(env_id)
         except gym.error.Error as exc:
             raise ValueError(f"env.id: gymnasium has no env {env_id!r} ({exc})") from None
+        if str(spec.entry_point).startswith("gymnasium.envs.mujoco"):
+            with needs_extra("embodied", f"gymnasium's MuJoCo env {env_id}"):
+                import mujoco  # noqa: F401  (gymnasium's own error names its extra, not tidal's)
         kwargs = dict(env_kwargs or {})
         if max_episode_steps is not None:
             kwargs["max_episode_steps"] = max_episode_steps

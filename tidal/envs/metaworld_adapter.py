@@ -25,6 +25,7 @@ import numpy as np
 from tidal.envs.base import register_env
 from tidal.envs.layout import LayoutBox, ObsLayout, tokenize
 from tidal.envs.rendering import FastCamera, select_gl_backend
+from tidal.extras import needs_extra
 
 OBS_MODES = ("state", "pixels", "state+pixels")
 
@@ -59,7 +60,8 @@ def instruction_for(task: str) -> str:
 
 
 def resolve_tasks(env_id: str) -> list[str]:
-    from metaworld.env_dict import ALL_V3_ENVIRONMENTS, MT10_V3, MT50_V3
+    with needs_extra("embodied", "the metaworld env adapter"):
+        from metaworld.env_dict import ALL_V3_ENVIRONMENTS, MT10_V3, MT50_V3
 
     benchmarks = {"MT10": list(MT10_V3), "MT50": list(MT50_V3)}
     tasks = benchmarks.get(env_id) or [t.strip() for t in env_id.split(",") if t.strip()]
@@ -75,7 +77,8 @@ def resolve_tasks(env_id: str) -> list[str]:
 def _make_task_env(task: str, env_kwargs: dict):
     """One MetaWorld env with observable goals drawn from its own generator (what
     ``set_task`` + the benchmark's fixed goal list would do, without building 50 goals/task)."""
-    from metaworld.env_dict import ALL_V3_ENVIRONMENTS, ML1_ARGS_KWARGS
+    with needs_extra("embodied", "the metaworld env adapter"):
+        from metaworld.env_dict import ALL_V3_ENVIRONMENTS, ML1_ARGS_KWARGS
 
     env = ALL_V3_ENVIRONMENTS[task](**env_kwargs)
     task_kwargs = {k: v for k, v in ML1_ARGS_KWARGS[task]["kwargs"].items() if k != "task_id"}

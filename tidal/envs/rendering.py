@@ -12,6 +12,8 @@ import os
 
 import numpy as np
 
+from tidal.extras import needs_extra
+
 _BACKEND_LIBRARIES = {"egl": "EGL", "osmesa": "OSMesa"}
 
 
@@ -48,7 +50,8 @@ class FastCamera:
 
     def __init__(self, model, data, camera: str, size: int):
         select_gl_backend()
-        import mujoco
+        with needs_extra("embodied", "MuJoCo rendering (pixel observations, eval videos)"):
+            import mujoco
 
         self.data = data
         self.camera_id = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_CAMERA, camera)

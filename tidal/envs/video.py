@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tidal.extras import needs_extra
+
 
 def tile(frames: np.ndarray) -> np.ndarray:
     """Frames of several envs ``[n, H, W, 3]`` side by side, ``[H, n * W, 3]``."""
@@ -27,7 +29,8 @@ def write_video(frames: list[np.ndarray] | np.ndarray, path: str | Path, fps: in
             path, save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0
         )
     elif path.suffix == ".mp4":
-        import imageio.v3 as iio
+        with needs_extra("embodied", "mp4 videos"):
+            import imageio.v3 as iio
 
         try:
             iio.imwrite(path, np.stack(frames), fps=fps)

@@ -23,10 +23,13 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
-import openai
-from openai.resources.chat import AsyncChat
-from openai.resources.chat.completions import AsyncCompletions
-from openai.types.chat import ChatCompletion
+from tidal.extras import needs_extra
+
+with needs_extra("agents", "agent workflows on the OpenAI SDK"):
+    import openai
+    from openai.resources.chat import AsyncChat
+    from openai.resources.chat.completions import AsyncCompletions
+    from openai.types.chat import ChatCompletion
 
 from tidal.inference.client import InferenceClient, ModelRequest, ModelResponse
 from tidal.inference.openai_api import chat_prompt, render_chat

@@ -10,9 +10,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
-import aiohttp
 import torch
 from safetensors.torch import save
+
+from tidal.extras import needs_extra
+
+with needs_extra("llm", "the inference client"):
+    import aiohttp
 
 from tidal.inference.params import GenerationConfig
 

@@ -28,7 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+
+from tidal.extras import needs_extra
+
+with needs_extra("llm", "the generation engine"):
+    from transformers import AutoModelForCausalLM, DynamicCache
 
 from tidal.inference.params import GenerationConfig
 

@@ -18,8 +18,11 @@ import resource
 import socket
 import time
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from tidal.extras import needs_extra
+
+with needs_extra("llm", "the inference server"):
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
 

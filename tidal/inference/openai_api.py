@@ -21,8 +21,11 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from tidal.extras import needs_extra
+
+with needs_extra("llm", "the inference server"):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
 
 from tidal.inference.engine import GenerationEngine, GenerationResult
 from tidal.inference.params import GenerationConfig

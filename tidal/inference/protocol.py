@@ -14,8 +14,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
+from tidal.extras import needs_extra
+
+with needs_extra("llm", "the inference server"):
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
 
 from tidal.inference.engine import GenerationResult
 from tidal.inference.params import GenerationConfig

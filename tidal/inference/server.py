@@ -18,12 +18,16 @@ import threading
 from pathlib import Path
 from typing import Literal
 
-import uvicorn
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load, load_file
-from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tidal.extras import needs_extra
+
+with needs_extra("llm", "the inference server"):
+    import uvicorn
+    from fastapi import FastAPI, HTTPException, Request
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import BaseModel, ConfigDict
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tidal.inference.engine import EngineError, GenerationEngine
 from tidal.inference.http_guard import ConnectionGuard

@@ -26,7 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from tidal.extras import needs_extra
+
+with needs_extra("llm", "the vLLM engine"):
+    import httpx
 
 from tidal.inference.client import ModelRequest, ModelResponse
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from tidal.extras import needs_extra
+
 log = logging.getLogger(__name__)
 
 # model.dtype -> what transformers' from_pretrained takes
@@ -39,7 +41,8 @@ class ModelConfigError(ValueError):
 
 
 def _causal_lm_classes() -> set[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    with needs_extra("llm", "Hugging Face causal LMs"):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     names = set()
     for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
@@ -49,8 +52,9 @@ def _causal_lm_classes() -> set[str]:
 
 def check_causal_lm(path: str | Path, key: str = "model.path"):
     """The folder's ``PretrainedConfig`` once it holds a causal LM, weights and a tokenizer."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    with needs_extra("llm", "Hugging Face causal LMs"):
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     folder = Path(path)
     if not folder.is_dir():
@@ -88,7 +92,8 @@ def check_causal_lm(path: str | Path, key: str = "model.path"):
 
 
 def check_load_options(dtype: str, attn_implementation: str | None) -> None:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    with needs_extra("llm", "Hugging Face causal LMs"):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if dtype not in DTYPES:
         raise ModelConfigError(f"model.dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -102,7 +107,8 @@ def check_load_options(dtype: str, attn_implementation: str | None) -> None:
 
 def load_tokenizer(path: str | Path, key: str = "model.path"):
     """The folder's tokenizer; without a pad token, EOS pads (masks keep padding out of losses)."""
-    from transformers import AutoTokenizer
+    with needs_extra("llm", "Hugging Face causal LMs"):
+        from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -121,7 +127,8 @@ def load_causal_lm(
     key: str = "model.path",
 ):
     """``(model, tokenizer)`` from a local folder; options go to ``from_pretrained``."""
-    from transformers import AutoModelForCausalLM
+    with needs_extra("llm", "Hugging Face causal LMs"):
+        from transformers import AutoModelForCausalLM
 
     check_load_options(dtype, attn_implementation)
     check_causal_lm(path, key)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from tidal.extras import needs_extra
 from tidal.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,8 @@ def final_answer(text: str) -> str:
 
 def _verify_in_this_thread(reference: str, completion: str) -> bool:
     """math-verify with its signal-based timeouts off, so it runs in any thread."""
-    from math_verify import parse, verify
+    with needs_extra("llm", "the math reward (math-verify)"):
+        from math_verify import parse, verify
 
     gold = parse(final_answer(reference), parsing_timeout=None)
     pred = parse(final_answer(completion), parsing_timeout=None)

@@ -19,7 +19,7 @@ from tidal.models.lm import DTYPES, load_tokenizer
 from tidal.rollout.evaluation import EvalResult
 from tidal.runners.lm_common import data_cache, eval_records, evaluator
 from tidal.runners.loop import run_folder
-from tidal.runners.preflight import check_llm_eval
+from tidal.runners.preflight_llm import check_llm_eval
 
 log = logging.getLogger("tidal.eval")
 

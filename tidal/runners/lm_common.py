@@ -18,7 +18,7 @@ from tidal.models.lm import prompt_answer_messages, render_prompt, sft_tokens
 from tidal.rollout.evaluation import Evaluator, greedy_config
 from tidal.rollout.rewards import Reward
 from tidal.rollout.tasks import TASKS
-from tidal.runners.preflight import configured_reward
+from tidal.runners.preflight_llm import configured_reward
 
 log = logging.getLogger(__name__)
 

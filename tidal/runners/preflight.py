@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import tempfile
 from pathlib import Path
 
 from tidal.algorithms import advantage_spec, list_advantages
@@ -19,7 +18,7 @@ from tidal.algorithms.kl import KL_KINDS
 from tidal.algorithms.losses import AGGREGATIONS, LOGPROB_LEVELS
 from tidal.checkpoint import checkpoint_argument
 from tidal.config import ConfigError
-from tidal.config.common import ClusterConfig, one_of
+from tidal.config.common import LOGGER_PACKAGES, ClusterConfig, one_of
 from tidal.config.embodied import (
     SHARED_MODEL_FIELDS,
     EmbodiedConfig,
@@ -31,29 +30,11 @@ from tidal.config.embodied import (
     validate_layout,
     validate_sft,
 )
-from tidal.config.llm import (
-    DataConfig,
-    LLMConfig,
-    validate_actor_ranks,
-    validate_data,
-    validate_llm,
-    validate_llm_sft,
-)
 from tidal.config.loader import require
-from tidal.data.datasets import DataConfigError, load_conversations, load_prompts
 from tidal.envs import adapter_arguments, env_make_kwargs, list_env_adapters, make_env
-from tidal.models.lm import (
-    ModelConfigError,
-    check_causal_lm,
-    check_load_options,
-    load_tokenizer,
-    require_template,
-)
+from tidal.extras import MissingExtraError, missing_extra
 from tidal.models.policy import POLICIES, policy_arguments
 from tidal.models.saving import read_saved_config, space_from_json
-from tidal.rollout.engines import ROLLOUT_ENGINES
-from tidal.rollout.rewards import Reward, resolve_reward
-from tidal.rollout.tasks import TASKS
 from tidal.runtime import ComponentPlacement, PlacementError
 from tidal.runtime.backends import backend_class, backend_names
 from tidal.runtime.placement import _parse_spec_string
@@ -64,7 +45,7 @@ from tidal.runtime.placement import _parse_spec_string
 log = logging.getLogger("tidal.preflight")
 
 
-def check_common(cfg: EmbodiedConfig | LLMConfig) -> None:
+def check_common(cfg) -> None:
     """The registered names of the shared sections."""
     cluster = cfg.cluster
     one_of(cluster.backend, backend_names(), "cluster.backend")
@@ -73,6 +54,14 @@ def check_common(cfg: EmbodiedConfig | LLMConfig) -> None:
         "cluster.pin_cpus",
         f"pins a process per rank; the {cluster.backend} backend's ranks are threads of one process",
     )
+    try:
+        backend_class(cluster.backend).check_installed()
+    except MissingExtraError as exc:
+        raise ConfigError(f"cluster.backend: {exc}") from None
+    for name in cfg.runner.loggers:
+        if name in LOGGER_PACKAGES:
+            missing = missing_extra("trackers", f"the {name} logger", LOGGER_PACKAGES[name])
+            require(missing is None, "runner.loggers", missing)
     one_of(cfg.algorithm.adv_type, list_advantages(), "algorithm.adv_type")
     eta = cfg.rollout.max_staleness
     if eta > 0 and not cfg.algorithm.use_decoupled_loss:
@@ -112,7 +101,7 @@ def _num_devices_hint(cluster: ClusterConfig) -> int:
     return max([os.cpu_count() or 1, *(d + 1 for d in named)])
 
 
-def _require_processes(cluster: ClusterConfig, ranks: int, what: str) -> None:
+def require_processes(cluster: ClusterConfig, ranks: int, what: str) -> None:
     """More than one rank of a data-parallel group needs a backend whose ranks are processes."""
     require(
         ranks == 1 or backend_class(cluster.backend).multi_process,
@@ -161,7 +150,7 @@ def check_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
     validate_layout(cfg, worlds)
     if spec.needs_groups:
         validate_groups(cfg, worlds["actor"])
-    _require_processes(cfg.cluster, worlds["actor"], "a data-parallel actor (more than one rank)")
+    require_processes(cfg.cluster, worlds["actor"], "a data-parallel actor (more than one rank)")
     _check_renders(env)
     _check_policy_arguments(cfg.model)
     return worlds
@@ -223,6 +212,8 @@ def probe_env(cfg: EmbodiedConfig):
     env = cfg.env
     try:
         probe = make_env(env.adapter, 1, **{**env_make_kwargs(env), "vectorization_mode": "sync"})
+    except MissingExtraError as exc:
+        raise ConfigError(f"env.adapter: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - gymnasium raises many kinds for a bad id or kwarg
         key = "env.kwargs" if isinstance(exc, TypeError) and env.kwargs else "env.id"
         raise ConfigError(
@@ -273,148 +264,3 @@ def check_embodied_eval(cfg: EmbodiedConfig, checkpoint: str | None, episodes: i
     check_embodied(cfg)
     check_saved_policy(cfg.model, cfg.env.num_action_chunks)
     return folder
-
-
-# -- the language half ---------------------------------------------------------------------------
-
-
-def check_llm(cfg: LLMConfig) -> None:
-    """Every rule of a language config but the model folder's (``check_llm_model``)."""
-    check_common(cfg)
-    alg, r = cfg.algorithm, cfg.rollout
-    one_of(alg.adv_type, list_advantages(needs_critic=False), "algorithm.adv_type")
-    one_of(alg.loss_agg, AGGREGATIONS[:3], "algorithm.loss_agg")
-    one_of(alg.kl_kind, KL_KINDS, "algorithm.kl_kind")
-    one_of(r.engine, ROLLOUT_ENGINES.names(), "rollout.engine")
-    ROLLOUT_ENGINES.get(r.engine).validate(cfg)
-    validate_llm(cfg)
-    kind = data_kind(cfg.data)
-    require(
-        r.workflow in ("auto", kind) or ":" in r.workflow,
-        "rollout.workflow",
-        f"{_data_name(cfg.data)} runs the {kind!r} workflow (or 'auto', or module.path:factory), "
-        f"got {r.workflow!r}",
-    )
-    if ":" in r.workflow:
-        import_object(r.workflow, "rollout.workflow")
-    ranks = world_sizes(cfg.cluster, ["rollout", "actor"])["actor"]
-    _require_processes(cfg.cluster, ranks, "a data-parallel trainer (more than one actor rank)")
-    validate_actor_ranks(cfg, ranks)
-    check_data(cfg)
-
-
-def check_llm_sft(cfg: LLMConfig) -> None:
-    """``tidal sft`` on a language config: the data, and the model folder, or the options of the
-    tiny model it builds there."""
-    validate_llm_sft(cfg)
-    check_data(cfg, sft=True)
-    if Path(cfg.model.path).exists():  # else tidal sft builds a tiny model there
-        check_llm_model(cfg)
-        return
-    try:
-        check_load_options(cfg.model.dtype, cfg.model.attn_implementation)
-    except ModelConfigError as exc:
-        raise ConfigError(str(exc)) from None
-    require(
-        cfg.data.path is None or cfg.data.chat_template,
-        "data.chat_template",
-        "tidal sft builds a chat model for a dataset file: set data.chat_template=true",
-    )
-
-
-def check_llm_eval(cfg: LLMConfig, checkpoint: str | None, n: int) -> Path | None:
-    """The config and model as for training, something to evaluate on, and the checkpoint (its
-    folder) when one is given; all before the run folder exists."""
-    check_llm(cfg)
-    check_llm_model(cfg)
-    if cfg.data.path is None and TASKS.get(cfg.data.task).multi_turn:
-        raise ConfigError(
-            f"data.task: tidal eval scores single-turn records; {cfg.data.task!r} is multi-turn "
-            "(the training run evaluates it)"
-        )
-    if cfg.data.path is not None and cfg.data.eval_path is None:
-        raise ConfigError("data.eval_path: tidal eval needs held-out records (a dataset file)")
-    if n < 0:
-        raise ConfigError(f"--n: must be >= 0, got {n}")
-    return checkpoint_argument(checkpoint)
-
-
-def data_kind(d: DataConfig) -> str:
-    """The workflow the data runs: a dataset file is single-turn; a task says which it is."""
-    if d.path is not None:
-        return "rlvr"
-    one_of(d.task, TASKS.names(), "data.task")
-    return "multi_turn" if TASKS.get(d.task).multi_turn else "rlvr"
-
-
-def _data_name(d: DataConfig) -> str:
-    return f"data.path {d.path!r}" if d.path is not None else f"task {d.task!r}"
-
-
-def check_data(cfg: LLMConfig, sft: bool = False) -> None:
-    """Dataset files, their keys, the chat-template options and the reward (``sft``:
-    data.messages_key conversations may replace prompt/answer records)."""
-    d = cfg.data
-    validate_data(cfg, sft)
-    kind = data_kind(d)
-    if d.path is not None:
-        _check_file(d, d.path, "data.path", sft and d.messages_key is not None)
-    if d.eval_path is not None:
-        _check_file(d, d.eval_path, "data.eval_path", conversations=False)
-    require(
-        kind == "rlvr" or cfg.reward.name == "auto",
-        "reward.name",
-        f"task {d.task!r} is multi-turn: its environment gives the reward (leave reward.name: auto)",
-    )
-    if kind == "rlvr":
-        configured_reward(cfg)
-
-
-def configured_reward(cfg: LLMConfig) -> Reward:
-    """The reward of single-turn episodes and evaluation: ``reward.name`` resolved, or with
-    ``auto`` a generated task's own (exact_match for a file)."""
-    name, kwargs = cfg.reward.name, dict(cfg.reward.kwargs)
-    if name == "auto" and cfg.data.path is None:
-        return Reward(cfg.data.task, TASKS.get(cfg.data.task).reward, kwargs)
-    try:
-        return resolve_reward("exact_match" if name == "auto" else name, kwargs)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def _check_file(d: DataConfig, path: str, key: str, conversations: bool) -> None:
-    """The file loads, holds records with the configured keys, and chat-message prompts come
-    with data.chat_template."""
-    with tempfile.TemporaryDirectory(prefix="tidal-data-check-") as cache:
-        try:
-            if conversations:
-                load_conversations(path, cache, d.messages_key, d.id_key, key=key)
-                return
-            table = load_prompts(path, cache, d.prompt_key, d.answer_key, d.id_key, key=key)
-        except DataConfigError as exc:
-            raise ConfigError(str(exc)) from None
-        text = getattr(table.features["prompt"], "dtype", None) in ("string", "large_string")
-        require(
-            d.chat_template or text,
-            "data.chat_template",
-            f"the prompts in {path!r} are chat messages: set data.chat_template=true",
-        )
-
-
-def check_llm_model(cfg: LLMConfig) -> None:
-    """The model folder holds a causal LM (no weights read), the load options are known, its
-    context holds the generated tokens, and its tokenizer has a chat template when asked."""
-    m = cfg.model
-    try:
-        check_load_options(m.dtype, m.attn_implementation)
-        model_cfg = check_causal_lm(m.path)
-        if cfg.data.chat_template:
-            require_template(load_tokenizer(m.path))
-    except ModelConfigError as exc:
-        raise ConfigError(str(exc)) from None
-    context = getattr(model_cfg, "max_position_embeddings", None)
-    require(
-        context is None or cfg.rollout.max_new_tokens < context,
-        "rollout.max_new_tokens",
-        f"{cfg.rollout.max_new_tokens} does not fit the model's context of {context} tokens",
-    )

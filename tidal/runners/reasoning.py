@@ -33,7 +33,8 @@ from tidal.runners.lm_common import (
     warmed_reward,
 )
 from tidal.runners.loop import RunLoop
-from tidal.runners.preflight import check_llm, check_llm_model, import_object
+from tidal.runners.preflight import import_object
+from tidal.runners.preflight_llm import check_llm, check_llm_model
 from tidal.workers.lm_actor import LMActor
 
 log = logging.getLogger("tidal.train")

@@ -25,7 +25,7 @@ from tidal.inference.tiny import save_tiny_chat_model, save_tiny_model
 from tidal.models.lm import load_causal_lm
 from tidal.rollout.tasks import ARITH_ALPHABET, TASKS
 from tidal.runners.lm_common import data_cache, eval_records, sft_examples
-from tidal.runners.preflight import check_llm_sft
+from tidal.runners.preflight_llm import check_llm_sft
 
 log = logging.getLogger("tidal.sft")
 

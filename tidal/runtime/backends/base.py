@@ -78,6 +78,12 @@ class Backend(ABC):
     # ranks are separate processes: torch.distributed across the ranks of a group works
     multi_process: ClassVar[bool]
 
+    @classmethod
+    def check_installed(cls) -> None:
+        """Raise ``tidal.extras.MissingExtraError`` when a package this backend needs is not
+        installed (checked before a run starts); nothing to install by default."""
+        return None
+
     def __init__(self, options: BackendOptions):
         if options.pin_cpus and not self.multi_process:
             raise ValueError(

@@ -10,6 +10,7 @@ import socket
 import sys
 from dataclasses import replace
 
+from tidal.extras import needs_extra
 from tidal.runtime.backends.base import Backend, register_backend
 from tidal.runtime.backends.ray_channel_actor import ChannelActorTransport, create_channel_actor
 from tidal.runtime.backends.ray_pipe import INBOX, OUTBOXES, REPLIES, DeathWatch, dumps, loads
@@ -117,7 +118,14 @@ class RayBackend(Backend):
         super().__init__(options)
         self._started_ray = False
 
+    @classmethod
+    def check_installed(cls) -> None:
+        with needs_extra("ray", "the ray backend"):
+            import ray  # noqa: F401
+            import zmq  # noqa: F401  (the point-to-point path, ray_pipe)
+
     def start(self) -> list[NodeInfo]:
+        self.check_installed()
         import ray
 
         from tidal.runtime.serialization import register_tensor_serializer

@@ -1,0 +1,178 @@
+"""The language half's preflight checks (tidal.runners.preflight has both halves' shared
+ones and the embodied half's): data files and their keys, rewards, tasks, engines, workflows and
+model folders, each failing with a ``ConfigError`` that names the key."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from tidal.algorithms import list_advantages
+from tidal.algorithms.kl import KL_KINDS
+from tidal.algorithms.losses import AGGREGATIONS
+from tidal.checkpoint import checkpoint_argument
+from tidal.config import ConfigError
+from tidal.config.common import one_of
+from tidal.config.llm import (
+    DataConfig,
+    LLMConfig,
+    validate_actor_ranks,
+    validate_data,
+    validate_llm,
+    validate_llm_sft,
+)
+from tidal.config.loader import require
+from tidal.data.datasets import DataConfigError, load_conversations, load_prompts
+from tidal.models.lm import (
+    ModelConfigError,
+    check_causal_lm,
+    check_load_options,
+    load_tokenizer,
+    require_template,
+)
+from tidal.rollout.engines import ROLLOUT_ENGINES
+from tidal.rollout.rewards import Reward, resolve_reward
+from tidal.rollout.tasks import TASKS
+from tidal.runners.preflight import check_common, import_object, require_processes, world_sizes
+
+
+def check_llm(cfg: LLMConfig) -> None:
+    """Every rule of a language config but the model folder's (``check_llm_model``)."""
+    check_common(cfg)
+    alg, r = cfg.algorithm, cfg.rollout
+    one_of(alg.adv_type, list_advantages(needs_critic=False), "algorithm.adv_type")
+    one_of(alg.loss_agg, AGGREGATIONS[:3], "algorithm.loss_agg")
+    one_of(alg.kl_kind, KL_KINDS, "algorithm.kl_kind")
+    one_of(r.engine, ROLLOUT_ENGINES.names(), "rollout.engine")
+    ROLLOUT_ENGINES.get(r.engine).validate(cfg)
+    validate_llm(cfg)
+    kind = data_kind(cfg.data)
+    require(
+        r.workflow in ("auto", kind) or ":" in r.workflow,
+        "rollout.workflow",
+        f"{_data_name(cfg.data)} runs the {kind!r} workflow (or 'auto', or module.path:factory), "
+        f"got {r.workflow!r}",
+    )
+    if ":" in r.workflow:
+        import_object(r.workflow, "rollout.workflow")
+    ranks = world_sizes(cfg.cluster, ["rollout", "actor"])["actor"]
+    require_processes(cfg.cluster, ranks, "a data-parallel trainer (more than one actor rank)")
+    validate_actor_ranks(cfg, ranks)
+    check_data(cfg)
+
+
+def check_llm_sft(cfg: LLMConfig) -> None:
+    """``tidal sft`` on a language config: the data, and the model folder, or the options of the
+    tiny model it builds there."""
+    validate_llm_sft(cfg)
+    check_data(cfg, sft=True)
+    if Path(cfg.model.path).exists():  # else tidal sft builds a tiny model there
+        check_llm_model(cfg)
+        return
+    try:
+        check_load_options(cfg.model.dtype, cfg.model.attn_implementation)
+    except ModelConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    require(
+        cfg.data.path is None or cfg.data.chat_template,
+        "data.chat_template",
+        "tidal sft builds a chat model for a dataset file: set data.chat_template=true",
+    )
+
+
+def check_llm_eval(cfg: LLMConfig, checkpoint: str | None, n: int) -> Path | None:
+    """The config and model as for training, something to evaluate on, and the checkpoint (its
+    folder) when one is given; all before the run folder exists."""
+    check_llm(cfg)
+    check_llm_model(cfg)
+    if cfg.data.path is None and TASKS.get(cfg.data.task).multi_turn:
+        raise ConfigError(
+            f"data.task: tidal eval scores single-turn records; {cfg.data.task!r} is multi-turn "
+            "(the training run evaluates it)"
+        )
+    if cfg.data.path is not None and cfg.data.eval_path is None:
+        raise ConfigError("data.eval_path: tidal eval needs held-out records (a dataset file)")
+    if n < 0:
+        raise ConfigError(f"--n: must be >= 0, got {n}")
+    return checkpoint_argument(checkpoint)
+
+
+def data_kind(d: DataConfig) -> str:
+    """The workflow the data runs: a dataset file is single-turn; a task says which it is."""
+    if d.path is not None:
+        return "rlvr"
+    one_of(d.task, TASKS.names(), "data.task")
+    return "multi_turn" if TASKS.get(d.task).multi_turn else "rlvr"
+
+
+def _data_name(d: DataConfig) -> str:
+    return f"data.path {d.path!r}" if d.path is not None else f"task {d.task!r}"
+
+
+def check_data(cfg: LLMConfig, sft: bool = False) -> None:
+    """Dataset files, their keys, the chat-template options and the reward (``sft``:
+    data.messages_key conversations may replace prompt/answer records)."""
+    d = cfg.data
+    validate_data(cfg, sft)
+    kind = data_kind(d)
+    if d.path is not None:
+        _check_file(d, d.path, "data.path", sft and d.messages_key is not None)
+    if d.eval_path is not None:
+        _check_file(d, d.eval_path, "data.eval_path", conversations=False)
+    require(
+        kind == "rlvr" or cfg.reward.name == "auto",
+        "reward.name",
+        f"task {d.task!r} is multi-turn: its environment gives the reward (leave reward.name: auto)",
+    )
+    if kind == "rlvr":
+        configured_reward(cfg)
+
+
+def configured_reward(cfg: LLMConfig) -> Reward:
+    """The reward of single-turn episodes and evaluation: ``reward.name`` resolved, or with
+    ``auto`` a generated task's own (exact_match for a file)."""
+    name, kwargs = cfg.reward.name, dict(cfg.reward.kwargs)
+    if name == "auto" and cfg.data.path is None:
+        return Reward(cfg.data.task, TASKS.get(cfg.data.task).reward, kwargs)
+    try:
+        return resolve_reward("exact_match" if name == "auto" else name, kwargs)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _check_file(d: DataConfig, path: str, key: str, conversations: bool) -> None:
+    """The file loads, holds records with the configured keys, and chat-message prompts come
+    with data.chat_template."""
+    with tempfile.TemporaryDirectory(prefix="tidal-data-check-") as cache:
+        try:
+            if conversations:
+                load_conversations(path, cache, d.messages_key, d.id_key, key=key)
+                return
+            table = load_prompts(path, cache, d.prompt_key, d.answer_key, d.id_key, key=key)
+        except DataConfigError as exc:
+            raise ConfigError(str(exc)) from None
+        text = getattr(table.features["prompt"], "dtype", None) in ("string", "large_string")
+        require(
+            d.chat_template or text,
+            "data.chat_template",
+            f"the prompts in {path!r} are chat messages: set data.chat_template=true",
+        )
+
+
+def check_llm_model(cfg: LLMConfig) -> None:
+    """The model folder holds a causal LM (no weights read), the load options are known, its
+    context holds the generated tokens, and its tokenizer has a chat template when asked."""
+    m = cfg.model
+    try:
+        check_load_options(m.dtype, m.attn_implementation)
+        model_cfg = check_causal_lm(m.path)
+        if cfg.data.chat_template:
+            require_template(load_tokenizer(m.path))
+    except ModelConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    context = getattr(model_cfg, "max_position_embeddings", None)
+    require(
+        context is None or cfg.rollout.max_new_tokens < context,
+        "rollout.max_new_tokens",
+        f"{cfg.rollout.max_new_tokens} does not fit the model's context of {context} tokens",
+    )
