@@ -413,10 +413,110 @@ def test_a_minibatch_loss_and_gradient_do_not_depend_on_its_micro_batch_split(ag
             )
             total = total + loss
         total.backward()
-        return float(total), leaf.grad, v_leaf.grad
+        return float(total.detach()), leaf.grad, v_leaf.grad
 
     whole, g_whole, gv_whole = loss_and_grad([0, rows])
     split, g_split, gv_split = loss_and_grad([0, 1, 4, 9, rows])
     assert split == pytest.approx(whole, rel=1e-12)
     torch.testing.assert_close(g_split, g_whole, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(gv_split, gv_whole, rtol=1e-12, atol=1e-14)
+
+
+# ----------------------------------------------------------------------------- GSPO, CISPO, corrections
+
+
+def test_gspo_takes_the_sequence_ratio_and_each_tokens_gradient():
+    """Per sequence s = exp(mean of the valid log-ratios), clipped PPO on s for every token;
+    the gradient of token t is A * s * d logp_t / |sequence| where the clip is inactive."""
+    logp, old, adv, mask = make_batch((5, 6), seed=21)
+    adv = adv[:, :1].expand(5, 6).clone()  # one advantage per sequence, as GRPO gives
+    leaf = logp.clone().requires_grad_(True)
+    loss, metrics = ppo_policy_loss(
+        leaf, old, adv, mask, 0.1, 0.1, agg="seq-mean-token-mean", importance_level="sequence"
+    )
+    loss.backward()
+    lp, o, a, m = logp.numpy(), old.numpy(), adv.numpy(), mask.numpy()
+    s = np.exp([(lp[i] - o[i])[m[i]].mean() if m[i].any() else 0.0 for i in range(5)])
+    per = np.stack([ref_surrogate(np.full(6, s[i]), a[i], 0.1, 0.1, None) for i in range(5)])
+    assert loss.item() == pytest.approx(ref_agg(per, m, "seq-mean-token-mean"), rel=1e-10)
+    counts = m.sum(1)
+    has = counts > 0
+    for i in range(5):
+        inside = 0.9 <= s[i] <= 1.1 or (a[i, 0] > 0 and s[i] < 0.9) or (a[i, 0] < 0 and s[i] > 1.1)
+        expected = -a[i] * s[i] * m[i] / max(counts[i], 1) / has.sum() if inside else 0 * a[i]
+        np.testing.assert_allclose(leaf.grad[i].numpy(), expected * m[i], atol=1e-12)
+    assert metrics["ratio_mean"].item() == pytest.approx(
+        float((np.repeat(s, 6).reshape(5, 6) * m).sum() / m.sum()), rel=1e-10
+    )
+
+
+def test_cispo_weights_every_tokens_log_prob_by_its_clipped_ratio():
+    logp, old, adv, mask = make_batch((4, 7), seed=22)
+    leaf = logp.clone().requires_grad_(True)
+    loss, metrics = ppo_policy_loss(leaf, old, adv, mask, 0.2, 0.28, surrogate="cispo")
+    loss.backward()
+    r = np.exp(logp.numpy() - old.numpy())
+    w = np.clip(r, 0.8, 1.28)
+    m = mask.numpy()
+    per = -w * adv.numpy() * np.log(r)
+    assert loss.item() == pytest.approx(ref_agg(per, m, "token-mean"), rel=1e-10)
+    # no token loses its gradient: d/dlogp = -w A / n on every valid token
+    np.testing.assert_allclose(leaf.grad.numpy(), -w * adv.numpy() * m / m.sum(), atol=1e-12)
+    assert metrics["clip_frac"].item() == pytest.approx(
+        ((r < 0.8) | (r > 1.28))[m].mean(), rel=1e-12
+    )
+
+
+@pytest.mark.parametrize("mode", ["none", "token_tis", "seq_tis", "seq_mis", "icepop"])
+def test_rollout_corrections_match_a_float64_reference(mode):
+    from tidal.algorithms.correction import mismatch_metrics, rollout_correction
+
+    g = torch.Generator().manual_seed(23)
+    rollout = -torch.rand(6, 5, generator=g, dtype=torch.float64) * 2
+    trainer = rollout + torch.randn(6, 5, generator=g, dtype=torch.float64) * 0.3
+    mask = torch.rand(6, 5, generator=g) > 0.2
+    weight, dropped = rollout_correction(trainer, rollout, mask, mode, cap=1.5, lower=0.7)
+    m = mask.numpy()
+    r = np.exp(trainer.numpy() - rollout.numpy())
+    seq = np.exp(((trainer - rollout).numpy() * m).sum(1, keepdims=True)) * np.ones((1, 5))
+    expected = {
+        "none": np.ones_like(r),
+        "token_tis": np.minimum(r, 1.5),
+        "seq_tis": np.minimum(seq, 1.5),
+        "seq_mis": np.where((seq >= 0.7) & (seq <= 1.5), seq, 0.0),
+        "icepop": np.where((r >= 0.7) & (r <= 1.5), r, 0.0),
+    }[mode] * m
+    np.testing.assert_allclose(weight.numpy(), expected, atol=1e-12)
+    assert dropped.numpy().tolist() == ((expected == 0) & m).tolist()
+    metrics = mismatch_metrics(trainer, rollout, mask)
+    assert metrics["mismatch_kl"].item() == pytest.approx((r - 1 - np.log(r))[m].mean(), rel=1e-10)
+    assert metrics["mismatch_ratio_max"].item() == pytest.approx(r[m].max(), rel=1e-12)
+
+
+def test_a_correction_reweights_standard_ppo_and_is_logged():
+    from tidal.algorithms.objectives import PolicyInputs, make_objective
+
+    logp, behave, adv, mask = make_batch((4, 6), seed=24)
+    prox = behave + 0.2
+    alg = objective_settings(
+        kl_coef=0.0,
+        recompute_logprob=True,
+        rollout_correction="token_tis",
+        rollout_correction_cap=1.1,
+        rollout_correction_lower=0.5,
+    )
+    objective = make_objective(alg)
+    assert objective.needs_prox
+    loss, info = objective.loss(PolicyInputs(logp, behave, adv, mask, 0, prox=prox))
+    plain, _ = ppo_policy_loss(logp, prox, adv, mask, 0.2, 0.28)
+    # every token's weight is min(e^0.2, 1.1) = 1.1
+    assert loss.item() == pytest.approx(1.1 * plain.item(), rel=1e-10)
+    assert info["mismatch_ratio_mean"].item() == pytest.approx(np.exp(0.2), rel=1e-10)
+    assert info["mismatch_masked_frac"].item() == 0.0
+
+
+def test_the_kl_clamp_bounds_each_estimate():
+    logp = torch.tensor([0.0, -30.0])
+    ref = torch.tensor([0.0, 0.0])
+    assert kl_estimate(logp, ref, "k1", clamp=10.0).tolist() == [0.0, -10.0]
+    assert kl_estimate(logp, ref, "k3", clamp=5.0)[1].item() == 5.0

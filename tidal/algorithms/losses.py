@@ -112,6 +112,73 @@ def _clipped_surrogate(
     return loss, clip_active, dual_active
 
 
+SURROGATES = ("ppo", "cispo")
+IMPORTANCE_LEVELS = ("token", "sequence")
+
+
+def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's sequence-level log-ratio on every token: the mean over the sequence's valid
+    tokens (the last dim), with each token's own gradient: ``sg(mean) + lr_t - sg(lr_t)``."""
+    counts = mask.sum(-1, keepdim=True).clamp(min=1)
+    mean = torch.where(mask, log_ratio, 0.0).sum(-1, keepdim=True) / counts
+    return mean.detach() + log_ratio - log_ratio.detach()
+
+
+def _surrogate(
+    logp: torch.Tensor,
+    anchor: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    surrogate: str,
+    importance_level: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-element policy loss around ``anchor`` (the policy of the trust region) and
+    ``(log_ratio, ratio, clip_active, dual_active)``.
+
+    ``ppo``: ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` (dual clip for ``A < 0``).
+    ``cispo``: ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) A log r``: every token keeps its
+    gradient, weighted by its clipped importance ratio (MiniMax-M1).
+    ``importance_level="sequence"``: the ratio is the sequence's (GSPO).
+    """
+    dtype = compute_dtype(logp)
+    log_ratio = torch.where(mask, logp.to(dtype) - anchor.detach().to(dtype), 0.0)
+    if importance_level == "sequence":
+        log_ratio = sequence_log_ratio(log_ratio, mask)
+    elif importance_level != "token":
+        raise ValueError(
+            f"importance_level: expected one of {', '.join(IMPORTANCE_LEVELS)}, got {importance_level!r}"
+        )
+    log_ratio = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    ratio = torch.exp(log_ratio)
+    adv = torch.where(mask, advantages.detach().to(dtype), 0.0)
+    if surrogate == "ppo":
+        per_elem, clip_active, dual_active = _clipped_surrogate(
+            ratio, adv, clip_low, clip_high, dual_clip
+        )
+    elif surrogate == "cispo":
+        weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
+        per_elem = -weight * adv * log_ratio
+        clip_active = (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
+        dual_active = torch.zeros_like(clip_active)
+    else:
+        raise ValueError(f"policy_loss: expected one of {', '.join(SURROGATES)}, got {surrogate!r}")
+    return per_elem, log_ratio.detach(), ratio.detach(), clip_active, dual_active
+
+
+def _ratio_metrics(log_ratio, ratio, clip_active, dual_active, mask) -> dict[str, torch.Tensor]:
+    dtype = ratio.dtype
+    return {
+        "clip_frac": _masked_mean(clip_active.to(dtype), mask),
+        "dual_clip_frac": _masked_mean(dual_active.to(dtype), mask),
+        "approx_kl": _masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
+        "ratio_mean": _masked_mean(ratio, mask),
+        "ratio_max": _masked_max(ratio, mask),
+    }
+
+
 def ppo_policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -121,32 +188,29 @@ def ppo_policy_loss(
     clip_high: float,
     dual_clip: float | None = None,
     agg: str = "token-mean",
+    surrogate: str = "ppo",
+    importance_level: str = "token",
+    weight: torch.Tensor | None = None,
     **agg_kwargs,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO surrogate: ``r = exp(logp - old_logp)``,
     ``L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; with ``dual_clip = c > 1``
-    the loss of ``A < 0`` elements is ``min(L, -c A)``. Metrics: ``clip_frac``,
-    ``approx_kl`` (k3 of old vs new), ``ratio_mean``, ``ratio_max``, ``dual_clip_frac``."""
+    the loss of ``A < 0`` elements is ``min(L, -c A)``. ``surrogate="cispo"`` and
+    ``importance_level="sequence"`` as in ``_surrogate``; ``weight``: a per-element factor
+    (a train–inference mismatch correction), zero where it drops an element. Metrics:
+    ``clip_frac``, ``approx_kl`` (k3 of old vs new), ``ratio_mean``, ``ratio_max``,
+    ``dual_clip_frac``."""
     check_same_shape(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
     m = as_mask(mask, logp)
-    dtype = compute_dtype(logp)
-    log_ratio = torch.where(m, logp.to(dtype) - old_logp.detach().to(dtype), 0.0)
-    log_ratio = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    ratio = torch.exp(log_ratio)
-    adv = torch.where(m, advantages.detach().to(dtype), 0.0)
-    per_elem, clip_active, dual_active = _clipped_surrogate(
-        ratio, adv, clip_low, clip_high, dual_clip
+    per_elem, log_ratio, ratio, clip_active, dual_active = _surrogate(
+        logp, old_logp, advantages, m, clip_low, clip_high, dual_clip, surrogate, importance_level
     )
+    if weight is not None:
+        per_elem = per_elem * weight.detach().to(per_elem.dtype)
     loss = aggregate_loss(per_elem, m, agg, **agg_kwargs)
     with torch.no_grad():
-        metrics = {
-            "clip_frac": _masked_mean(clip_active.to(dtype), m),
-            "dual_clip_frac": _masked_mean(dual_active.to(dtype), m),
-            "approx_kl": _masked_mean(torch.expm1(log_ratio) - log_ratio, m),
-            "ratio_mean": _masked_mean(ratio, m),
-            "ratio_max": _masked_max(ratio, m),
-        }
-    return loss, {k: v.detach() for k, v in metrics.items()}
+        metrics = _ratio_metrics(log_ratio, ratio, clip_active, dual_active, m)
+    return loss, metrics
 
 
 def decoupled_ppo_loss(
@@ -161,6 +225,8 @@ def decoupled_ppo_loss(
     cap_mode: str = "mask",
     dual_clip: float | None = None,
     agg: str = "token-mean",
+    surrogate: str = "ppo",
+    importance_level: str = "token",
     **agg_kwargs,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Decoupled PPO for off-policy (stale) samples.
@@ -170,7 +236,8 @@ def decoupled_ppo_loss(
     (importance correction for the policy that actually sampled). Elements with
     ``w > behav_weight_cap`` are dropped from the loss (``cap_mode="mask"``: out of the sum,
     still counted in the denominator, as AReaL does, so that a minibatch's loss does not depend
-    on how it is split) or have ``w`` clamped to the cap (``"clamp"``).
+    on how it is split) or have ``w`` clamped to the cap (``"clamp"``). ``surrogate`` and
+    ``importance_level`` as in ``_surrogate``.
     Extra metrics: ``behave_weight_mean``, ``behave_weight_max``, ``behave_capped_frac``.
     """
     check_same_shape(
@@ -191,25 +258,26 @@ def decoupled_ppo_loss(
             train_mask = m & ~capped
         else:
             weight = weight.clamp(max=behav_weight_cap)
-    log_ratio = torch.where(train_mask, logp.to(dtype) - prox, 0.0)
-    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-    adv = torch.where(train_mask, advantages.detach().to(dtype), 0.0)
-    surrogate, clip_active, dual_active = _clipped_surrogate(
-        ratio, adv, clip_low, clip_high, dual_clip
+    per_elem, log_ratio, ratio, clip_active, dual_active = _surrogate(
+        logp,
+        prox,
+        advantages,
+        train_mask,
+        clip_low,
+        clip_high,
+        dual_clip,
+        surrogate,
+        importance_level,
     )
-    loss = aggregate_loss(surrogate * weight, train_mask, agg, count_mask=m, **agg_kwargs)
+    loss = aggregate_loss(per_elem * weight, train_mask, agg, count_mask=m, **agg_kwargs)
     with torch.no_grad():
         metrics = {
-            "clip_frac": _masked_mean(clip_active.to(dtype), train_mask),
-            "dual_clip_frac": _masked_mean(dual_active.to(dtype), train_mask),
-            "approx_kl": _masked_mean(torch.expm1(log_ratio) - log_ratio, train_mask),
-            "ratio_mean": _masked_mean(ratio, train_mask),
-            "ratio_max": _masked_max(ratio, train_mask),
+            **_ratio_metrics(log_ratio, ratio, clip_active, dual_active, train_mask),
             "behave_weight_mean": _masked_mean(weight, m),
             "behave_weight_max": _masked_max(weight, m),
             "behave_capped_frac": _masked_mean(capped.to(dtype), m),
         }
-    return loss, {k: v.detach() for k, v in metrics.items()}
+    return loss, metrics
 
 
 def _elementwise_error(diff: torch.Tensor, huber_delta: float | None) -> torch.Tensor:

@@ -135,9 +135,18 @@ class AlgorithmConfig:
 
     adv_type: str = setting("gae", "advantage estimator from the registry (tidal.algorithms)")
     gamma: float = setting(0.99, "discount")
-    clip_ratio_low: float = setting(0.2, "PPO clip below 1")
-    clip_ratio_high: float = setting(
-        0.2, "PPO clip above 1 (clip-higher when larger than clip_ratio_low)"
+    clip_ratio_low: float | None = setting(
+        None, "PPO clip below 1; null: 0.2, or 3e-4 with algorithm.importance_level=sequence (GSPO)"
+    )
+    clip_ratio_high: float | None = setting(
+        None,
+        "PPO clip above 1 (clip-higher when larger than clip_ratio_low); null: 0.2, or 4e-4 "
+        "with algorithm.importance_level=sequence (GSPO)",
+    )
+    policy_loss: str = setting(
+        "ppo",
+        "ppo (the clipped surrogate) | cispo (every token's log-prob weighted by its clipped, "
+        "stop-gradient importance ratio; MiniMax-M1)",
     )
     loss_agg: str = setting(
         "token-mean",
@@ -155,12 +164,25 @@ class AlgorithmConfig:
     )
     behav_weight_cap: float | None = setting(5.0, "cap on the behaviour importance weight")
     cap_mode: str = setting("mask", "above the cap: mask the token or clamp the weight")
+    kl_clamp: float | None = setting(
+        10.0, "bound on each per-token KL estimate (to the reference), so no token dominates"
+    )
+
+
+# PPO's clip range, and GSPO's for a sequence-level ratio (its paper's 3e-4 / 4e-4)
+CLIP_DEFAULTS = {"token": (0.2, 0.2), "sequence": (3e-4, 4e-4)}
 
 
 def resolve_algorithm(algorithm: AlgorithmConfig, max_staleness: int) -> None:
     """Defaults that follow other keys, set once when a config is built."""
     if algorithm.use_decoupled_loss is None:
         algorithm.use_decoupled_loss = max_staleness > 0
+    sequence = getattr(algorithm, "importance_level", "token") == "sequence"
+    low, high = CLIP_DEFAULTS["sequence" if sequence else "token"]
+    if algorithm.clip_ratio_low is None:
+        algorithm.clip_ratio_low = low
+    if algorithm.clip_ratio_high is None:
+        algorithm.clip_ratio_high = high
 
 
 def one_of(value, allowed, key: str) -> None:
@@ -174,6 +196,11 @@ def validate_common(
     registry, e.g. ``cluster.backend`` and ``algorithm.adv_type``, are checked by
     tidal.runners.preflight)."""
     one_of(algorithm.cap_mode, ("mask", "clamp"), "algorithm.cap_mode")
+    require(
+        algorithm.kl_clamp is None or algorithm.kl_clamp > 0,
+        "algorithm.kl_clamp",
+        f"must be > 0 (or null: no bound), got {algorithm.kl_clamp}",
+    )
     require(
         algorithm.behav_weight_cap is None or algorithm.behav_weight_cap > 0,
         "algorithm.behav_weight_cap",

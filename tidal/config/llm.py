@@ -162,6 +162,20 @@ class LMAlgorithmConfig(AlgorithmConfig):
     kl_coef: float = setting(0.0, "KL penalty to a frozen reference model (> 0 keeps one)")
     kl_kind: str = setting("k3", "KL estimator: k1 | k2 | k3 | ...")
     kl_in: str = setting("loss", "apply the KL in the loss or shape it into the reward")
+    importance_level: str = setting(
+        "token", "the importance ratio per token (PPO) or per sequence (GSPO: its clip defaults)"
+    )
+    rollout_correction: str = setting(
+        "none",
+        "train-inference mismatch correction of standard PPO by r = pi_trainer / pi_rollout: "
+        "none | token_tis | seq_tis (truncated at the cap) | seq_mis (sequences outside "
+        "[lower, cap] dropped) | icepop (tokens outside [lower, cap] dropped); the decoupled "
+        "loss corrects with its behaviour weight instead",
+    )
+    rollout_correction_cap: float = setting(2.0, "upper bound of the correction's ratio")
+    rollout_correction_lower: float = setting(
+        0.5, "lower bound of the ratio (seq_mis, icepop): below it the token or sequence drops"
+    )
 
 
 @dataclass
@@ -229,6 +243,25 @@ def validate_llm(cfg: LLMConfig) -> None:
         alg.prox_logp_method, ("recompute", "loglinear", "metrics"), "algorithm.prox_logp_method"
     )
     one_of(alg.kl_in, ("loss", "reward"), "algorithm.kl_in")
+    lower, cap = alg.rollout_correction_lower, alg.rollout_correction_cap
+    require(
+        0 < lower < 1 < cap,
+        "algorithm.rollout_correction_lower",
+        f"needs 0 < rollout_correction_lower < 1 < rollout_correction_cap, got {lower} and {cap}",
+    )
+    if alg.rollout_correction != "none":
+        require(
+            not alg.use_decoupled_loss,
+            "algorithm.rollout_correction",
+            "the decoupled loss corrects the behaviour policy with its own weights "
+            "(algorithm.behav_weight_cap, cap_mode: token_tis is cap_mode=clamp); set "
+            "use_decoupled_loss=false to correct standard PPO",
+        )
+        require(
+            alg.recompute_logprob,
+            "algorithm.rollout_correction",
+            "needs the trainer's own log-probs: set algorithm.recompute_logprob=true",
+        )
     one_of(r.pause_mode, ("abort", "keep", "in_place"), "rollout.pause_mode")
     require(
         r.temperature >= 0, "rollout.temperature", f"must be >= 0 (0: greedy), got {r.temperature}"

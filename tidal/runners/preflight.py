@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tidal.algorithms import advantage_spec, list_advantages
 from tidal.algorithms.kl import KL_KINDS
-from tidal.algorithms.losses import AGGREGATIONS, LOGPROB_LEVELS
+from tidal.algorithms.losses import AGGREGATIONS, LOGPROB_LEVELS, SURROGATES
 from tidal.checkpoint import checkpoint_argument
 from tidal.config import ConfigError
 from tidal.config.common import LOGGER_PACKAGES, ClusterConfig, one_of
@@ -63,6 +63,7 @@ def check_common(cfg) -> None:
             missing = missing_extra("trackers", f"the {name} logger", LOGGER_PACKAGES[name])
             require(missing is None, "runner.loggers", missing)
     one_of(cfg.algorithm.adv_type, list_advantages(), "algorithm.adv_type")
+    one_of(cfg.algorithm.policy_loss, SURROGATES, "algorithm.policy_loss")
     eta = cfg.rollout.max_staleness
     if eta > 0 and not cfg.algorithm.use_decoupled_loss:
         log.warning(

@@ -8,8 +8,9 @@ import tempfile
 from pathlib import Path
 
 from tidal.algorithms import list_advantages
+from tidal.algorithms.correction import ROLLOUT_CORRECTIONS
 from tidal.algorithms.kl import KL_KINDS
-from tidal.algorithms.losses import AGGREGATIONS
+from tidal.algorithms.losses import AGGREGATIONS, IMPORTANCE_LEVELS
 from tidal.checkpoint import checkpoint_argument
 from tidal.config import ConfigError
 from tidal.config.common import one_of
@@ -43,6 +44,8 @@ def check_llm(cfg: LLMConfig) -> None:
     one_of(alg.adv_type, list_advantages(needs_critic=False), "algorithm.adv_type")
     one_of(alg.loss_agg, AGGREGATIONS[:3], "algorithm.loss_agg")
     one_of(alg.kl_kind, KL_KINDS, "algorithm.kl_kind")
+    one_of(alg.importance_level, IMPORTANCE_LEVELS, "algorithm.importance_level")
+    one_of(alg.rollout_correction, ROLLOUT_CORRECTIONS, "algorithm.rollout_correction")
     one_of(r.engine, ROLLOUT_ENGINES.names(), "rollout.engine")
     ROLLOUT_ENGINES.get(r.engine).validate(cfg)
     validate_llm(cfg)

@@ -136,7 +136,7 @@ class LMActor(Worker):
         kl = None
         alg = self.cfg.algorithm
         if self.ref is not None and alg.kl_in == "reward":
-            kl = kl_estimate(batch.logprobs, ref_logp, alg.kl_kind)
+            kl = kl_estimate(batch.logprobs, ref_logp, alg.kl_kind, alg.kl_clamp)
             token_rewards = token_rewards - alg.kl_coef * torch.where(mask, kl, 0.0)
         adv, _ = get_advantage(alg.adv_type)(
             rewards=token_rewards.T,
