@@ -577,7 +577,7 @@ def test_a_killed_inference_server_restarts_the_llm_run(arith_model, tmp_path):
     killer = threading.Thread(target=kill_server_after_first_checkpoint, daemon=True)
     killer.start()
     summary = run_with_restarts(
-        lambda c: runners.append(ReasoningRunner(c)) or runners[-1],
+        lambda c, run_dir: runners.append(ReasoningRunner(c, run_dir)) or runners[-1],
         load_config(LLMConfig, None, overrides),
     )
     killer.join(5)

@@ -53,11 +53,11 @@ def train(args: argparse.Namespace) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         return _fail("config error", exc)
 
-    def make_runner(cfg):
+    def make_runner(cfg, run_dir):
         from tidal.runtime.errors import ClusterUnreachable
 
         try:
-            return _load(HALVES[task][1])(cfg)
+            return _load(HALVES[task][1])(cfg, run_dir)
         except (ConfigError, FileNotFoundError, ClusterUnreachable) as exc:
             raise _ConfigFailure(exc) from None
 

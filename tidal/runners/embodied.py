@@ -33,7 +33,7 @@ EVAL_SEGMENT = 32  # chunk steps per evaluation call: a few wasted steps against
 
 
 class EmbodiedRunner(RunLoop):
-    def __init__(self, cfg: EmbodiedConfig):
+    def __init__(self, cfg: EmbodiedConfig, run_dir: Path | None = None):
         self.worlds = check_embodied(cfg)
         env = cfg.env
         self.topo = Topology(
@@ -51,7 +51,7 @@ class EmbodiedRunner(RunLoop):
         self.env_steps, self.rollout_version = 0, None
         self.staleness: StalenessManager | None = None
         self.collection: Collection | None = None
-        super().__init__(cfg)
+        super().__init__(cfg, run_dir)
 
     @property
     def asynchronous(self) -> bool:

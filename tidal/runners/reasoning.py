@@ -42,12 +42,12 @@ log = logging.getLogger("tidal.train")
 class ReasoningRunner(RunLoop):
     initial_evaluation = True
 
-    def __init__(self, cfg: LLMConfig):
+    def __init__(self, cfg: LLMConfig, run_dir: Path | None = None):
         check_llm(cfg)
         check_llm_model(cfg)
         self.cluster = self.rollout = self.actor = self.client = self.dispatcher = None
         self.version = 0
-        super().__init__(cfg)
+        super().__init__(cfg, run_dir)
 
     # -- what the run loop asks of a runner ------------------------------------------------
 

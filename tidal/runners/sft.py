@@ -5,7 +5,8 @@ pairs, rendered with the chat template when data.chat_template is set, with the 
 assistant's turns. Without, it learns a registered task's generated demonstrations. When
 model.path does not exist yet it builds a tiny model there first: a chat Qwen2 with a byte-level
 BPE tokenizer trained on the dataset's text, or a character-level Llama for a generated task.
-The result is saved to model.path and scored on the held-out records as ``tidal eval`` scores it.
+The result is saved to model.path and scored on the held-out records as ``tidal eval`` scores it;
+the run folder ``run_dir/<experiment>-sft`` holds its config and ``sft.log``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tidal.models.lm import load_causal_lm
 from tidal.rollout.tasks import ARITH_ALPHABET, TASKS
 from tidal.runners.lm_common import data_cache, eval_records, sft_examples
 from tidal.runners.preflight import check_llm_sft
+from tidal.runners.run_folder import RunFolder
 
 log = logging.getLogger("tidal.sft")
 
@@ -102,6 +104,11 @@ def run_sft(cfg: LLMConfig) -> dict:
     check_llm_sft(cfg)
     torch.manual_seed(cfg.runner.seed)
     torch.set_num_threads(max(1, cfg.cluster.torch_threads))
+    with RunFolder(cfg, "sft") as run:
+        return {**_train(cfg), "run_dir": str(run.path)}
+
+
+def _train(cfg: LLMConfig) -> dict:
     with data_cache(cfg, None) as cache:
         model, tokenizer = load_or_build(cfg, cache)
         next_batch = batches(cfg, tokenizer, cache)
