@@ -258,7 +258,7 @@ def test_llm_config_rules():
 
 @pytest.fixture(scope="module")
 def arith_model(tmp_path_factory):
-    from tidal.runners.sft import run_sft
+    from tidal.runners.llm.sft import run_sft
 
     path = tmp_path_factory.mktemp("m") / "arith"
     cfg = load_config(
@@ -280,7 +280,7 @@ def arith_model(tmp_path_factory):
 
 @pytest.mark.parametrize("preset", ["sync", "throughput", "stable"])
 def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
-    from tidal.runners.reasoning import ReasoningRunner
+    from tidal.runners.llm.train import ReasoningRunner
 
     presets = Path(__file__).parent.parent / "examples" / "llm" / "presets"
     overrides = [
@@ -326,7 +326,7 @@ def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
 
 
 def test_the_same_experiment_twice_makes_two_run_folders(arith_model, tmp_path):
-    from tidal.runners.reasoning import ReasoningRunner
+    from tidal.runners.llm.train import ReasoningRunner
 
     overrides = [
         f"model.path={arith_model}",
@@ -350,7 +350,7 @@ def test_the_same_experiment_twice_makes_two_run_folders(arith_model, tmp_path):
 def test_ray_servers_and_a_data_parallel_trainer_run_the_loop_and_resume(arith_model, tmp_path):
     """The whole loop on Ray: a server process and two DDP trainer ranks (rank 0 sends the
     weights and writes the checkpoint), in-place pauses, then a resume on the same layout."""
-    from tidal.runners.reasoning import ReasoningRunner
+    from tidal.runners.llm.train import ReasoningRunner
 
     overrides = [
         f"model.path={arith_model}",
@@ -432,7 +432,7 @@ def test_sft_demonstrations_match_the_multi_turn_episode_layout():
     from tidal.inference.tiny import char_tokenizer
     from tidal.rollout.tasks import ARITH_ALPHABET, TASKS
     from tidal.rollout.workflows import MultiTurnWorkflow
-    from tidal.runners.sft import encode
+    from tidal.runners.llm.sft import encode
 
     tok = char_tokenizer(ARITH_ALPHABET)
     record = {"prompt": "guess?", "target": 37}
@@ -546,8 +546,8 @@ def test_a_killed_inference_server_restarts_the_llm_run(arith_model, tmp_path):
 
     import ray
 
+    from tidal.runners.llm.train import ReasoningRunner
     from tidal.runners.loop import run_with_restarts
-    from tidal.runners.reasoning import ReasoningRunner
 
     overrides = [
         f"model.path={arith_model}",

@@ -38,7 +38,7 @@ TINY = [
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """The demo config shrunk, and the tiny chat model `tidal sft` built and warm-started."""
-    from tidal.runners.sft import run_sft
+    from tidal.runners.llm.sft import run_sft
 
     root = tmp_path_factory.mktemp("gsm8k")
     overrides = [*TINY, f"model.path={root}/model", f"runner.run_dir={root}/runs"]
@@ -61,7 +61,7 @@ def test_grpo_on_the_dataset_resumes_its_data_position_and_tidal_eval_scores_it(
     demo, tmp_path, capsys
 ):
     from tidal.cli import main
-    from tidal.runners.reasoning import ReasoningRunner
+    from tidal.runners.llm.train import ReasoningRunner
 
     overrides, _ = demo
     with ReasoningRunner(
@@ -200,7 +200,7 @@ def test_pass_at_k_matches_counting_subsets():
 
 def test_sft_on_conversations_learns_only_the_assistant_turns(demo, tmp_path):
     from tidal.models.lm import load_tokenizer
-    from tidal.runners.lm_common import sft_examples
+    from tidal.runners.llm.common import sft_examples
     from tidal.runners.preflight import check_llm_sft
 
     overrides, summary = demo

@@ -49,8 +49,8 @@ def run(tmp_path_factory):
     warm-started by `tidal sft`, then two GRPO steps with rollout.engine=vllm: a vLLM server
     launched and supervised by the rollout rank. The reward (a low first digit) is one a barely
     trained model earns half the time, so that the updates move the weights."""
-    from tidal.runners.reasoning import ReasoningRunner
-    from tidal.runners.sft import run_sft
+    from tidal.runners.llm.sft import run_sft
+    from tidal.runners.llm.train import ReasoningRunner
 
     root = tmp_path_factory.mktemp("arith")
     model = root / "model"
@@ -216,7 +216,7 @@ def test_vllm_takes_weights_from_a_folder_only(run):
 
 def test_a_run_connects_to_running_servers(run, tmp_path):
     """rollout.server_urls: no server launched; the run's weights reach the running one."""
-    from tidal.runners.reasoning import ReasoningRunner
+    from tidal.runners.llm.train import ReasoningRunner
 
     runner, _, _, overrides = run
     [address] = runner.client.addresses

@@ -23,7 +23,7 @@ from tidal.rollout.evaluation import greedy_config
 from tidal.rollout.staleness import StalenessManager
 from tidal.rollout.tasks import TASKS
 from tidal.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow
-from tidal.runners.lm_common import (
+from tidal.runners.llm.common import (
     data_cache,
     eval_records,
     evaluator,

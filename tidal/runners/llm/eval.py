@@ -16,7 +16,7 @@ from tidal.config.llm import LLMConfig
 from tidal.inference import GenerationEngine, InferenceClient, InferenceServer
 from tidal.models.lm import DTYPES, load_tokenizer
 from tidal.rollout.evaluation import EvalResult
-from tidal.runners.lm_common import data_cache, eval_records, evaluator
+from tidal.runners.llm.common import data_cache, eval_records, evaluator
 from tidal.runners.preflight import check_llm_eval
 from tidal.runners.run_folder import RunFolder
 

@@ -29,7 +29,7 @@ log = logging.getLogger("tidal.eval")
 EPISODE_SEED = 5 * 10**6  # training envs use runner.seed + i, evaluations 10**6 + i + 7,919 * step
 
 
-def run_embodied_eval(
+def run_eval(
     cfg: EmbodiedConfig,
     checkpoint: str | None = None,
     episodes: int | None = None,

@@ -29,7 +29,7 @@ log = logging.getLogger("tidal.sft")
 EVAL_SEED = 10**6  # the env worker's evaluation seeds start here (after runner.seed)
 
 
-def run_embodied_sft(cfg: EmbodiedConfig) -> dict:
+def run_sft(cfg: EmbodiedConfig) -> dict:
     check_embodied_sft(cfg)
     torch.manual_seed(cfg.runner.seed)
     torch.set_num_threads(cfg.cluster.torch_threads)

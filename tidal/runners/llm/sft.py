@@ -25,7 +25,7 @@ from tidal.engine import TrainEngine
 from tidal.inference.tiny import save_tiny_chat_model, save_tiny_model
 from tidal.models.lm import load_causal_lm
 from tidal.rollout.tasks import ARITH_ALPHABET, TASKS
-from tidal.runners.lm_common import data_cache, eval_records, sft_examples
+from tidal.runners.llm.common import data_cache, eval_records, sft_examples
 from tidal.runners.preflight import check_llm_sft
 from tidal.runners.run_folder import RunFolder
 
@@ -143,7 +143,7 @@ def _train(cfg: LLMConfig) -> dict:
     # multi-turn tasks are scored by the RL runner's first evaluation (it needs the environment)
     accuracy = None
     if held_out and not (cfg.data.path is None and TASKS.get(cfg.data.task).multi_turn):
-        from tidal.runners.evaluate import serve_and_evaluate
+        from tidal.runners.llm.eval import serve_and_evaluate
 
         accuracy = serve_and_evaluate(cfg, held_out).metrics["eval/accuracy"]
     return {
