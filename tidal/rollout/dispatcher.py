@@ -97,6 +97,11 @@ class RolloutDispatcher:
         self._paused.clear()
         self.wake()
 
+    def run_coroutine(self, coro: Awaitable[Any], timeout: float) -> Any:
+        """Run ``coro`` on the episodes' event loop (where their clients live) and wait for its
+        result, e.g. an evaluation, or closing the client."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
     def wake(self) -> None:
         """Capacity may have changed (e.g. the trainer's version moved on)."""
         with self._cv:

@@ -52,7 +52,7 @@ from tidal.models.policy import POLICIES, policy_arguments
 from tidal.models.saving import read_saved_config, space_from_json
 from tidal.rollout.engines import ROLLOUT_ENGINES
 from tidal.rollout.rewards import Reward, resolve_reward
-from tidal.rollout.tasks import TASKS
+from tidal.rollout.tasks import TASKS, is_multi_turn
 from tidal.runtime import ComponentPlacement, PlacementError
 from tidal.runtime.backends import backend_class, backend_names
 from tidal.runtime.placement import _parse_spec_string
@@ -313,7 +313,7 @@ def check_llm_eval(cfg: LLMConfig, checkpoint: str | None, n: int) -> Path | Non
     folder) when one is given; all before the run folder exists."""
     check_llm(cfg)
     check_llm_model(cfg)
-    if cfg.data.path is None and TASKS.get(cfg.data.task).multi_turn:
+    if is_multi_turn(cfg.data):
         raise ConfigError(
             f"data.task: tidal eval scores single-turn records; {cfg.data.task!r} is multi-turn "
             "(the training run evaluates it)"
@@ -327,10 +327,9 @@ def check_llm_eval(cfg: LLMConfig, checkpoint: str | None, n: int) -> Path | Non
 
 def data_kind(d: DataConfig) -> str:
     """The workflow the data runs: a dataset file is single-turn; a task says which it is."""
-    if d.path is not None:
-        return "rlvr"
-    one_of(d.task, TASKS.names(), "data.task")
-    return "multi_turn" if TASKS.get(d.task).multi_turn else "rlvr"
+    if d.path is None:
+        one_of(d.task, TASKS.names(), "data.task")
+    return "multi_turn" if is_multi_turn(d) else "rlvr"
 
 
 def _data_name(d: DataConfig) -> str:

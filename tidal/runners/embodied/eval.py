@@ -3,8 +3,8 @@
 is off) and optionally with sampled actions on the same episodes; success rates overall and per task, and the mean return. Env copy ``i`` runs task
 ``i % len(tasks)`` on a multi-task env, so a multiple of the task count weighs tasks equally.
 
-The episodes' seeds start at ``runner.seed + EPISODE_SEED``, far from the training envs' seeds and
-from those of the training run's evaluations, so a comparison of two policies (e.g. after
+The episodes' seeds (tidal.envs.seeds) are far from the training envs' seeds and from those of the
+training run's evaluations, so a comparison of two policies (e.g. after
 ``tidal sft`` and after ``tidal train``) runs on the same episodes that neither has seen. Writes
 ``summary.json`` into a new run folder ``run_dir/<experiment>-eval``."""
 
@@ -20,13 +20,13 @@ import torch
 from tidal.checkpoint import load_checkpoint
 from tidal.config.embodied import EmbodiedConfig
 from tidal.envs import env_make_kwargs, make_env
+from tidal.envs.seeds import held_out_seeds
 from tidal.models.factory import build_from_config
 from tidal.models.imitation import evaluate_success
 from tidal.runners.preflight import check_embodied_eval
 from tidal.runners.run_folder import RunFolder
 
 log = logging.getLogger("tidal.eval")
-EPISODE_SEED = 5 * 10**6  # training envs use runner.seed + i, evaluations 10**6 + i + 7,919 * step
 
 
 def run_eval(
@@ -53,7 +53,7 @@ def _evaluate(cfg: EmbodiedConfig, folder: Path | None, episodes: int, sampled: 
         )
         if folder is not None:
             policy.load_state_dict(load_checkpoint(folder)[0])
-        seeds = [cfg.runner.seed + EPISODE_SEED + i for i in range(episodes)]
+        seeds = held_out_seeds(cfg.runner.seed, episodes)
         start = time.perf_counter()
         summary = {
             "model_path": cfg.model.path,

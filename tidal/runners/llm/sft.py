@@ -24,7 +24,7 @@ from tidal.data.datasets import RecordIterator, load_conversations, load_prompts
 from tidal.engine import TrainEngine
 from tidal.inference.tiny import save_tiny_chat_model, save_tiny_model
 from tidal.models.lm import load_causal_lm
-from tidal.rollout.tasks import ARITH_ALPHABET, TASKS
+from tidal.rollout.tasks import ARITH_ALPHABET, TASKS, is_multi_turn
 from tidal.runners.llm.common import data_cache, eval_records, sft_examples
 from tidal.runners.preflight import check_llm_sft
 from tidal.runners.run_folder import RunFolder
@@ -142,7 +142,7 @@ def _train(cfg: LLMConfig) -> dict:
     tokenizer.save_pretrained(cfg.model.path)
     # multi-turn tasks are scored by the RL runner's first evaluation (it needs the environment)
     accuracy = None
-    if held_out and not (cfg.data.path is None and TASKS.get(cfg.data.task).multi_turn):
+    if held_out and not is_multi_turn(cfg.data):
         from tidal.runners.llm.eval import serve_and_evaluate
 
         accuracy = serve_and_evaluate(cfg, held_out).metrics["eval/accuracy"]
