@@ -19,7 +19,7 @@ from tidal.config.llm import LLMConfig
 from tidal.engine import NonFiniteError, TrainEngine
 from tidal.runners.loop import Interrupted, RunLoop
 from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker
-from tidal.workers.lm_actor import LMActor
+from tidal.workers.llm_actor import LLMActor
 
 ROOT = Path(__file__).parent.parent
 
@@ -105,7 +105,9 @@ def test_checkpoint_round_trip_is_exact_and_loading_is_strict(tmp_path):
 def test_tied_weights_are_saved_and_loaded(tmp_path):
     model = _model()
     model.add_module("tied", torch.nn.Linear(4, 8))
-    model.tied.weight = model[0].weight  # one storage, two names (like tied LM embeddings)
+    model.tied.weight = model[
+        0
+    ].weight  # one storage, two names (like tied language-model embeddings)
     engine = TrainEngine(model, ActorConfig(), 1)
     engine.save(tmp_path / "ck", {"step": 0})
     engine.load(tmp_path / "ck")
@@ -297,7 +299,7 @@ def test_shared_concepts_have_one_key_in_both_halves():
         (RolloutWorker, EmbodiedConfig),
         (ActorWorker, EmbodiedConfig),
         (RewardWorker, EmbodiedConfig),
-        (LMActor, LLMConfig),
+        (LLMActor, LLMConfig),
     ],
 )
 def test_workers_are_given_only_the_sections_they_declare(worker, schema):

@@ -50,7 +50,7 @@ def run(tmp_path_factory):
     launched and supervised by the rollout rank. The reward (a low first digit) is one a barely
     trained model earns half the time, so that the updates move the weights."""
     from tidal.runners.llm.sft import run_sft
-    from tidal.runners.llm.train import ReasoningRunner
+    from tidal.runners.llm.train import LLMRunner
 
     root = tmp_path_factory.mktemp("arith")
     model = root / "model"
@@ -74,7 +74,7 @@ def run(tmp_path_factory):
         "rollout.max_concurrent_rollouts=8",
         "actor.lr=3e-3",
     ]
-    runner = ReasoningRunner(load_config(LLMConfig, DEMO, overrides))
+    runner = LLMRunner(load_config(LLMConfig, DEMO, overrides))
     try:
         summary = runner.run()
         yield runner, summary, model, overrides
@@ -216,11 +216,11 @@ def test_vllm_takes_weights_from_a_folder_only(run):
 
 def test_a_run_connects_to_running_servers(run, tmp_path):
     """rollout.server_urls: no server launched; the run's weights reach the running one."""
-    from tidal.runners.llm.train import ReasoningRunner
+    from tidal.runners.llm.train import LLMRunner
 
     runner, _, _, overrides = run
     [address] = runner.client.addresses
-    other = ReasoningRunner(
+    other = LLMRunner(
         load_config(
             LLMConfig,
             DEMO,

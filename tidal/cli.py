@@ -31,7 +31,7 @@ HALVES = {
     ),
     "llm": Half(
         config="tidal.config.llm:LLMConfig",
-        train="tidal.runners.llm.train:ReasoningRunner",
+        train="tidal.runners.llm.train:LLMRunner",
         sft="tidal.runners.llm.sft:run_sft",
         sft_check="tidal.runners.preflight:check_llm_sft",
         eval="tidal.runners.llm.eval:run_eval",
@@ -233,14 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_config.set_defaults(fn=config)
     p_sft = sub.add_parser(
-        "sft", help="supervised warm start saved to model.path (LM, or embodied behaviour cloning)"
+        "sft", help="supervised warm start saved to model.path (LLM, or embodied behaviour cloning)"
     )
     p_sft.add_argument("config")
     p_sft.add_argument("overrides", nargs="*")
     p_sft.set_defaults(fn=sft)
     p_eval = sub.add_parser(
         "eval",
-        help="score a model or checkpoint: an LM on data.eval_path (the config's reward), "
+        help="score a model or checkpoint: an LLM on data.eval_path (the config's reward), "
         "an embodied policy on fresh episodes",
     )
     p_eval.add_argument("config", help="a config, e.g. examples/llm/gsm8k_grpo.yaml")
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "--n",
         type=int,
         default=None,
-        help="LM: sampled completions per record besides the greedy one (pass@k; default 1)",
+        help="LLM: sampled completions per record besides the greedy one (pass@k; default 1)",
     )
     p_eval.add_argument(
         "--episodes",
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_eval.set_defaults(fn=evaluate)
     p_serve = sub.add_parser(
-        "serve", help="serve a Hugging Face causal LM over HTTP (SGLang's API subset)"
+        "serve", help="serve a Hugging Face causal language model over HTTP (SGLang's API subset)"
     )
     p_serve.add_argument("--model", required=True, help="a local model directory (save_pretrained)")
     p_serve.add_argument("--host", default="127.0.0.1")

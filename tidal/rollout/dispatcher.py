@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tidal.rollout.staleness import StalenessManager
+from tidal.asynchrony import StalenessManager
 
 log = logging.getLogger(__name__)
 

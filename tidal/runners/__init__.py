@@ -11,7 +11,7 @@ import importlib
 
 _RUNNERS = {
     "EmbodiedRunner": "tidal.runners.embodied.train",
-    "ReasoningRunner": "tidal.runners.llm.train",
+    "LLMRunner": "tidal.runners.llm.train",
 }
 
 __all__ = list(_RUNNERS)

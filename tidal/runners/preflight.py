@@ -41,7 +41,7 @@ from tidal.config.llm import (
 from tidal.config.loader import require
 from tidal.data.datasets import DataConfigError, load_conversations, load_prompts
 from tidal.envs import adapter_arguments, env_make_kwargs, list_env_adapters, make_env
-from tidal.models.lm import (
+from tidal.models.llm import (
     ModelConfigError,
     check_causal_lm,
     check_load_options,
@@ -387,7 +387,7 @@ def _check_file(d: DataConfig, path: str, key: str, conversations: bool) -> None
 
 
 def check_llm_model(cfg: LLMConfig) -> None:
-    """The model folder holds a causal LM (no weights read), the load options are known, its
+    """The model folder holds a causal language model (no weights read), the load options are known, its
     context holds the generated tokens, and its tokenizer has a chat template when asked."""
     m = cfg.model
     try:

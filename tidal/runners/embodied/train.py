@@ -2,8 +2,8 @@
 groups over channels) → advantages → train → evaluate / checkpoint / log (the shared run loop).
 
 With ``rollout.max_staleness`` (eta) > 0 it is asynchronous: the env and rollout groups keep
-collecting while the actor trains (tidal.runners.collection, admitted by the language half's
-``StalenessManager``), the rollout takes the weights sent after every step between chunk steps,
+collecting while the actor trains (tidal.runners.collection, admitted by the
+``StalenessManager`` both halves use), the rollout takes the weights sent after every step between chunk steps,
 and no sample is trained on more than eta versions after the version that produced it.
 ``eta = 0`` is the synchronous loop."""
 
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
+from tidal.asynchrony import StalenessManager
 from tidal.checkpoint import load_extra
 from tidal.config import EmbodiedConfig
 from tidal.config.embodied import components
 from tidal.envs import success_metrics
 from tidal.envs.video import write_video
-from tidal.rollout.staleness import StalenessManager
 from tidal.runners.collection import Collection
 from tidal.runners.loop import RunLoop, fmt
 from tidal.runners.preflight import check_embodied, probe_env

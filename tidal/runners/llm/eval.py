@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tidal.config.llm import LLMConfig
 from tidal.inference import GenerationEngine, InferenceClient, InferenceServer
-from tidal.models.lm import DTYPES, load_tokenizer
+from tidal.models.llm import DTYPES, load_tokenizer
 from tidal.rollout.evaluation import EvalResult
 from tidal.runners.llm.common import data_cache, eval_records, evaluator
 from tidal.runners.preflight import check_llm_eval

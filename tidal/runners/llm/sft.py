@@ -1,4 +1,4 @@
-"""``tidal sft``: supervised warm start of the causal LM at model.path.
+"""``tidal sft``: supervised warm start of the causal language model at model.path.
 
 With data.path it learns the file's records: conversations (data.messages_key) or prompt/answer
 pairs, rendered with the chat template when data.chat_template is set, with the loss only on the
@@ -23,7 +23,7 @@ from tidal.config.llm import LLMConfig
 from tidal.data.datasets import RecordIterator, load_conversations, load_prompts
 from tidal.engine import TrainEngine
 from tidal.inference.tiny import save_tiny_chat_model, save_tiny_model
-from tidal.models.lm import load_causal_lm
+from tidal.models.llm import load_causal_lm
 from tidal.rollout.tasks import ARITH_ALPHABET, TASKS, is_multi_turn
 from tidal.runners.llm.common import data_cache, eval_records, sft_examples
 from tidal.runners.preflight import check_llm_sft

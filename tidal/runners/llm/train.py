@@ -13,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
+from tidal.asynchrony import StalenessManager
 from tidal.config.llm import LLMConfig
-from tidal.data import LMBatch
+from tidal.data import LLMBatch
 from tidal.inference import InferenceClient
-from tidal.models.lm import load_tokenizer
+from tidal.models.llm import load_tokenizer
 from tidal.rollout.dispatcher import EpisodeError, RolloutDispatcher
 from tidal.rollout.engines import ROLLOUT_ENGINES
 from tidal.rollout.evaluation import greedy_config
-from tidal.rollout.staleness import StalenessManager
 from tidal.rollout.tasks import TASKS, is_multi_turn
 from tidal.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow
 from tidal.runners.llm.common import (
@@ -34,12 +34,12 @@ from tidal.runners.llm.common import (
 )
 from tidal.runners.loop import RunLoop
 from tidal.runners.preflight import check_llm, check_llm_model, import_object
-from tidal.workers.lm_actor import LMActor
+from tidal.workers.llm_actor import LLMActor
 
 log = logging.getLogger("tidal.train")
 
 
-class ReasoningRunner(RunLoop):
+class LLMRunner(RunLoop):
     initial_evaluation = True
 
     def __init__(self, cfg: LLMConfig, run_dir: Path | None = None):
@@ -58,7 +58,7 @@ class ReasoningRunner(RunLoop):
         placement = self.cluster.placement(cfg.cluster.resolved_placement(["rollout", "actor"]))
         self.rollout = ROLLOUT_ENGINES.get(r.engine)(cfg, self.cluster, placement, self.run_dir)
         addresses = self.rollout.launch()
-        self.actor = LMActor.create_group(cfg).launch(
+        self.actor = LLMActor.create_group(cfg).launch(
             self.cluster, placement.devices("actor"), name="actor"
         )
         self.client = InferenceClient(addresses, protocol=self.rollout.protocol())
@@ -158,7 +158,7 @@ class ReasoningRunner(RunLoop):
         with self.timer("step"):
             with self.timer("prepare_batch"):
                 episodes = self._prepare_batch()
-                batch = LMBatch.concat(episodes, self.tokenizer.pad_token_id)
+                batch = LLMBatch.concat(episodes, self.tokenizer.pad_token_id)
             with self.timer("train"):
                 metrics = self.actor.train_step(batch).wait(r.timeout_s)[0]
             with self.timer("update_weights"):

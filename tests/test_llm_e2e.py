@@ -47,7 +47,7 @@ def demo(tmp_path_factory):
 
 
 def test_sft_builds_a_chat_model_and_learns_the_assistant_turns(demo):
-    from tidal.models.lm import load_tokenizer
+    from tidal.models.llm import load_tokenizer
 
     overrides, summary = demo
     tokenizer = load_tokenizer(summary["model_path"])
@@ -61,12 +61,10 @@ def test_grpo_on_the_dataset_resumes_its_data_position_and_tidal_eval_scores_it(
     demo, tmp_path, capsys
 ):
     from tidal.cli import main
-    from tidal.runners.llm.train import ReasoningRunner
+    from tidal.runners.llm.train import LLMRunner
 
     overrides, _ = demo
-    with ReasoningRunner(
-        load_config(LLMConfig, DEMO, [*overrides, "runner.max_steps=2"])
-    ) as runner:
+    with LLMRunner(load_config(LLMConfig, DEMO, [*overrides, "runner.max_steps=2"])) as runner:
         first = runner.run()
     rows = [
         json.loads(x) for x in (Path(first["run_dir"]) / "metrics.jsonl").read_text().splitlines()
@@ -83,7 +81,7 @@ def test_grpo_on_the_dataset_resumes_its_data_position_and_tidal_eval_scores_it(
         DEMO,
         [*overrides, "runner.max_steps=3", f"runner.resume_from={first['checkpoint']}"],
     )
-    with ReasoningRunner(resumed_cfg) as runner:
+    with LLMRunner(resumed_cfg) as runner:
         assert runner.train_data.state_dict() == saved  # the data position came back
         assert runner.run()["steps"] == 3
 
@@ -199,7 +197,7 @@ def test_pass_at_k_matches_counting_subsets():
 
 
 def test_sft_on_conversations_learns_only_the_assistant_turns(demo, tmp_path):
-    from tidal.models.lm import load_tokenizer
+    from tidal.models.llm import load_tokenizer
     from tidal.runners.llm.common import sft_examples
     from tidal.runners.preflight import check_llm_sft
 
