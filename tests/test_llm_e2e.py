@@ -55,6 +55,9 @@ def test_sft_builds_a_chat_model_and_learns_the_assistant_turns(demo):
     # 30 steps on the worked answers: the loss falls well below where it started
     assert summary["final_loss"] < 0.6 * summary["first_loss"], summary
     assert 0.0 <= summary["held_out_accuracy"] <= 1.0
+    run_dir = Path(summary["run_dir"])  # tidal sft writes a run folder as every command does
+    assert run_dir.name == "gsm8k_grpo-sft" and (run_dir / "config.yaml").is_file()
+    assert "sft: built a tiny model" in (run_dir / "sft.log").read_text()
 
 
 def test_grpo_on_the_dataset_resumes_its_data_position_and_tidal_eval_scores_it(
