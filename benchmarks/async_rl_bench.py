@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tidal.config import load_config
 from tidal.config.llm import LLMConfig
-from tidal.runners.reasoning import ReasoningRunner
+from tidal.runners.llm.train import LLMRunner
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "llm" / "reverse_grpo.yaml"
 
@@ -44,7 +44,7 @@ def run(
                 *extra,
             ],
         )
-        runner = ReasoningRunner(cfg)
+        runner = LLMRunner(cfg)
         try:
             summary = runner.run()
             rows = [

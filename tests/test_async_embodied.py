@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tidal.asynchrony import StalenessManager
 from tidal.config import ConfigError, EmbodiedConfig, load_config
-from tidal.rollout.staleness import StalenessManager
 from tidal.runners import EmbodiedRunner
 from tidal.runners.collection import Collection
 from tidal.runners.preflight import check_embodied

@@ -10,19 +10,19 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from tidal.asynchrony import StalenessManager
 from tidal.config import ConfigError, load_config
 from tidal.config.llm import LLMConfig
-from tidal.data import LMBatch, TokenSequence
+from tidal.data import LLMBatch, TokenSequence
 from tidal.rollout.dispatcher import EpisodeError, RolloutDispatcher
-from tidal.rollout.staleness import StalenessManager
 from tidal.rollout.tasks import (
     GuessNumberEnv,
     arithmetic_problems,
     exact_match_reward,
     reverse_problems,
 )
-from tidal.runners.preflight_llm import check_llm
-from tidal.workers.lm_actor import length_grouped_micro_batches, pack_by_tokens, token_logprobs
+from tidal.runners.llm.preflight import check_llm
+from tidal.workers.llm_actor import length_grouped_micro_batches, pack_by_tokens, token_logprobs
 
 # ----------------------------------------------------------------------------- staleness
 
@@ -165,11 +165,11 @@ def test_padded_episodes_and_merging():
         s1,
         ModelResponse(output_tokens=[7, 8], output_logprobs=[-0.1, -0.2], output_versions=[3, 4]),
     )
-    ep = LMBatch.from_sequences([s1, s2], [1.0, 0.0])
+    ep = LLMBatch.from_sequences([s1, s2], [1.0, 0.0])
     assert ep.input_ids.tolist() == [[1, 2, 7, 8], [1, 2, 3, 0]]
     assert ep.versions.tolist() == [[-1, -1, 3, 4], [-1, -1, -1, -1]]
     assert ep.loss_mask.tolist() == [[False, False, True, True], [False] * 4]
-    merged = LMBatch.concat([ep, LMBatch.from_sequences([s2], [0.5])])
+    merged = LLMBatch.concat([ep, LLMBatch.from_sequences([s2], [0.5])])
     assert merged.input_ids.shape == (3, 4) and merged.rewards.tolist() == [1.0, 0.0, 0.5]
 
 
@@ -258,7 +258,7 @@ def test_llm_config_rules():
 
 @pytest.fixture(scope="module")
 def arith_model(tmp_path_factory):
-    from tidal.runners.sft import run_sft
+    from tidal.runners.llm.sft import run_sft
 
     path = tmp_path_factory.mktemp("m") / "arith"
     cfg = load_config(
@@ -280,7 +280,7 @@ def arith_model(tmp_path_factory):
 
 @pytest.mark.parametrize("preset", ["sync", "throughput", "stable"])
 def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
-    from tidal.runners.reasoning import ReasoningRunner
+    from tidal.runners.llm.train import LLMRunner
 
     presets = Path(__file__).parent.parent / "examples" / "llm" / "presets"
     overrides = [
@@ -297,7 +297,7 @@ def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
     ]
     extra = ["algorithm.loss_agg=seq-mean-token-mean"] if preset == "stable" else []
     cfg = load_config(LLMConfig, presets / f"{preset}.yaml", overrides + extra)
-    runner = ReasoningRunner(cfg)
+    runner = LLMRunner(cfg)
     try:
         summary = runner.run()
     finally:
@@ -315,7 +315,7 @@ def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
             presets / f"{preset}.yaml",
             overrides + ["runner.max_steps=4", f"runner.resume_from={summary['checkpoint']}"],
         )
-        runner = ReasoningRunner(cfg)
+        runner = LLMRunner(cfg)
         try:
             assert runner.staleness.snapshot()["accepted"] == 3 * 4 and runner.version == 3
             resumed = runner.run()
@@ -326,7 +326,7 @@ def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
 
 
 def test_the_same_experiment_twice_makes_two_run_folders(arith_model, tmp_path):
-    from tidal.runners.reasoning import ReasoningRunner
+    from tidal.runners.llm.train import LLMRunner
 
     overrides = [
         f"model.path={arith_model}",
@@ -340,7 +340,7 @@ def test_the_same_experiment_twice_makes_two_run_folders(arith_model, tmp_path):
     ]
     folders = []
     for _ in range(2):
-        with ReasoningRunner(load_config(LLMConfig, None, overrides)) as runner:
+        with LLMRunner(load_config(LLMConfig, None, overrides)) as runner:
             folders.append(Path(runner.run()["run_dir"]))
     assert [f.name for f in folders] == ["twice", "twice-2"]
     assert all(len((f / "metrics.jsonl").read_text().splitlines()) == 1 for f in folders)
@@ -350,7 +350,7 @@ def test_the_same_experiment_twice_makes_two_run_folders(arith_model, tmp_path):
 def test_ray_servers_and_a_data_parallel_trainer_run_the_loop_and_resume(arith_model, tmp_path):
     """The whole loop on Ray: a server process and two DDP trainer ranks (rank 0 sends the
     weights and writes the checkpoint), in-place pauses, then a resume on the same layout."""
-    from tidal.runners.reasoning import ReasoningRunner
+    from tidal.runners.llm.train import LLMRunner
 
     overrides = [
         f"model.path={arith_model}",
@@ -372,7 +372,7 @@ def test_ray_servers_and_a_data_parallel_trainer_run_the_loop_and_resume(arith_m
     for extra in ([], ["runner.max_steps=3"]):
         if summaries:
             extra.append(f"runner.resume_from={summaries[-1]['checkpoint']}")
-        runner = ReasoningRunner(load_config(LLMConfig, None, overrides + extra))
+        runner = LLMRunner(load_config(LLMConfig, None, overrides + extra))
         try:
             summaries.append(runner.run())
         finally:
@@ -432,7 +432,7 @@ def test_sft_demonstrations_match_the_multi_turn_episode_layout():
     from tidal.inference.tiny import char_tokenizer
     from tidal.rollout.tasks import ARITH_ALPHABET, TASKS
     from tidal.rollout.workflows import MultiTurnWorkflow
-    from tidal.runners.sft import encode
+    from tidal.runners.llm.sft import encode
 
     tok = char_tokenizer(ARITH_ALPHABET)
     record = {"prompt": "guess?", "target": 37}
@@ -465,12 +465,12 @@ def test_sft_demonstrations_match_the_multi_turn_episode_layout():
             lo, hi = (last + 1, hi) if text == " >" else (lo, last - 1)
 
 
-def _synthetic_batch(rows: int, width: int, vocab: int, seed: int = 0) -> LMBatch:
+def _synthetic_batch(rows: int, width: int, vocab: int, seed: int = 0) -> LLMBatch:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(4, width + 1, (rows,), generator=g)
     attention = torch.arange(width)[None, :] < lengths[:, None]
     loss_mask = attention & (torch.arange(width)[None, :] >= 3)
-    return LMBatch(
+    return LLMBatch(
         input_ids=torch.randint(3, vocab, (rows, width), generator=g) * attention,
         attention_mask=attention,
         loss_mask=loss_mask,
@@ -485,7 +485,7 @@ def test_data_parallel_trainer_takes_the_same_step_as_one_rank(arith_model):
     """Two DDP ranks, each on its half of every minibatch, end a PPO step with the weights a
     single rank reaches on the whole batch: losses are weighted by global counts."""
     from tidal.runtime import Cluster
-    from tidal.workers.lm_actor import LMActor
+    from tidal.workers.llm_actor import LLMActor
 
     vocab = AutoTokenizer.from_pretrained(arith_model).vocab_size
     batch = _synthetic_batch(16, 12, vocab)
@@ -519,8 +519,8 @@ def test_data_parallel_trainer_takes_the_same_step_as_one_rank(arith_model):
                     *extra,
                 ],
             )
-            one = LMActor.create_group(cfg).launch(cluster, "0", name=f"one-{agg}")
-            two = LMActor.create_group(cfg).launch(cluster, "1-2", name=f"two-{agg}")
+            one = LLMActor.create_group(cfg).launch(cluster, "0", name=f"one-{agg}")
+            two = LLMActor.create_group(cfg).launch(cluster, "1-2", name=f"two-{agg}")
             m1 = one.train_step(batch).wait(120)[0]
             m2 = two.train_step(batch).wait(120)
             w1 = one.state_dict().wait(60)[0]
@@ -546,8 +546,8 @@ def test_a_killed_inference_server_restarts_the_llm_run(arith_model, tmp_path):
 
     import ray
 
+    from tidal.runners.llm.train import LLMRunner
     from tidal.runners.loop import run_with_restarts
-    from tidal.runners.reasoning import ReasoningRunner
 
     overrides = [
         f"model.path={arith_model}",
@@ -577,7 +577,7 @@ def test_a_killed_inference_server_restarts_the_llm_run(arith_model, tmp_path):
     killer = threading.Thread(target=kill_server_after_first_checkpoint, daemon=True)
     killer.start()
     summary = run_with_restarts(
-        lambda c: runners.append(ReasoningRunner(c)) or runners[-1],
+        lambda c, run_dir: runners.append(LLMRunner(c, run_dir)) or runners[-1],
         load_config(LLMConfig, None, overrides),
     )
     killer.join(5)
@@ -593,7 +593,7 @@ def test_a_language_step_does_not_depend_on_the_micro_batch_split(arith_model, l
     """Micro-batches packed by a token budget of 400 (one per minibatch) or 40 (several, of
     unequal token counts), decoupled PPO with behaviour-capped tokens: the same weights."""
     from tidal.runtime import Cluster
-    from tidal.workers.lm_actor import LMActor
+    from tidal.workers.llm_actor import LLMActor
 
     vocab = AutoTokenizer.from_pretrained(arith_model).vocab_size
     batch = _synthetic_batch(16, 12, vocab, seed=3)
@@ -618,7 +618,7 @@ def test_a_language_step_does_not_depend_on_the_micro_batch_split(arith_model, l
                     "actor.lr=1e-3",
                 ],
             )
-            group = LMActor.create_group(cfg).launch(cluster, "0", name=f"budget{budget}")
+            group = LLMActor.create_group(cfg).launch(cluster, "0", name=f"budget{budget}")
             metrics = group.train_step(batch).wait(120)[0]
             assert 0 < metrics["train/behave_capped_frac"] < 1
             weights[budget] = group.state_dict().wait(60)[0]

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from tidal.config import ConfigError, EmbodiedConfig, load_config
+from tidal.runners.llm.preflight import check_llm
 from tidal.runners.preflight import check_embodied
-from tidal.runners.preflight_llm import check_llm
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples" / "embodied").glob("*.yaml"))
 

@@ -19,7 +19,7 @@ from tidal.config.llm import LLMConfig
 from tidal.engine import NonFiniteError, TrainEngine
 from tidal.runners.loop import Interrupted, RunLoop
 from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker
-from tidal.workers.lm_actor import LMActor
+from tidal.workers.llm_actor import LLMActor
 
 ROOT = Path(__file__).parent.parent
 
@@ -105,7 +105,9 @@ def test_checkpoint_round_trip_is_exact_and_loading_is_strict(tmp_path):
 def test_tied_weights_are_saved_and_loaded(tmp_path):
     model = _model()
     model.add_module("tied", torch.nn.Linear(4, 8))
-    model.tied.weight = model[0].weight  # one storage, two names (like tied LM embeddings)
+    model.tied.weight = model[
+        0
+    ].weight  # one storage, two names (like tied language-model embeddings)
     engine = TrainEngine(model, ActorConfig(), 1)
     engine.save(tmp_path / "ck", {"step": 0})
     engine.load(tmp_path / "ck")
@@ -123,9 +125,9 @@ class FakeConfig:
 class FakeRunner(RunLoop):
     """A runner with no workers: a linear model fit by the real engine, one batch per step."""
 
-    def __init__(self, cfg, fail_at=None, cleanup_error=False, signal_at=None):
+    def __init__(self, cfg, fail_at=None, cleanup_error=False, signal_at=None, run_dir=None):
         self.fail_at, self.cleanup_error, self.signal_at = fail_at, cleanup_error, signal_at
-        super().__init__(cfg)
+        super().__init__(cfg, run_dir)
 
     def build(self):
         self.engine = TrainEngine(_model(), ActorConfig(lr=0.05), self.cfg.runner.max_steps)
@@ -297,7 +299,7 @@ def test_shared_concepts_have_one_key_in_both_halves():
         (RolloutWorker, EmbodiedConfig),
         (ActorWorker, EmbodiedConfig),
         (RewardWorker, EmbodiedConfig),
-        (LMActor, LLMConfig),
+        (LLMActor, LLMConfig),
     ],
 )
 def test_workers_are_given_only_the_sections_they_declare(worker, schema):
@@ -440,6 +442,43 @@ def test_a_dead_worker_restarts_the_run_from_its_newest_checkpoint(tmp_path, cap
         run_with_restarts(DiesOnce, cfg)
 
 
+class DiesBeforeItsFirstCheckpoint(FakeRunner):
+    """A rank dies at step 1 of the first attempt, before anything was saved."""
+
+    died = False
+
+    def train_step(self, step):
+        if step == 1 and not DiesBeforeItsFirstCheckpoint.died:
+            DiesBeforeItsFirstCheckpoint.died = True
+            from tidal.runtime import WorkerError
+
+            raise WorkerError("env", 0, "interact", "rank died: ActorDiedError: gone")
+        return super().train_step(step)
+
+
+def test_a_restart_before_the_first_checkpoint_starts_over_in_the_same_run_folder(tmp_path):
+    from tidal.runners.loop import run_with_restarts
+
+    cfg = load_config(
+        FakeConfig,
+        None,
+        [
+            f"runner.run_dir={tmp_path}",
+            "runner.progress=false",
+            "runner.experiment=x",
+            "runner.max_steps=3",
+            "runner.save_interval=0",
+            "runner.max_restarts=1",
+        ],
+    )
+    summary = run_with_restarts(DiesBeforeItsFirstCheckpoint, cfg)
+    assert summary["restarts"] == 1 and summary["run_dir"] == str(tmp_path / "x")
+    assert [p.name for p in tmp_path.iterdir()] == ["x"]  # no x-2 beside it
+    assert [r["step"] for r in rows(tmp_path / "x")] == [0, 1, 2]  # step 0 logged once
+    log_text = (tmp_path / "x" / "train.log").read_text()
+    assert log_text.count("tidal.train: step 1 ") == 2  # both attempts log to the one folder
+
+
 def test_a_bug_is_not_restarted(tmp_path):
     from tidal.runners.loop import run_with_restarts
 
@@ -449,5 +488,5 @@ def test_a_bug_is_not_restarted(tmp_path):
         [f"runner.run_dir={tmp_path}", "runner.progress=false", "runner.max_restarts=3"],
     )
     with pytest.raises(ValueError, match="step 1 exploded"):
-        run_with_restarts(lambda c: FakeRunner(c, fail_at=1), cfg)
+        run_with_restarts(lambda c, run_dir: FakeRunner(c, fail_at=1, run_dir=run_dir), cfg)
     assert len(list(tmp_path.iterdir())) == 1

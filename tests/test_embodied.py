@@ -297,7 +297,9 @@ def test_ray_run_restarts_after_a_killed_actor_and_resumes(tmp_path):
 
     killer = threading.Thread(target=kill_env_after_first_checkpoint, daemon=True)
     killer.start()
-    summary = run_with_restarts(lambda c: runners.append(EmbodiedRunner(c)) or runners[-1], cfg)
+    summary = run_with_restarts(
+        lambda c, run_dir: runners.append(EmbodiedRunner(c, run_dir)) or runners[-1], cfg
+    )
     killer.join(5)
     assert summary["restarts"] == 1 and summary["steps"] == 6
     assert len(runners) == 2 and runners[1].start_step >= 2

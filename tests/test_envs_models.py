@@ -230,3 +230,14 @@ def test_sync_copies_step_as_gymnasiums_vector_env(auto_reset, chunk):
     finally:
         for env in envs:
             env.close()
+
+
+def test_evaluation_seeds_are_one_numbering_over_the_env_ranks_and_held_out_seeds_are_apart():
+    from tidal.envs.seeds import evaluation_offset, evaluation_seeds, held_out_seeds
+
+    ranks = [evaluation_seeds(3, 4, first=r * 4) for r in range(2)]
+    assert ranks[0] + ranks[1] == evaluation_seeds(3, 8)  # tidal sft's one rank sees the same
+    training = set(range(3, 3 + 4096))
+    evaluations = {s + evaluation_offset(e) for s in evaluation_seeds(3, 64) for e in range(100)}
+    held_out = set(held_out_seeds(3, 64))
+    assert not (training & evaluations or training & held_out or evaluations & held_out)

@@ -78,7 +78,7 @@ def _bad_updates(state):
     nan[keys[1]][0, 0] = float("nan")
     ints = {k: v + 1 for k, v in state.items()}
     ints[keys[2]] = ints[keys[2]].to(torch.int32)
-    extra = {**{k: v + 1 for k, v in state.items()}, "lm_head.bias": torch.zeros(3)}
+    extra = {**{k: v + 1 for k, v in state.items()}, "extra_head.bias": torch.zeros(3)}
     return {
         "one tensor": (one, "missing keys"),
         "wrong shape": (shape, "shape"),

@@ -33,7 +33,7 @@ def ref_surrogate(r, a, lo, hi, dual):
     return out
 
 
-def ref_agg(L, mask, agg, lms=None, max_steps=None):
+def ref_agg(L, mask, agg, mask_sums=None, max_steps=None):
     if agg == "token-mean":
         n = mask.sum()
         return (L * mask).sum() / max(n, 1)
@@ -47,7 +47,7 @@ def ref_agg(L, mask, agg, lms=None, max_steps=None):
             vals.append(s / n if agg == "seq-mean-token-mean" else s)
         return float(np.mean(vals)) if vals else 0.0
     if agg == "embodied-ratio":
-        return float(np.mean(L / (lms / max_steps) * mask))
+        return float(np.mean(L / (mask_sums / max_steps) * mask))
     raise AssertionError
 
 
@@ -95,10 +95,11 @@ def test_ppo_aggregations(agg):
 def test_embodied_ratio_aggregation():
     L = torch.rand(8, 4, dtype=torch.float64)
     mask = torch.rand(8, 4) > 0.3
-    lms = mask.sum(0, keepdim=True).expand(8, 4).double()
-    out = aggregate_loss(L, mask, "embodied-ratio", loss_mask_sum=lms, max_episode_steps=8)
+    mask_sums = mask.sum(0, keepdim=True).expand(8, 4).double()
+    out = aggregate_loss(L, mask, "embodied-ratio", loss_mask_sum=mask_sums, max_episode_steps=8)
     assert (
-        abs(out.item() - ref_agg(L.numpy(), mask.numpy(), "embodied-ratio", lms.numpy(), 8)) < 1e-12
+        abs(out.item() - ref_agg(L.numpy(), mask.numpy(), "embodied-ratio", mask_sums.numpy(), 8))
+        < 1e-12
     )
     with pytest.raises(ValueError, match="loss_mask_sum and max_episode_steps"):
         aggregate_loss(L, mask, "embodied-ratio")

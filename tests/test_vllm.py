@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(600)  # the first test also waits for vLLM to s
 
 def test_vllm_without_its_virtualenv_is_a_config_error(tmp_path):
     from tidal.config.loader import ConfigError
-    from tidal.runners.preflight_llm import check_llm
+    from tidal.runners.llm.preflight import check_llm
 
     overrides = ["rollout.engine=vllm", f"rollout.vllm_python={tmp_path}/no/python"]
     with pytest.raises(ConfigError, match=r"rollout\.vllm_python: .*no/python does not exist"):
@@ -49,8 +49,8 @@ def run(tmp_path_factory):
     warm-started by `tidal sft`, then two GRPO steps with rollout.engine=vllm: a vLLM server
     launched and supervised by the rollout rank. The reward (a low first digit) is one a barely
     trained model earns half the time, so that the updates move the weights."""
-    from tidal.runners.reasoning import ReasoningRunner
-    from tidal.runners.sft import run_sft
+    from tidal.runners.llm.sft import run_sft
+    from tidal.runners.llm.train import LLMRunner
 
     root = tmp_path_factory.mktemp("arith")
     model = root / "model"
@@ -74,7 +74,7 @@ def run(tmp_path_factory):
         "rollout.max_concurrent_rollouts=8",
         "actor.lr=3e-3",
     ]
-    runner = ReasoningRunner(load_config(LLMConfig, DEMO, overrides))
+    runner = LLMRunner(load_config(LLMConfig, DEMO, overrides))
     try:
         summary = runner.run()
         yield runner, summary, model, overrides
@@ -216,11 +216,11 @@ def test_vllm_takes_weights_from_a_folder_only(run):
 
 def test_a_run_connects_to_running_servers(run, tmp_path):
     """rollout.server_urls: no server launched; the run's weights reach the running one."""
-    from tidal.runners.reasoning import ReasoningRunner
+    from tidal.runners.llm.train import LLMRunner
 
     runner, _, _, overrides = run
     [address] = runner.client.addresses
-    other = ReasoningRunner(
+    other = LLMRunner(
         load_config(
             LLMConfig,
             DEMO,

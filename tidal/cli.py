@@ -5,10 +5,38 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Half:
+    """What each command runs for one half (``module:name``, imported when the command runs)."""
+
+    config: str  # the config class
+    train: str  # the runner class: Runner(cfg, run_dir)
+    sft: str  # run_sft(cfg) -> summary
+    sft_check: str  # what tidal sft checks before anything runs
+    eval: str  # run_eval(cfg, checkpoint, **options) -> summary
+    eval_options: tuple[str, ...]  # the tidal eval flags the half takes, as run_eval's keywords
+
 
 HALVES = {
-    "embodied": ("tidal.config.embodied:EmbodiedConfig", "tidal.runners.embodied:EmbodiedRunner"),
-    "llm": ("tidal.config.llm:LLMConfig", "tidal.runners.reasoning:ReasoningRunner"),
+    "embodied": Half(
+        config="tidal.config.embodied:EmbodiedConfig",
+        train="tidal.runners.embodied.train:EmbodiedRunner",
+        sft="tidal.runners.embodied.sft:run_sft",
+        sft_check="tidal.runners.preflight:check_embodied_sft",
+        eval="tidal.runners.embodied.eval:run_eval",
+        eval_options=("episodes", "sampled"),
+    ),
+    "llm": Half(
+        config="tidal.config.llm:LLMConfig",
+        train="tidal.runners.llm.train:LLMRunner",
+        sft="tidal.runners.llm.sft:run_sft",
+        sft_check="tidal.runners.llm.preflight:check_llm_sft",
+        eval="tidal.runners.llm.eval:run_eval",
+        eval_options=("n",),
+    ),
 }
 
 
@@ -19,8 +47,8 @@ def _load(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _config(args: argparse.Namespace):
-    """The config class of the half ``runner.task`` names (an override wins over the file)."""
+def _config(args: argparse.Namespace) -> tuple[str, object]:
+    """The half ``runner.task`` names (an override wins over the file) and its config."""
     from tidal.config import ConfigError
     from tidal.config.loader import override_value, read_yaml
 
@@ -31,7 +59,7 @@ def _config(args: argparse.Namespace):
         raise ConfigError(f"runner.task: expected one of {', '.join(HALVES)}, got {task!r}")
     from tidal.config import load_config
 
-    return task, load_config(_load(HALVES[task][0]), args.config, args.overrides)
+    return task, load_config(_load(HALVES[task].config), args.config, args.overrides)
 
 
 class _ConfigFailure(Exception):
@@ -50,14 +78,15 @@ def train(args: argparse.Namespace) -> int:
     _setup_logging()
     try:
         task, cfg = _config(args)
+        half = HALVES[task]
     except (ConfigError, FileNotFoundError) as exc:
         return _fail("config error", exc)
 
-    def make_runner(cfg):
+    def make_runner(cfg, run_dir):
         from tidal.runtime.errors import ClusterUnreachable
 
         try:
-            return _load(HALVES[task][1])(cfg)
+            return _load(half.train)(cfg, run_dir)
         except (ConfigError, FileNotFoundError, ClusterUnreachable) as exc:
             raise _ConfigFailure(exc) from None
 
@@ -91,7 +120,7 @@ def config_reference() -> str:
     """docs/config.md: every key of both halves with its type, default and help."""
     from tidal.config.schema import markdown_reference
 
-    halves = {task: _load(spec) for task, (spec, _) in HALVES.items()}
+    halves = {task: _load(half.config) for task, half in HALVES.items()}
     return markdown_reference(halves, CONFIG_REFERENCE).rstrip("\n") + "\n"
 
 
@@ -115,46 +144,41 @@ def config(args: argparse.Namespace) -> int:
 
 
 def sft(args: argparse.Namespace) -> int:
-    """Supervised warm start of the half ``runner.task`` names: the LM at model.path, or an
+    """Supervised warm start of the half ``runner.task`` names: the LLM at model.path, or an
     embodied policy by behaviour cloning saved to model.path."""
     from tidal.config import ConfigError
 
     _setup_logging()
     try:
         task, cfg = _config(args)
-        if task == "embodied":
-            from tidal.runners.embodied_sft import run_embodied_sft as run
-            from tidal.runners.preflight import check_embodied_sft as check
-        else:
-            from tidal.runners.preflight_llm import check_llm_sft as check
-            from tidal.runners.sft import run_sft as run
-        check(cfg)
+        half = HALVES[task]
+        _load(half.sft_check)(cfg)
     except (ConfigError, FileNotFoundError) as exc:
         return _fail("config error", exc)
-    print(json.dumps(run(cfg), indent=2))
+    print(json.dumps(_load(half.sft)(cfg), indent=2))
     return 0
 
 
+EVAL_OPTIONS = {"n": "--n", "episodes": "--episodes", "sampled": "--sampled"}
+
+
 def evaluate(args: argparse.Namespace) -> int:
-    """Evaluate a model folder or checkpoint: an LM on the held-out records, an embodied policy
+    """Evaluate a model folder or checkpoint: an LLM on the held-out records, an embodied policy
     on fresh episodes; print the summary."""
     from tidal.config import ConfigError
 
     _setup_logging()
     try:
         task, cfg = _config(args)
-        if task == "embodied":
-            if args.n is not None:
-                raise ConfigError("--n: embodied configs take --episodes and --sampled")
-            from tidal.runners.embodied_eval import run_embodied_eval
-
-            summary = run_embodied_eval(cfg, args.checkpoint, args.episodes, args.sampled)
-        else:
-            if args.episodes is not None or args.sampled:
-                raise ConfigError("--episodes, --sampled: LM configs take --n (pass@k)")
-            from tidal.runners.evaluate import run_eval
-
-            summary = run_eval(cfg, args.checkpoint, 1 if args.n is None else args.n)
+        half = HALVES[task]
+        given = {
+            k: v for k in EVAL_OPTIONS if (v := getattr(args, k)) is not None and v is not False
+        }
+        foreign = [EVAL_OPTIONS[k] for k in given if k not in half.eval_options]
+        if foreign:
+            takes = " and ".join(EVAL_OPTIONS[k] for k in half.eval_options)
+            raise ConfigError(f"{', '.join(foreign)}: {task} configs take {takes}")
+        summary = _load(half.eval)(cfg, args.checkpoint, **given)
     except (ConfigError, FileNotFoundError) as exc:
         return _fail("config error", exc)
     print(json.dumps(summary, indent=2))
@@ -209,14 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_config.set_defaults(fn=config)
     p_sft = sub.add_parser(
-        "sft", help="supervised warm start saved to model.path (LM, or embodied behaviour cloning)"
+        "sft", help="supervised warm start saved to model.path (LLM, or embodied behaviour cloning)"
     )
     p_sft.add_argument("config")
     p_sft.add_argument("overrides", nargs="*")
     p_sft.set_defaults(fn=sft)
     p_eval = sub.add_parser(
         "eval",
-        help="score a model or checkpoint: an LM on data.eval_path (the config's reward), "
+        help="score a model or checkpoint: an LLM on data.eval_path (the config's reward), "
         "an embodied policy on fresh episodes",
     )
     p_eval.add_argument("config", help="a config, e.g. examples/llm/gsm8k_grpo.yaml")
@@ -230,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "--n",
         type=int,
         default=None,
-        help="LM: sampled completions per record besides the greedy one (pass@k; default 1)",
+        help="LLM: sampled completions per record besides the greedy one (pass@k; default 1)",
     )
     p_eval.add_argument(
         "--episodes",
@@ -245,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_eval.set_defaults(fn=evaluate)
     p_serve = sub.add_parser(
-        "serve", help="serve a Hugging Face causal LM over HTTP (SGLang's API subset)"
+        "serve", help="serve a Hugging Face causal language model over HTTP (SGLang's API subset)"
     )
     p_serve.add_argument("--model", required=True, help="a local model directory (save_pretrained)")
     p_serve.add_argument("--host", default="127.0.0.1")

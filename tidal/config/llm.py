@@ -32,11 +32,12 @@ class LLMRunnerConfig(RunnerConfig):
 
 
 @dataclass
-class LMModelConfig:
-    """The causal LM."""
+class LLMModelConfig:
+    """The causal language model."""
 
     path: str = setting(
-        "runs/models/arith", "a local Hugging Face causal-LM folder (tidal sft writes it)"
+        "runs/models/arith",
+        "a local Hugging Face causal language model folder (tidal sft writes it)",
     )
     dtype: str = setting("float32", "from_pretrained's dtype: float32 | bfloat16 | float16 | auto")
     attn_implementation: str | None = setting(
@@ -151,7 +152,7 @@ class LLMRolloutConfig:
 
 
 @dataclass
-class LMAlgorithmConfig(AlgorithmConfig):
+class LLMAlgorithmConfig(AlgorithmConfig):
     """The advantage estimator and the (decoupled) PPO objective for language agents."""
 
     adv_type: str = setting("grpo", "a critic-free advantage estimator from the registry")
@@ -179,7 +180,7 @@ class LMAlgorithmConfig(AlgorithmConfig):
 
 
 @dataclass
-class LMActorConfig(ActorConfig):
+class LLMActorConfig(ActorConfig):
     """The train engine, with the language batch layout."""
 
     lr: float = setting(1e-4, "learning rate")
@@ -202,12 +203,12 @@ class SFTConfig:
 class LLMConfig:
     cluster: ClusterConfig = section(ClusterConfig)
     runner: LLMRunnerConfig = section(LLMRunnerConfig)
-    model: LMModelConfig = section(LMModelConfig)
+    model: LLMModelConfig = section(LLMModelConfig)
     data: DataConfig = section(DataConfig)
     reward: RewardConfig = section(RewardConfig)
     rollout: LLMRolloutConfig = section(LLMRolloutConfig)
-    algorithm: LMAlgorithmConfig = section(LMAlgorithmConfig)
-    actor: LMActorConfig = section(LMActorConfig)
+    algorithm: LLMAlgorithmConfig = section(LLMAlgorithmConfig)
+    actor: LLMActorConfig = section(LLMActorConfig)
     sft: SFTConfig = section(SFTConfig)
 
     def __post_init__(self):

@@ -124,11 +124,11 @@ class TokenSequence:
         self.versions += versions
 
 
-_LM_FILLS = {"attention_mask": 0, "loss_mask": 0, "logprobs": 0.0, "versions": -1}
+_LLM_FILLS = {"attention_mask": 0, "loss_mask": 0, "logprobs": 0.0, "versions": -1}
 
 
 @dataclass(kw_only=True)
-class LMBatch:
+class LLMBatch:
     """Language samples padded on the right to one width ``L``: ``input_ids``,
     ``attention_mask`` and ``loss_mask`` (1 on generated tokens) ``[n, L]``; behaviour
     ``logprobs`` (0 elsewhere) and ``versions`` (-1 elsewhere) ``[n, L]``; ``rewards`` ``[n]``.
@@ -144,7 +144,7 @@ class LMBatch:
     @classmethod
     def from_sequences(
         cls, seqs: list[TokenSequence], rewards: list[float], pad_id: int = 0
-    ) -> LMBatch:
+    ) -> LLMBatch:
         width = max(len(s.tokens) for s in seqs)
 
         def pad(values, fill, dtype):
@@ -160,10 +160,10 @@ class LMBatch:
         )
 
     @classmethod
-    def concat(cls, batches: list[LMBatch], pad_id: int = 0) -> LMBatch:
+    def concat(cls, batches: list[LLMBatch], pad_id: int = 0) -> LLMBatch:
         """Rows of every batch, the token dimension padded to the widest."""
         width = max(b.width for b in batches)
-        fills = {"input_ids": pad_id, **_LM_FILLS}
+        fills = {"input_ids": pad_id, **_LLM_FILLS}
 
         def column(name):
             parts = []

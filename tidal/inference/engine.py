@@ -1,4 +1,4 @@
-"""An embedded generation engine for Hugging Face causal LMs, with continuous batching.
+"""An embedded generation engine for Hugging Face causal language models, with continuous batching.
 
 Requests join the running batch between decode steps and leave when done. The batch keeps
 one KV cache whose rows are left-padded to a common length; the requests waiting to join are
@@ -412,7 +412,7 @@ def check_weights(
     current: dict[str, torch.Tensor], update: dict[str, torch.Tensor]
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Pair every tensor of ``current`` (a model's state dict) with its new value in ``update``,
-    after checking all of them: the same keys (a key tied to another, e.g. an LM head sharing
+    after checking all of them: the same keys (a key tied to another, e.g. a language-model head sharing
     the embedding, may be left out), the same shapes, a compatible dtype (floating point may
     change precision, nothing else may change) and finite values. Raises ``WeightsRejected``."""
     unexpected = sorted(set(update) - set(current))

@@ -1,4 +1,4 @@
-"""Tiny causal LMs and tokenizers built locally (nothing is downloaded): for tests, demos and
+"""Tiny causal language models and tokenizers built locally (nothing is downloaded): for tests, demos and
 benchmarks on a CPU. ``save_tiny_model`` writes a character-level Llama; ``save_tiny_chat_model``
 writes a Qwen2 with a byte-level BPE tokenizer and a ChatML chat template, a folder that loads
 like any Hugging Face chat model."""

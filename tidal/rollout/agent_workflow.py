@@ -25,7 +25,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from tidal.data import LMBatch, TokenSequence
+from tidal.data import LLMBatch, TokenSequence
 from tidal.inference import GenerationConfig, InferenceClient
 from tidal.inference.agent_client import Completion, RecordingOpenAI
 from tidal.rollout.workflows import add_response
@@ -119,10 +119,10 @@ class AgentWorkflow:
             reward = made[-1].reward
         return episode_sequences(made, float(reward), self.mode, self.turn_discount)
 
-    async def __call__(self, data: dict[str, Any]) -> LMBatch | None:
+    async def __call__(self, data: dict[str, Any]) -> LLMBatch | None:
         runs = await asyncio.gather(*(self.run(data) for _ in range(self.group_size)))
         if any(r is None for r in runs):
             return None  # a group with a missing member cannot be normalised: reject it whole
         seqs = [s for r in runs for s in r[0]]
         rewards = [x for r in runs for x in r[1]]
-        return LMBatch.from_sequences(seqs, rewards, self.tokenizer.pad_token_id)
+        return LLMBatch.from_sequences(seqs, rewards, self.tokenizer.pad_token_id)

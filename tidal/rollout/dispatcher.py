@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tidal.rollout.staleness import StalenessManager
+from tidal.asynchrony import StalenessManager
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,11 @@ class RolloutDispatcher:
     def resume(self) -> None:
         self._paused.clear()
         self.wake()
+
+    def run_coroutine(self, coro: Awaitable[Any], timeout: float) -> Any:
+        """Run ``coro`` on the episodes' event loop (where their clients live) and wait for its
+        result, e.g. an evaluation, or closing the client."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def wake(self) -> None:
         """Capacity may have changed (e.g. the trainer's version moved on)."""

@@ -41,6 +41,12 @@ class Task:
 TASKS: Registry[Task] = Registry("task", "data.task")
 
 
+def is_multi_turn(data) -> bool:
+    """Whether a ``data`` section's episodes are multi-turn: a dataset file is single-turn; a
+    registered task says which it is."""
+    return data.path is None and TASKS.get(data.task).multi_turn
+
+
 def register_task(name: str, demonstration=prompt_answer, reward=None, env=None):
     """Register ``problems(n, seed, data_cfg)`` under ``name``: single-turn with a ``reward``
     function, or multi-turn with an ``env`` factory."""

@@ -1,6 +1,6 @@
-"""Episodes for language agents: ``async def run_episode(data) -> LMBatch | None``.
+"""Episodes for language agents: ``async def run_episode(data) -> LLMBatch | None``.
 
-An episode returns an ``LMBatch`` (tidal.data: padded ``[n, L]`` token ids, masks, behaviour
+An episode returns an ``LLMBatch`` (tidal.data: padded ``[n, L]`` token ids, masks, behaviour
 log-probs and per-token weight versions, and ``rewards`` ``[n]``), or ``None`` to reject.
 Rewards run off the event loop with a timeout (:meth:`Reward.ascore`); an exception or a
 timeout rejects that group and is counted.
@@ -13,9 +13,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from tidal.data import LMBatch, TokenSequence
+from tidal.data import LLMBatch, TokenSequence
 from tidal.inference import GenerationConfig, InferenceClient, ModelRequest, ModelResponse
-from tidal.models.lm import render_prompt
+from tidal.models.llm import render_prompt
 from tidal.rollout.rewards import Reward
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class RLVRWorkflow:
         """The reward's failure counters (errors, timeouts)."""
         return self.reward.counters
 
-    async def __call__(self, data: dict[str, Any]) -> LMBatch | None:
+    async def __call__(self, data: dict[str, Any]) -> LLMBatch | None:
         prompt_ids = self.render(data["prompt"])
         # the whole group in one request: one HTTP round trip instead of group_size
         responses = await self.client.agenerate_n(
@@ -83,7 +83,7 @@ class RLVRWorkflow:
             seq.add_context(prompt_ids)
             add_response(seq, resp)
             seqs.append(seq)
-        return LMBatch.from_sequences(seqs, rewards, self.tokenizer.pad_token_id)
+        return LLMBatch.from_sequences(seqs, rewards, self.tokenizer.pad_token_id)
 
 
 class MultiTurnWorkflow:
@@ -135,8 +135,8 @@ class MultiTurnWorkflow:
             seq.add_context(self.tokenizer.encode(feedback, add_special_tokens=False))
         return seq, reward
 
-    async def __call__(self, data: dict[str, Any]) -> LMBatch | None:
+    async def __call__(self, data: dict[str, Any]) -> LLMBatch | None:
         results = await asyncio.gather(*(self.play(data) for _ in range(self.group_size)))
-        return LMBatch.from_sequences(
+        return LLMBatch.from_sequences(
             [s for s, _ in results], [r for _, r in results], self.tokenizer.pad_token_id
         )

@@ -1,6 +1,6 @@
 """Asynchronous embodied collection: the env and rollout groups collect the next training
-steps' trajectories while the actor trains, admitted by the ``StalenessManager`` the language
-half uses.
+steps' trajectories while the actor trains, admitted by the ``StalenessManager`` both halves use
+(tidal.asynchrony).
 
 A *collection* is one ``rollout.num_steps`` epoch of every env; it counts as ``total_num_envs``
 trajectory segments (env x steps). Collections run one at a time (an env rank steps one epoch
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tidal.rollout.staleness import StalenessManager
+from tidal.asynchrony import StalenessManager
 from tidal.runtime import Handle, wait_all
 
 POLL_S = 0.005  # how often the runner looks at a running collection while the actor works

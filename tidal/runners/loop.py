@@ -28,14 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tidal.checkpoint import (
-    clean_stale,
-    complete_checkpoints,
-    prune_checkpoints,
-    resolve_checkpoint,
-)
-from tidal.config import to_yaml
-from tidal.metrics import MetricLogger, Timer, attach_file_log, truncate_metrics
+from tidal.checkpoint import complete_checkpoints, prune_checkpoints, resolve_checkpoint
+from tidal.metrics import MetricLogger, Timer, truncate_metrics
+from tidal.runners.run_folder import RunFolder, find_resume_checkpoint
 from tidal.runtime.errors import ChannelTimeoutError, WorkerError, WorkerTimeoutError
 
 log = logging.getLogger("tidal.train")
@@ -54,14 +49,17 @@ class Interrupted(RuntimeError):
 class RunLoop(ABC):
     initial_evaluation = False  # evaluate once before the first step of a fresh run
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, run_dir: Path | None = None):
+        """``run_dir``: the folder of an earlier attempt of this run to continue in (a restart
+        before the first checkpoint starts over there); by default a resumed run continues in
+        its checkpoint's folder and any other run gets a new one."""
         self.cfg = cfg
         r = cfg.runner
         self.checkpoint_to_resume = find_resume_checkpoint(r)
-        self.run_dir = run_folder(r, self.checkpoint_to_resume)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
-        self._log_handler = attach_file_log(self.run_dir / "train.log")
+        self.folder = RunFolder(cfg, "train", self.checkpoint_to_resume, run_dir)
+        self.run_dir = self.folder.path
+        if run_dir is not None and self.checkpoint_to_resume is None:
+            truncate_metrics(self.run_dir, -1)  # the earlier attempt's steps are trained again
         self.timer = Timer()
         self.start_step = 0
         self.last_saved_step: int | None = None
@@ -246,8 +244,7 @@ class RunLoop(ABC):
                 fn()
             except Exception as exc:  # noqa: BLE001 - secondary to whatever ended the run
                 log.warning("closing %s failed (secondary): %s: %s", what, type(exc).__name__, exc)
-        logging.getLogger("tidal").removeHandler(self._log_handler)
-        self._log_handler.close()
+        self.folder.close()
 
     def __enter__(self):
         return self
@@ -265,12 +262,14 @@ def is_worker_fault(exc: BaseException) -> bool:
     return isinstance(exc, WorkerTimeoutError | ChannelTimeoutError | ConnectionError)
 
 
-def run_with_restarts(make_runner: Callable[[Any], RunLoop], cfg: Any) -> dict:
+def run_with_restarts(make_runner: Callable[..., RunLoop], cfg: Any) -> dict:
     """Run to the end; on a worker fault, restart every group and resume from the run's newest
-    checkpoint, up to ``runner.max_restarts`` times (each restart logged)."""
-    restarts = 0
+    checkpoint, up to ``runner.max_restarts`` times (each restart logged), in the same run
+    folder. ``make_runner(cfg, run_dir=...)`` builds a runner (``run_dir``: None at first, then
+    the folder to continue in)."""
+    restarts, run_dir = 0, None
     while True:
-        runner = make_runner(cfg)
+        runner = make_runner(cfg, run_dir=run_dir)
         try:
             with runner:
                 summary = runner.run()
@@ -278,7 +277,7 @@ def run_with_restarts(make_runner: Callable[[Any], RunLoop], cfg: Any) -> dict:
         except Exception as exc:
             if restarts >= cfg.runner.max_restarts or not is_worker_fault(exc):
                 raise
-            restarts += 1
+            restarts, run_dir = restarts + 1, runner.run_dir
             found = complete_checkpoints(runner.run_dir / "checkpoints")
             resume = str(runner.run_dir / "checkpoints") if found else None
             log.warning(
@@ -292,48 +291,6 @@ def run_with_restarts(make_runner: Callable[[Any], RunLoop], cfg: Any) -> dict:
             cfg = dataclasses.replace(
                 cfg, runner=dataclasses.replace(cfg.runner, resume_from=resume)
             )
-
-
-def find_resume_checkpoint(runner) -> Path | None:
-    """``runner.resume_from``: a checkpoint, a ``checkpoints/`` folder, or ``auto`` (the newest
-    complete checkpoint among the experiment's run folders; None when there is none)."""
-    if runner.resume_from is None:
-        return None
-    if runner.resume_from != "auto":
-        return resolve_checkpoint(runner.resume_from)
-    base = Path(runner.run_dir)
-    found = []
-    for folder in base.glob(f"{runner.experiment}*"):
-        if folder.name == runner.experiment or _is_suffixed(folder.name, runner.experiment):
-            clean_stale(folder / "checkpoints")
-            found += complete_checkpoints(folder / "checkpoints")
-    if not found:
-        log.info(
-            "runner.resume_from=auto: no checkpoint of %r under %s; starting fresh",
-            runner.experiment,
-            base,
-        )
-        return None
-    return max(found, key=lambda p: p.stat().st_mtime)
-
-
-def _is_suffixed(name: str, experiment: str) -> bool:
-    rest = name[len(experiment) :]
-    return rest.startswith("-") and rest[1:].isdigit()
-
-
-def run_folder(runner, checkpoint: Path | None) -> Path:
-    """A resumed run continues in the folder that holds its checkpoint; every other run gets a
-    new folder: ``run_dir/experiment``, suffixed ``-2``, ``-3``, ... when that exists."""
-    if checkpoint is not None:
-        clean_stale(checkpoint.parent)
-        return checkpoint.parent.parent
-    base = Path(runner.run_dir) / runner.experiment
-    candidate, n = base, 1
-    while candidate.exists():
-        n += 1
-        candidate = base.with_name(f"{base.name}-{n}")
-    return candidate
 
 
 def fmt(v) -> str:

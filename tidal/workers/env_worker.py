@@ -12,6 +12,7 @@ from tidal.algorithms import advantage_spec
 from tidal.data import ChunkActions, EnvOutput, Trajectory
 from tidal.envs import ChunkedEnv, env_make_kwargs, make_env
 from tidal.envs.checks import NonFiniteGuard
+from tidal.envs.seeds import evaluation_offset, evaluation_seeds
 from tidal.envs.video import FrameRecorder
 from tidal.runtime import Channel, ConfigSections, Outbox, Worker, async_recv_batch
 from tidal.workers.routes import TRAJECTORY_TAG, Topology, action_tag, obs_tag, reward_tags
@@ -108,7 +109,7 @@ class EnvWorker(Worker):
         self.eval_env = ChunkedEnv(
             eval_adapter if self.video is None else self.video,
             False,
-            [cfg.runner.seed + 10**6 + self.rank * eval_envs + i for i in range(eval_envs)],
+            evaluation_seeds(cfg.runner.seed, eval_envs, first=self.rank * eval_envs),
         )
         self.epoch = 0
         self._prefetched = False  # the next epoch's first observations were already sent
@@ -265,7 +266,7 @@ class EnvWorker(Worker):
         if start:
             if self.video is not None:
                 self.video.start()
-            self._eval_obs = self.eval_env.reset(seed_offset=self.epoch * 7919).obs
+            self._eval_obs = self.eval_env.reset(seed_offset=evaluation_offset(self.epoch)).obs
             self.eval_env.stats.drain()
         outbox = Outbox()
         for _ in range(num_steps):

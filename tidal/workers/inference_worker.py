@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tidal.inference import GenerationEngine, InferenceServer
-from tidal.models.lm import DTYPES
+from tidal.models.llm import DTYPES
 from tidal.runtime import Channel, Worker, recv_weights
 
 

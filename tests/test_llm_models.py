@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BertConfig, ViTConfig
 
 from tidal.inference.tiny import char_tokenizer, save_tiny_chat_model
-from tidal.models.lm import (
+from tidal.models.llm import (
     ModelConfigError,
     check_causal_lm,
     load_causal_lm,
@@ -99,12 +99,12 @@ def test_bad_folders_name_model_path(tmp_path, model_dir):
     BertConfig(architectures=["BertForSequenceClassification"]).save_pretrained(tmp_path / "bert")
     with pytest.raises(
         ModelConfigError,
-        match="model.path: .*bert' holds a BertForSequenceClassification, not a causal LM",
+        match="model.path: .*bert' holds a BertForSequenceClassification, not a causal language model",
     ):
         check_causal_lm(tmp_path / "bert")
     ViTConfig().save_pretrained(tmp_path / "vit")
     with pytest.raises(
-        ModelConfigError, match="model.path: model type 'vit' .* has no causal-LM class"
+        ModelConfigError, match="model.path: model type 'vit' .* has no causal language model class"
     ):
         check_causal_lm(tmp_path / "vit")
     (tmp_path / "no_weights").mkdir()

@@ -2,8 +2,8 @@
 groups over channels) → advantages → train → evaluate / checkpoint / log (the shared run loop).
 
 With ``rollout.max_staleness`` (eta) > 0 it is asynchronous: the env and rollout groups keep
-collecting while the actor trains (tidal.runners.collection, admitted by the language half's
-``StalenessManager``), the rollout takes the weights sent after every step between chunk steps,
+collecting while the actor trains (tidal.runners.collection, admitted by the
+``StalenessManager`` both halves use), the rollout takes the weights sent after every step between chunk steps,
 and no sample is trained on more than eta versions after the version that produced it.
 ``eta = 0`` is the synchronous loop."""
 
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
+from tidal.asynchrony import StalenessManager
 from tidal.checkpoint import load_extra
 from tidal.config import EmbodiedConfig
 from tidal.config.embodied import components
 from tidal.envs import success_metrics
 from tidal.envs.video import write_video
-from tidal.rollout.staleness import StalenessManager
 from tidal.runners.collection import Collection
 from tidal.runners.loop import RunLoop, fmt
 from tidal.runners.preflight import check_embodied, probe_env
@@ -33,7 +33,7 @@ EVAL_SEGMENT = 32  # chunk steps per evaluation call: a few wasted steps against
 
 
 class EmbodiedRunner(RunLoop):
-    def __init__(self, cfg: EmbodiedConfig):
+    def __init__(self, cfg: EmbodiedConfig, run_dir: Path | None = None):
         self.worlds = check_embodied(cfg)
         env = cfg.env
         self.topo = Topology(
@@ -51,7 +51,7 @@ class EmbodiedRunner(RunLoop):
         self.env_steps, self.rollout_version = 0, None
         self.staleness: StalenessManager | None = None
         self.collection: Collection | None = None
-        super().__init__(cfg)
+        super().__init__(cfg, run_dir)
 
     @property
     def asynchronous(self) -> bool:

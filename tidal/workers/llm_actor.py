@@ -1,4 +1,4 @@
-"""The trainer for causal LMs: proximal / reference log-probs, advantages from the registry,
+"""The trainer for causal language models: proximal / reference log-probs, advantages from the registry,
 decoupled or standard PPO over micro-batches packed by token budget."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from tidal.algorithms.objectives import (
     minibatch_denominators,
     staleness_metrics,
 )
-from tidal.data import LMBatch
+from tidal.data import LLMBatch
 from tidal.engine import TrainEngine
-from tidal.models.lm import load_causal_lm
+from tidal.models.llm import load_causal_lm
 from tidal.runtime import Channel, ConfigSections, Worker, send_weights
 
 
@@ -61,7 +61,7 @@ def length_grouped_micro_batches(
     ]
 
 
-class LMActor(Worker):
+class LLMActor(Worker):
     config_sections = ("cluster", "runner", "rollout", "model", "actor", "algorithm")
 
     def __init__(self, cfg: ConfigSections):
@@ -112,7 +112,7 @@ class LMActor(Worker):
 
     @torch.no_grad()
     def compute_logp(
-        self, batch: LMBatch, model=None, rows: torch.Tensor | None = None
+        self, batch: LLMBatch, model=None, rows: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Token log-probs of ``rows`` (default all) under ``model``; other rows stay 0."""
         model = model or self.model
@@ -127,7 +127,7 @@ class LMActor(Worker):
             )
         return out
 
-    def advantages(self, batch: LMBatch, ref_logp: torch.Tensor | None) -> torch.Tensor:
+    def advantages(self, batch: LLMBatch, ref_logp: torch.Tensor | None) -> torch.Tensor:
         """Per-token advantages ``[B, L]``: the sequence reward sits on its last generated token."""
         mask = batch.loss_mask
         last = mask.shape[1] - 1 - torch.flip(mask.long(), [1]).argmax(1)
@@ -146,7 +146,7 @@ class LMActor(Worker):
         )
         return adv.T.float()
 
-    def train_step(self, batch: LMBatch) -> dict[str, float]:
+    def train_step(self, batch: LLMBatch) -> dict[str, float]:
         """One PPO step on the whole batch (every rank receives it): advantages over all of it,
         then each global minibatch is split over the ranks, DDP averages the gradients, and each
         loss is weighted by the tokens (or sequences) of the global minibatch."""

@@ -1,4 +1,4 @@
-"""Causal LMs from Hugging Face folders, and prompts and SFT examples rendered with the
+"""Causal language models from Hugging Face folders, and prompts and SFT examples rendered with the
 tokenizer's chat template.
 
 Everything loads from local files only. :func:`check_causal_lm` validates ``model.path`` cheaply
@@ -51,8 +51,8 @@ def _causal_lm_classes() -> set[str]:
 
 
 def check_causal_lm(path: str | Path, key: str = "model.path"):
-    """The folder's ``PretrainedConfig`` once it holds a causal LM, weights and a tokenizer."""
-    with needs_extra("llm", "Hugging Face causal LMs"):
+    """The folder's ``PretrainedConfig`` once it holds a causal language model, weights and a tokenizer."""
+    with needs_extra("llm", "Hugging Face causal language models"):
         from transformers import AutoConfig
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -76,12 +76,12 @@ def check_causal_lm(path: str | Path, key: str = "model.path"):
     if architectures and not set(architectures) & _causal_lm_classes():
         raise ModelConfigError(
             f"{key}: {str(folder)!r} holds a {', '.join(architectures)}, not a causal "
-            "LM (a *ForCausalLM model)"
+            "language model (a *ForCausalLM model)"
         )
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ModelConfigError(
             f"{key}: model type {config.model_type!r} in {str(folder)!r} has no "
-            "causal-LM class in transformers"
+            "causal language model class in transformers"
         )
     for kind, names in (("weights", WEIGHT_FILES), ("tokenizer", TOKENIZER_FILES)):
         if not any((folder / name).is_file() for name in names):
@@ -142,7 +142,7 @@ def load_causal_lm(
         )
     except Exception as exc:
         raise ModelConfigError(
-            f"{key}: cannot load a causal LM from {str(path)!r} (model.dtype={dtype}, "
+            f"{key}: cannot load a causal language model from {str(path)!r} (model.dtype={dtype}, "
             f"model.attn_implementation={attn_implementation}): {exc}"
         ) from exc
     if gradient_checkpointing:
@@ -242,7 +242,7 @@ def _suffix(text: str, prefix: str) -> str:
     if not text.startswith(prefix):
         raise ModelConfigError(
             "data.chat_template: the tokenizer's chat template renders earlier turns "
-            "differently once later turns follow (e.g. it drops reasoning), so "
+            "differently once later turns follow (e.g. it drops the thinking), so "
             "assistant turns cannot be masked by prefix"
         )
     return text[len(prefix) :]

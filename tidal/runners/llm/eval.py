@@ -12,14 +12,13 @@ import logging
 import time
 from pathlib import Path
 
-from tidal.config import to_yaml
 from tidal.config.llm import LLMConfig
 from tidal.inference import GenerationEngine, InferenceClient, InferenceServer
-from tidal.models.lm import DTYPES, load_tokenizer
+from tidal.models.llm import DTYPES, load_tokenizer
 from tidal.rollout.evaluation import EvalResult
-from tidal.runners.lm_common import data_cache, eval_records, evaluator
-from tidal.runners.loop import run_folder
-from tidal.runners.preflight_llm import check_llm_eval
+from tidal.runners.llm.common import data_cache, eval_records, evaluator
+from tidal.runners.llm.preflight import check_llm_eval
+from tidal.runners.run_folder import RunFolder
 
 log = logging.getLogger("tidal.eval")
 
@@ -60,11 +59,11 @@ def serve_and_evaluate(
 def run_eval(cfg: LLMConfig, checkpoint: str | None = None, n: int = 1) -> dict:
     """Evaluate and write the results; the summary (also printed by the CLI)."""
     folder = check_llm_eval(cfg, checkpoint, n)
-    out = run_folder(
-        dataclasses.replace(cfg.runner, experiment=f"{cfg.runner.experiment}-eval"), None
-    )
-    out.mkdir(parents=True)
-    (out / "config.yaml").write_text(to_yaml(cfg))
+    with RunFolder(cfg, "eval") as run:
+        return _evaluate_into(cfg, run.path, folder, n)
+
+
+def _evaluate_into(cfg: LLMConfig, out: Path, folder: Path | None, n: int) -> dict:
     start = time.perf_counter()
     with data_cache(cfg, out) as cache:
         records = eval_records(cfg, cache)

@@ -14,11 +14,11 @@ from pathlib import Path
 from tidal.config.llm import LLMConfig
 from tidal.data.datasets import RecordIterator, load_conversations, load_prompts
 from tidal.inference import GenerationConfig, InferenceClient
-from tidal.models.lm import prompt_answer_messages, render_prompt, sft_tokens
+from tidal.models.llm import prompt_answer_messages, render_prompt, sft_tokens
 from tidal.rollout.evaluation import Evaluator, greedy_config
 from tidal.rollout.rewards import Reward
 from tidal.rollout.tasks import TASKS
-from tidal.runners.preflight_llm import configured_reward
+from tidal.runners.llm.preflight import configured_reward
 
 log = logging.getLogger(__name__)
 

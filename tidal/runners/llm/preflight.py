@@ -1,6 +1,6 @@
-"""The language half's preflight checks (tidal.runners.preflight has both halves' shared
-ones and the embodied half's): data files and their keys, rewards, tasks, engines, workflows and
-model folders, each failing with a ``ConfigError`` that names the key."""
+"""The language half's preflight checks (``tidal.runners.preflight`` has the shared ones and the
+embodied half's): data files and their keys, rewards, tasks, engines, workflows and model
+folders, each failing with a ``ConfigError`` that names the key."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tidal.config.llm import (
 )
 from tidal.config.loader import require
 from tidal.data.datasets import DataConfigError, load_conversations, load_prompts
-from tidal.models.lm import (
+from tidal.models.llm import (
     ModelConfigError,
     check_causal_lm,
     check_load_options,
@@ -33,7 +33,7 @@ from tidal.models.lm import (
 )
 from tidal.rollout.engines import ROLLOUT_ENGINES
 from tidal.rollout.rewards import Reward, resolve_reward
-from tidal.rollout.tasks import TASKS
+from tidal.rollout.tasks import TASKS, is_multi_turn
 from tidal.runners.preflight import check_common, import_object, require_processes, world_sizes
 
 
@@ -88,7 +88,7 @@ def check_llm_eval(cfg: LLMConfig, checkpoint: str | None, n: int) -> Path | Non
     folder) when one is given; all before the run folder exists."""
     check_llm(cfg)
     check_llm_model(cfg)
-    if cfg.data.path is None and TASKS.get(cfg.data.task).multi_turn:
+    if is_multi_turn(cfg.data):
         raise ConfigError(
             f"data.task: tidal eval scores single-turn records; {cfg.data.task!r} is multi-turn "
             "(the training run evaluates it)"
@@ -102,10 +102,9 @@ def check_llm_eval(cfg: LLMConfig, checkpoint: str | None, n: int) -> Path | Non
 
 def data_kind(d: DataConfig) -> str:
     """The workflow the data runs: a dataset file is single-turn; a task says which it is."""
-    if d.path is not None:
-        return "rlvr"
-    one_of(d.task, TASKS.names(), "data.task")
-    return "multi_turn" if TASKS.get(d.task).multi_turn else "rlvr"
+    if d.path is None:
+        one_of(d.task, TASKS.names(), "data.task")
+    return "multi_turn" if is_multi_turn(d) else "rlvr"
 
 
 def _data_name(d: DataConfig) -> str:
@@ -163,7 +162,7 @@ def _check_file(d: DataConfig, path: str, key: str, conversations: bool) -> None
 
 
 def check_llm_model(cfg: LLMConfig) -> None:
-    """The model folder holds a causal LM (no weights read), the load options are known, its
+    """The model folder holds a causal language model (no weights read), the load options are known, its
     context holds the generated tokens, and its tokenizer has a chat template when asked."""
     m = cfg.model
     try:

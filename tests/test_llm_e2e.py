@@ -38,7 +38,7 @@ TINY = [
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """The demo config shrunk, and the tiny chat model `tidal sft` built and warm-started."""
-    from tidal.runners.sft import run_sft
+    from tidal.runners.llm.sft import run_sft
 
     root = tmp_path_factory.mktemp("gsm8k")
     overrides = [*TINY, f"model.path={root}/model", f"runner.run_dir={root}/runs"]
@@ -47,7 +47,7 @@ def demo(tmp_path_factory):
 
 
 def test_sft_builds_a_chat_model_and_learns_the_assistant_turns(demo):
-    from tidal.models.lm import load_tokenizer
+    from tidal.models.llm import load_tokenizer
 
     overrides, summary = demo
     tokenizer = load_tokenizer(summary["model_path"])
@@ -55,18 +55,19 @@ def test_sft_builds_a_chat_model_and_learns_the_assistant_turns(demo):
     # 30 steps on the worked answers: the loss falls well below where it started
     assert summary["final_loss"] < 0.6 * summary["first_loss"], summary
     assert 0.0 <= summary["held_out_accuracy"] <= 1.0
+    run_dir = Path(summary["run_dir"])  # tidal sft writes a run folder as every command does
+    assert run_dir.name == "gsm8k_grpo-sft" and (run_dir / "config.yaml").is_file()
+    assert "sft: built a tiny model" in (run_dir / "sft.log").read_text()
 
 
 def test_grpo_on_the_dataset_resumes_its_data_position_and_tidal_eval_scores_it(
     demo, tmp_path, capsys
 ):
     from tidal.cli import main
-    from tidal.runners.reasoning import ReasoningRunner
+    from tidal.runners.llm.train import LLMRunner
 
     overrides, _ = demo
-    with ReasoningRunner(
-        load_config(LLMConfig, DEMO, [*overrides, "runner.max_steps=2"])
-    ) as runner:
+    with LLMRunner(load_config(LLMConfig, DEMO, [*overrides, "runner.max_steps=2"])) as runner:
         first = runner.run()
     rows = [
         json.loads(x) for x in (Path(first["run_dir"]) / "metrics.jsonl").read_text().splitlines()
@@ -83,7 +84,7 @@ def test_grpo_on_the_dataset_resumes_its_data_position_and_tidal_eval_scores_it(
         DEMO,
         [*overrides, "runner.max_steps=3", f"runner.resume_from={first['checkpoint']}"],
     )
-    with ReasoningRunner(resumed_cfg) as runner:
+    with LLMRunner(resumed_cfg) as runner:
         assert runner.train_data.state_dict() == saved  # the data position came back
         assert runner.run()["steps"] == 3
 
@@ -199,9 +200,9 @@ def test_pass_at_k_matches_counting_subsets():
 
 
 def test_sft_on_conversations_learns_only_the_assistant_turns(demo, tmp_path):
-    from tidal.models.lm import load_tokenizer
-    from tidal.runners.lm_common import sft_examples
-    from tidal.runners.preflight_llm import check_llm_sft
+    from tidal.models.llm import load_tokenizer
+    from tidal.runners.llm.common import sft_examples
+    from tidal.runners.llm.preflight import check_llm_sft
 
     overrides, summary = demo
     chats = ROOT / "examples" / "llm" / "data" / "sft.jsonl"

@@ -2,41 +2,42 @@
 cloning through the train engine, success in the configured env, and the policy saved as the
 folder ``model.path`` names, which ``tidal train`` with the same config then starts from.
 
-Its evaluation uses the envs and seeds of the training run's first evaluation (eval env ``i``
-resets with ``runner.seed + 10**6 + i``, one env rank), so the two report the same episodes."""
+Its evaluation uses the envs and seeds of the training run's first evaluation (tidal.envs.seeds,
+one env rank), so the two report the same episodes."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
+from pathlib import Path
 
 import torch
 
-from tidal.config import EmbodiedConfig, to_yaml
+from tidal.config import EmbodiedConfig
 from tidal.engine import TrainEngine
 from tidal.envs import env_make_kwargs, make_env
 from tidal.envs.demos import collect_metaworld_demos
+from tidal.envs.seeds import evaluation_seeds
 from tidal.metrics import MetricLogger
 from tidal.models import save_policy
 from tidal.models.factory import build_from_config
 from tidal.models.imitation import evaluate_success, train_bc
-from tidal.runners.loop import run_folder
 from tidal.runners.preflight import check_embodied_sft
+from tidal.runners.run_folder import RunFolder
 
 log = logging.getLogger("tidal.sft")
-EVAL_SEED = 10**6  # the env worker's evaluation seeds start here (after runner.seed)
 
 
-def run_embodied_sft(cfg: EmbodiedConfig) -> dict:
+def run_sft(cfg: EmbodiedConfig) -> dict:
     check_embodied_sft(cfg)
     torch.manual_seed(cfg.runner.seed)
     torch.set_num_threads(cfg.cluster.torch_threads)
-    run_dir = run_folder(
-        dataclasses.replace(cfg.runner, experiment=f"{cfg.runner.experiment}-sft"), None
-    )
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    with RunFolder(cfg, "sft") as run:
+        return _train(cfg, run.path)
+
+
+def _train(cfg: EmbodiedConfig, run_dir: Path) -> dict:
     start = time.perf_counter()
     demos = collect_demos(cfg)
     log.info(
@@ -57,7 +58,7 @@ def run_embodied_sft(cfg: EmbodiedConfig) -> dict:
         history = behaviour_clone(cfg, policy, demos)
         for row in history:
             logger.log(row["step"] - 1, row)
-        seeds = [cfg.runner.seed + EVAL_SEED + i for i in range(cfg.env.eval_num_envs)]
+        seeds = evaluation_seeds(cfg.runner.seed, cfg.env.eval_num_envs)
         evaluation = evaluate_success(
             policy, env, seeds, deterministic=cfg.rollout.eval_deterministic
         )

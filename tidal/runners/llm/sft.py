@@ -1,11 +1,12 @@
-"""``tidal sft``: supervised warm start of the causal LM at model.path.
+"""``tidal sft``: supervised warm start of the causal language model at model.path.
 
 With data.path it learns the file's records: conversations (data.messages_key) or prompt/answer
 pairs, rendered with the chat template when data.chat_template is set, with the loss only on the
 assistant's turns. Without, it learns a registered task's generated demonstrations. When
 model.path does not exist yet it builds a tiny model there first: a chat Qwen2 with a byte-level
 BPE tokenizer trained on the dataset's text, or a character-level Llama for a generated task.
-The result is saved to model.path and scored on the held-out records as ``tidal eval`` scores it.
+The result is saved to model.path and scored on the held-out records as ``tidal eval`` scores it;
+the run folder ``run_dir/<experiment>-sft`` holds its config and ``sft.log``.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from tidal.config.llm import LLMConfig
 from tidal.data.datasets import RecordIterator, load_conversations, load_prompts
 from tidal.engine import TrainEngine
 from tidal.inference.tiny import save_tiny_chat_model, save_tiny_model
-from tidal.models.lm import load_causal_lm
-from tidal.rollout.tasks import ARITH_ALPHABET, TASKS
-from tidal.runners.lm_common import data_cache, eval_records, sft_examples
-from tidal.runners.preflight_llm import check_llm_sft
+from tidal.models.llm import load_causal_lm
+from tidal.rollout.tasks import ARITH_ALPHABET, TASKS, is_multi_turn
+from tidal.runners.llm.common import data_cache, eval_records, sft_examples
+from tidal.runners.llm.preflight import check_llm_sft
+from tidal.runners.run_folder import RunFolder
 
 log = logging.getLogger("tidal.sft")
 
@@ -102,6 +104,11 @@ def run_sft(cfg: LLMConfig) -> dict:
     check_llm_sft(cfg)
     torch.manual_seed(cfg.runner.seed)
     torch.set_num_threads(max(1, cfg.cluster.torch_threads))
+    with RunFolder(cfg, "sft") as run:
+        return {**_train(cfg), "run_dir": str(run.path)}
+
+
+def _train(cfg: LLMConfig) -> dict:
     with data_cache(cfg, None) as cache:
         model, tokenizer = load_or_build(cfg, cache)
         next_batch = batches(cfg, tokenizer, cache)
@@ -135,8 +142,8 @@ def run_sft(cfg: LLMConfig) -> dict:
     tokenizer.save_pretrained(cfg.model.path)
     # multi-turn tasks are scored by the RL runner's first evaluation (it needs the environment)
     accuracy = None
-    if held_out and not (cfg.data.path is None and TASKS.get(cfg.data.task).multi_turn):
-        from tidal.runners.evaluate import serve_and_evaluate
+    if held_out and not is_multi_turn(cfg.data):
+        from tidal.runners.llm.eval import serve_and_evaluate
 
         accuracy = serve_and_evaluate(cfg, held_out).metrics["eval/accuracy"]
     return {

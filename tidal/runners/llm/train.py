@@ -13,17 +13,17 @@ from pathlib import Path
 
 import numpy as np
 
+from tidal.asynchrony import StalenessManager
 from tidal.config.llm import LLMConfig
-from tidal.data import LMBatch
+from tidal.data import LLMBatch
 from tidal.inference import InferenceClient
-from tidal.models.lm import load_tokenizer
+from tidal.models.llm import load_tokenizer
 from tidal.rollout.dispatcher import EpisodeError, RolloutDispatcher
 from tidal.rollout.engines import ROLLOUT_ENGINES
 from tidal.rollout.evaluation import greedy_config
-from tidal.rollout.staleness import StalenessManager
-from tidal.rollout.tasks import TASKS
+from tidal.rollout.tasks import TASKS, is_multi_turn
 from tidal.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow
-from tidal.runners.lm_common import (
+from tidal.runners.llm.common import (
     data_cache,
     eval_records,
     evaluator,
@@ -32,23 +32,23 @@ from tidal.runners.lm_common import (
     train_records,
     warmed_reward,
 )
+from tidal.runners.llm.preflight import check_llm, check_llm_model
 from tidal.runners.loop import RunLoop
 from tidal.runners.preflight import import_object
-from tidal.runners.preflight_llm import check_llm, check_llm_model
-from tidal.workers.lm_actor import LMActor
+from tidal.workers.llm_actor import LLMActor
 
 log = logging.getLogger("tidal.train")
 
 
-class ReasoningRunner(RunLoop):
+class LLMRunner(RunLoop):
     initial_evaluation = True
 
-    def __init__(self, cfg: LLMConfig):
+    def __init__(self, cfg: LLMConfig, run_dir: Path | None = None):
         check_llm(cfg)
         check_llm_model(cfg)
         self.cluster = self.rollout = self.actor = self.client = self.dispatcher = None
-        self.version = 0
-        super().__init__(cfg)
+        self.staleness: StalenessManager | None = None
+        super().__init__(cfg, run_dir)
 
     # -- what the run loop asks of a runner ------------------------------------------------
 
@@ -59,7 +59,7 @@ class ReasoningRunner(RunLoop):
         placement = self.cluster.placement(cfg.cluster.resolved_placement(["rollout", "actor"]))
         self.rollout = ROLLOUT_ENGINES.get(r.engine)(cfg, self.cluster, placement, self.run_dir)
         addresses = self.rollout.launch()
-        self.actor = LMActor.create_group(cfg).launch(
+        self.actor = LLMActor.create_group(cfg).launch(
             self.cluster, placement.devices("actor"), name="actor"
         )
         self.client = InferenceClient(addresses, protocol=self.rollout.protocol())
@@ -71,14 +71,13 @@ class ReasoningRunner(RunLoop):
         self.dispatcher = RolloutDispatcher(self.workflow, self.staleness)
         self.evaluator = (
             None
-            if self._multi_turn
+            if is_multi_turn(self.cfg.data)
             else evaluator(cfg, self.client, self.tokenizer, self.eval_data)
         )
 
     def restore(self, checkpoint: Path) -> dict:
         meta = self.actor.load(str(checkpoint)).wait(self.cfg.runner.timeout_s)[0]
-        self.version = meta["version"]
-        self.staleness.restore(self.version)
+        self.staleness.restore(meta["version"])
         if "data" in meta:  # older checkpoints start the data over
             self.train_data.load_state_dict(meta["data"])
         self._update_weights()
@@ -87,10 +86,6 @@ class ReasoningRunner(RunLoop):
     def checkpoint_meta(self) -> dict:
         # the position counts records taken from the stream: those in flight at a save are skipped
         return {"data": self.train_data.state_dict(), "staleness": self.staleness.snapshot()}
-
-    @property
-    def _multi_turn(self) -> bool:
-        return self.cfg.data.path is None and TASKS.get(self.cfg.data.task).multi_turn
 
     def progress_info(self, m: dict) -> str:
         evals = {k: round(v, 3) for k, v in m.items() if k.startswith("eval/")}
@@ -103,7 +98,7 @@ class ReasoningRunner(RunLoop):
         r, d = self.cfg.rollout, self.cfg.data
         if ":" in r.workflow:  # a user's workflow: module.path:factory(runner) -> async callable
             return import_object(r.workflow, "rollout.workflow")(self)
-        if self._multi_turn:
+        if is_multi_turn(self.cfg.data):
             return MultiTurnWorkflow(
                 self.client,
                 self.tokenizer,
@@ -124,11 +119,15 @@ class ReasoningRunner(RunLoop):
             render=prompt_renderer(self.cfg, self.tokenizer),
         )
 
+    @property
+    def version(self) -> int:
+        """The weights' version: what the servers generate with, kept by the staleness manager
+        (the run's one owner of it)."""
+        return self.staleness.get_version()
+
     def _run(self, coro, timeout: float | None = None):
         """Run a coroutine on the dispatcher's event loop (where the client lives)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.dispatcher._loop).result(
-            timeout or self.cfg.runner.timeout_s
-        )
+        return self.dispatcher.run_coroutine(coro, timeout or self.cfg.runner.timeout_s)
 
     # -- phases ----------------------------------------------------------------------------
 
@@ -136,8 +135,7 @@ class ReasoningRunner(RunLoop):
         """New weights to every server (``rollout.pause_mode`` while they arrive); no new
         episodes start meanwhile."""
         self.dispatcher.pause()
-        self.version = self.rollout.update_weights(self.actor, self.timer)
-        self.staleness.set_version(self.version)
+        self.staleness.set_version(self.rollout.update_weights(self.actor, self.timer))
         self.dispatcher.resume()
 
     def evaluate(self, step: int) -> dict:
@@ -146,7 +144,7 @@ class ReasoningRunner(RunLoop):
         success rate of multi-turn episodes."""
         if not self.eval_data:
             return {}
-        if self._multi_turn:
+        if is_multi_turn(self.cfg.data):
             greedy = greedy_config(self.gconfig)
 
             async def success():
@@ -161,7 +159,7 @@ class ReasoningRunner(RunLoop):
         with self.timer("step"):
             with self.timer("prepare_batch"):
                 episodes = self._prepare_batch()
-                batch = LMBatch.concat(episodes, self.tokenizer.pad_token_id)
+                batch = LLMBatch.concat(episodes, self.tokenizer.pad_token_id)
             with self.timer("train"):
                 metrics = self.actor.train_step(batch).wait(r.timeout_s)[0]
             with self.timer("update_weights"):

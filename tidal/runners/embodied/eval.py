@@ -3,34 +3,33 @@
 is off) and optionally with sampled actions on the same episodes; success rates overall and per task, and the mean return. Env copy ``i`` runs task
 ``i % len(tasks)`` on a multi-task env, so a multiple of the task count weighs tasks equally.
 
-The episodes' seeds start at ``runner.seed + EPISODE_SEED``, far from the training envs' seeds and
-from those of the training run's evaluations, so a comparison of two policies (e.g. after
+The episodes' seeds (tidal.envs.seeds) are far from the training envs' seeds and from those of the
+training run's evaluations, so a comparison of two policies (e.g. after
 ``tidal sft`` and after ``tidal train``) runs on the same episodes that neither has seen. Writes
 ``summary.json`` into a new run folder ``run_dir/<experiment>-eval``."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
+from pathlib import Path
 
 import torch
 
 from tidal.checkpoint import load_checkpoint
-from tidal.config import to_yaml
 from tidal.config.embodied import EmbodiedConfig
 from tidal.envs import env_make_kwargs, make_env
+from tidal.envs.seeds import held_out_seeds
 from tidal.models.factory import build_from_config
 from tidal.models.imitation import evaluate_success
-from tidal.runners.loop import run_folder
 from tidal.runners.preflight import check_embodied_eval
+from tidal.runners.run_folder import RunFolder
 
 log = logging.getLogger("tidal.eval")
-EPISODE_SEED = 5 * 10**6  # training envs use runner.seed + i, evaluations 10**6 + i + 7,919 * step
 
 
-def run_embodied_eval(
+def run_eval(
     cfg: EmbodiedConfig,
     checkpoint: str | None = None,
     episodes: int | None = None,
@@ -38,6 +37,14 @@ def run_embodied_eval(
 ) -> dict:
     episodes = cfg.env.eval_num_envs if episodes is None else episodes
     folder = check_embodied_eval(cfg, checkpoint, episodes)
+    with RunFolder(cfg, "eval") as run:
+        summary = _evaluate(cfg, folder, episodes, sampled)
+        (run.path / "summary.json").write_text(json.dumps(summary, indent=2))
+    log.info("eval: success %.3f on %d episodes", summary.get("eval/success_rate", 0.0), episodes)
+    return {**summary, "run_dir": str(run.path)}
+
+
+def _evaluate(cfg: EmbodiedConfig, folder: Path | None, episodes: int, sampled: bool) -> dict:
     torch.set_num_threads(cfg.cluster.torch_threads)
     env = make_env(cfg.env.adapter, episodes, **env_make_kwargs(cfg.env))
     try:
@@ -46,7 +53,7 @@ def run_embodied_eval(
         )
         if folder is not None:
             policy.load_state_dict(load_checkpoint(folder)[0])
-        seeds = [cfg.runner.seed + EPISODE_SEED + i for i in range(episodes)]
+        seeds = held_out_seeds(cfg.runner.seed, episodes)
         start = time.perf_counter()
         summary = {
             "model_path": cfg.model.path,
@@ -62,11 +69,4 @@ def run_embodied_eval(
         summary["wall_time"] = time.perf_counter() - start
     finally:
         env.close()
-    run_dir = run_folder(
-        dataclasses.replace(cfg.runner, experiment=f"{cfg.runner.experiment}-eval"), None
-    )
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    log.info("eval: success %.3f on %d episodes", summary.get("eval/success_rate", 0.0), episodes)
-    return {**summary, "run_dir": str(run_dir)}
+    return summary

@@ -1,0 +1,93 @@
+"""The run folder every command writes: ``run_dir/<experiment>`` for ``tidal train``,
+``<experiment>-sft`` and ``<experiment>-eval`` for ``tidal sft`` and ``tidal eval`` (suffixed
+``-2``, ``-3``, ... when that exists), holding the resolved ``config.yaml`` and the command's log
+(``train.log``, ``sft.log``, ``eval.log``) besides what the command itself writes.
+
+A resumed run continues in the folder that holds its checkpoint; a run restarted after a worker
+fault (``runner.max_restarts``) before its first checkpoint continues in the folder it had.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from tidal.checkpoint import clean_stale, complete_checkpoints, resolve_checkpoint
+from tidal.config import to_yaml
+from tidal.metrics import attach_file_log
+
+log = logging.getLogger("tidal.train")
+
+
+class RunFolder:
+    """An open run folder: ``path``, with the ``tidal`` loggers copied to its log file until
+    ``close``."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        command: str = "train",
+        checkpoint: Path | None = None,
+        continue_in: Path | None = None,
+    ):
+        self.path = folder_for(cfg.runner, command, checkpoint, continue_in)
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "config.yaml").write_text(to_yaml(cfg))
+        self._handler = attach_file_log(self.path / f"{command}.log")
+
+    def close(self) -> None:
+        logging.getLogger("tidal").removeHandler(self._handler)
+        self._handler.close()
+
+    def __enter__(self) -> RunFolder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def folder_for(
+    runner, command: str, checkpoint: Path | None, continue_in: Path | None = None
+) -> Path:
+    """The checkpoint's folder, else ``continue_in``, else the next free name for the command."""
+    if checkpoint is not None:
+        clean_stale(checkpoint.parent)
+        return checkpoint.parent.parent
+    if continue_in is not None:
+        return Path(continue_in)
+    name = runner.experiment if command == "train" else f"{runner.experiment}-{command}"
+    base = Path(runner.run_dir) / name
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
+def find_resume_checkpoint(runner) -> Path | None:
+    """``runner.resume_from``: a checkpoint, a ``checkpoints/`` folder, or ``auto`` (the newest
+    complete checkpoint among the experiment's run folders; None when there is none)."""
+    if runner.resume_from is None:
+        return None
+    if runner.resume_from != "auto":
+        return resolve_checkpoint(runner.resume_from)
+    base = Path(runner.run_dir)
+    found = []
+    for folder in base.glob(f"{runner.experiment}*"):
+        if folder.name == runner.experiment or _is_suffixed(folder.name, runner.experiment):
+            clean_stale(folder / "checkpoints")
+            found += complete_checkpoints(folder / "checkpoints")
+    if not found:
+        log.info(
+            "runner.resume_from=auto: no checkpoint of %r under %s; starting fresh",
+            runner.experiment,
+            base,
+        )
+        return None
+    return max(found, key=lambda p: p.stat().st_mtime)
+
+
+def _is_suffixed(name: str, experiment: str) -> bool:
+    rest = name[len(experiment) :]
+    return rest.startswith("-") and rest[1:].isdigit()
