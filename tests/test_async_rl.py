@@ -278,7 +278,9 @@ def arith_model(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("preset", ["sync", "throughput", "stable"])
+@pytest.mark.parametrize(
+    "preset", ["sync", "throughput", "stable", "grpo", "dr_grpo", "dapo", "gspo", "cispo"]
+)
 def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
     from tidal.runners.llm.train import LLMRunner
 
@@ -627,3 +629,49 @@ def test_a_language_step_does_not_depend_on_the_micro_batch_split(arith_model, l
         cluster.shutdown()
     for name, value in weights[400].items():
         torch.testing.assert_close(weights[40][name], value, rtol=1e-5, atol=2e-6)
+
+
+def test_dynamic_sampling_keeps_the_batch_size_and_never_trains_on_a_filtered_group():
+    """DAPO: groups with equal rewards are turned away and more prompts are drawn until the
+    batch is full; the turned-away groups are counted and leave room under the staleness bound."""
+    from tidal.rollout.workflows import has_reward_spread
+
+    staleness = StalenessManager(max_staleness=0, consumer_batch_size=4, max_concurrent_rollouts=3)
+
+    async def episode(x):  # every third prompt's group is all-correct: nothing to learn
+        rewards = torch.ones(4) if x % 3 == 0 else torch.tensor([1.0, 0.0, 0.0, 1.0])
+        return LLMBatch(
+            input_ids=torch.zeros(4, 2, dtype=torch.long),
+            attention_mask=torch.ones(4, 2, dtype=torch.bool),
+            loss_mask=torch.ones(4, 2, dtype=torch.bool),
+            logprobs=torch.zeros(4, 2),
+            versions=torch.zeros(4, 2, dtype=torch.long),
+            rewards=rewards,
+        ), x
+
+    d = RolloutDispatcher(episode, staleness, should_accept=lambda r: has_reward_spread(r[0]))
+    try:
+        batch = d.prepare_batch(range(100), 4, timeout=30)
+        assert [x for _, x in batch] == [1, 2, 4, 5]
+        assert all(has_reward_spread(b) for b, _ in batch)
+        assert d.filtered >= 2 and staleness.snapshot()["rejected"] == d.filtered
+    finally:
+        d.shutdown()
+
+
+def test_dynamic_sampling_needs_groups_of_single_turn_samples():
+    with pytest.raises(ConfigError, match=r"rollout.dynamic_sampling: .*group_size > 1"):
+        check_llm(
+            load_config(LLMConfig, None, ["rollout.dynamic_sampling=true", "rollout.group_size=1"])
+        )
+
+
+def test_overlong_shaping_falls_linearly_over_the_buffer():
+    from tidal.rollout.workflows import overlong_penalty
+
+    values = [overlong_penalty(n, max_tokens=20, buffer=8, factor=0.5) for n in (5, 12, 16, 20)]
+    assert values == [0.0, 0.0, -0.25, -0.5]
+    with pytest.raises(ConfigError, match=r"reward.overlong_buffer: must be in \[0, rollout"):
+        check_llm(
+            load_config(LLMConfig, None, ["reward.overlong_buffer=64", "rollout.max_new_tokens=64"])
+        )

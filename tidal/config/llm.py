@@ -108,6 +108,13 @@ class RewardConfig:
     kwargs: dict[str, Any] = setting(
         factory=dict, help="options passed to the reward (they win over record fields)"
     )
+    overlong_buffer: int = setting(
+        0,
+        "DAPO's overlong reward shaping: over the last this many tokens of "
+        "rollout.max_new_tokens the reward falls linearly by up to reward.overlong_penalty "
+        "(0: off)",
+    )
+    overlong_penalty: float = setting(1.0, "the shaping's largest penalty, at the token budget")
 
 
 @dataclass
@@ -121,6 +128,12 @@ class LLMRolloutConfig:
     )
     max_concurrent_rollouts: int = setting(16, "episodes in flight at once")
     batch_size: int = setting(16, "episodes (prompts) per training step")
+    dynamic_sampling: bool = setting(
+        False,
+        "DAPO's dynamic sampling: a group whose rewards are all equal (no advantage to learn "
+        "from) is dropped and more prompts are drawn until the batch is full "
+        "(rollout/filtered_groups)",
+    )
     group_size: int = setting(8, "samples per prompt")
     workflow: str = setting("auto", "auto (by data.task) | rlvr | multi_turn | module.path:factory")
     max_new_tokens: int = setting(6, "generated tokens per turn")
@@ -268,6 +281,17 @@ def validate_llm(cfg: LLMConfig) -> None:
         r.temperature >= 0, "rollout.temperature", f"must be >= 0 (0: greedy), got {r.temperature}"
     )
     require(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    w = cfg.reward
+    require(
+        0 <= w.overlong_buffer < r.max_new_tokens,
+        "reward.overlong_buffer",
+        f"must be in [0, rollout.max_new_tokens={r.max_new_tokens}), got {w.overlong_buffer}",
+    )
+    require(
+        w.overlong_penalty >= 0,
+        "reward.overlong_penalty",
+        f"must be >= 0, got {w.overlong_penalty}",
+    )
     require(alg.kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0, got {alg.kl_coef}")
     require(r.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0, got {r.max_staleness}")
     for key, value in (

@@ -51,6 +51,7 @@ class RolloutDispatcher:
     ):
         self.episode_fn, self.staleness = episode_fn, staleness
         self.should_accept = should_accept
+        self.filtered = 0  # finished episodes should_accept turned away (e.g. dynamic sampling)
         self.max_queue_size = max_queue_size
         self._submitted = 0  # also the next task id: ids follow submission order
         self._pending: deque[tuple[int, Any]] = deque()
@@ -162,11 +163,9 @@ class RolloutDispatcher:
                 item = self._finished.get(timeout=0.05)
             except queue.Empty:
                 continue
-            accepted = (
-                item.error is None
-                and item.result is not None
-                and (self.should_accept is None or self.should_accept(item.result))
-            )
+            finished = item.error is None and item.result is not None
+            accepted = finished and (self.should_accept is None or self.should_accept(item.result))
+            self.filtered += finished and not accepted
             if accepted:
                 self.staleness.on_rollout_accepted()
             else:
@@ -179,11 +178,16 @@ class RolloutDispatcher:
 
     # -- results --------------------------------------------------------------------------
 
-    def wait_results(self, count: int, timeout: float = 600.0) -> list[_Finished]:
-        """The ``count`` oldest accepted results (by submission order), waiting for them."""
+    def wait_results(
+        self, count: int, timeout: float = 600.0, refill: Callable[[], None] | None = None
+    ) -> list[_Finished]:
+        """The ``count`` oldest accepted results (by submission order), waiting for them;
+        ``refill`` runs between waits (episodes turned away leave room for more inputs)."""
         deadline = time.monotonic() + timeout
         with self._result_cv:
             while True:
+                if refill is not None:
+                    refill()
                 self._raise_failures()
                 ready = [r for r in self._accepted.values() if r.error is None]
                 if len(ready) >= count:
@@ -213,15 +217,18 @@ class RolloutDispatcher:
         if data is not self._data_source:
             self._data_source = data
             self._data_iter = data if isinstance(data, Iterator) else itertools.cycle(data)
-        target = self.staleness.max_concurrent_rollouts + batch_size
-        with self._cv:
-            backlog = len(self._pending)
-        for _ in range(max(0, target - backlog - self.staleness.stat.running)):
-            item = next(self._data_iter, _END)
-            if item is _END:
-                break
-            self.submit(item)
-        return [r.result for r in self.wait_results(batch_size, timeout)]
+
+        def refill() -> None:  # inputs enough to fill the batch and every slot in flight
+            target = self.staleness.max_concurrent_rollouts + batch_size
+            with self._cv:
+                backlog = len(self._pending)
+            for _ in range(max(0, target - backlog - self.staleness.stat.running)):
+                item = next(self._data_iter, _END)
+                if item is _END:
+                    break
+                self.submit(item)
+
+        return [r.result for r in self.wait_results(batch_size, timeout, refill)]
 
     @property
     def submitted(self) -> int:

@@ -48,8 +48,10 @@ class RLVRWorkflow:
         group_size: int = 1,
         reward_timeout_s: float = 10.0,
         render: PromptRenderer | None = None,
+        length_penalty: Callable[[int], float] | None = None,
     ):
         self.client, self.tokenizer, self.gconfig = client, tokenizer, gconfig
+        self.length_penalty = length_penalty  # added to each reward by completion length
         self.reward = (
             reward
             if isinstance(reward, Reward)
@@ -77,6 +79,10 @@ class RLVRWorkflow:
         )
         if any(r is None for r in rewards):
             return None  # a group with a missing member cannot be normalised: reject it whole
+        if self.length_penalty is not None:
+            rewards = [
+                r + self.length_penalty(len(x.output_tokens)) for r, x in zip(rewards, responses)
+            ]
         seqs = []
         for resp in responses:
             seq = TokenSequence()
@@ -140,3 +146,19 @@ class MultiTurnWorkflow:
         return LLMBatch.from_sequences(
             [s for s, _ in results], [r for _, r in results], self.tokenizer.pad_token_id
         )
+
+
+def has_reward_spread(episode: LLMBatch) -> bool:
+    """Whether an episode's samples (a prompt's group) differ in reward: a group whose rewards
+    are all equal gives every sample a zero group-relative advantage (DAPO drops it)."""
+    rewards = episode.rewards
+    return bool(len(rewards) > 1 and (rewards != rewards[0]).any())
+
+
+def overlong_penalty(length: int, max_tokens: int, buffer: int, factor: float = 1.0) -> float:
+    """DAPO's soft overlong punishment: 0 up to ``max_tokens - buffer`` generated tokens, then
+    falling linearly to ``-factor`` at ``max_tokens`` (a completion cut off by the budget)."""
+    start = max_tokens - buffer
+    if length <= start:
+        return 0.0
+    return -factor * min(1.0, (length - start) / buffer)

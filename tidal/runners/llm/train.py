@@ -8,6 +8,7 @@ With ``rollout.max_staleness = 0`` it is exactly synchronous RL.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from pathlib import Path
 
@@ -22,7 +23,12 @@ from tidal.rollout.dispatcher import EpisodeError, RolloutDispatcher
 from tidal.rollout.engines import ROLLOUT_ENGINES
 from tidal.rollout.evaluation import greedy_config
 from tidal.rollout.tasks import TASKS, is_multi_turn
-from tidal.rollout.workflows import MultiTurnWorkflow, RLVRWorkflow
+from tidal.rollout.workflows import (
+    MultiTurnWorkflow,
+    RLVRWorkflow,
+    has_reward_spread,
+    overlong_penalty,
+)
 from tidal.runners.llm.common import (
     data_cache,
     eval_records,
@@ -68,7 +74,11 @@ class LLMRunner(RunLoop):
         with data_cache(cfg, self.run_dir) as cache:
             self.train_data, self.eval_data = train_records(cfg, cache), eval_records(cfg, cache)
         self.workflow = self._workflow()
-        self.dispatcher = RolloutDispatcher(self.workflow, self.staleness)
+        self.dispatcher = RolloutDispatcher(
+            self.workflow,
+            self.staleness,
+            should_accept=has_reward_spread if cfg.rollout.dynamic_sampling else None,
+        )
         self.evaluator = (
             None
             if is_multi_turn(self.cfg.data)
@@ -117,6 +127,18 @@ class LLMRunner(RunLoop):
             r.group_size,
             r.reward_timeout_s,
             render=prompt_renderer(self.cfg, self.tokenizer),
+            length_penalty=self._overlong_penalty(),
+        )
+
+    def _overlong_penalty(self):
+        w, budget = self.cfg.reward, self.cfg.rollout.max_new_tokens
+        if not w.overlong_buffer:
+            return None
+        return functools.partial(
+            overlong_penalty,
+            max_tokens=budget,
+            buffer=w.overlong_buffer,
+            factor=w.overlong_penalty,
         )
 
     @property
@@ -171,6 +193,7 @@ class LLMRunner(RunLoop):
                 "version": self.version,
                 "rollout/reward_mean": float(batch.rewards.mean()),
                 **{f"rollout/{k}": v for k, v in self.staleness.snapshot().items()},
+                "rollout/filtered_groups": self.dispatcher.filtered,
                 **self._reward_failures(),
                 "train/tokens_per_s": float(batch.attention_mask.sum()) / metrics["time/step"],
                 "rollout/generated_tokens_per_s": gen_tokens / metrics["time/step"],
