@@ -11,9 +11,9 @@ import torch
 
 from tidal.config import EmbodiedConfig, load_config
 from tidal.envs import GymnasiumVectorEnv, register_env
+from tidal.envs.recorder import StageRecorder
 from tidal.runners import EmbodiedRunner
 from tidal.runtime import WorkerError
-from tidal.workers.env_worker import _StageRecorder
 from tidal.workers.reward_worker import register_reward_model
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "embodied"
@@ -163,7 +163,7 @@ def test_a_kl_penalty_keeps_the_policy_near_the_one_training_started_from(tmp_pa
 
 
 def test_truncated_episode_is_bootstrapped_not_terminal():
-    rec = _StageRecorder(torch.zeros(3, 2, dtype=torch.bool))
+    rec = StageRecorder(torch.zeros(3, 2, dtype=torch.bool))
     from tidal.data import EnvOutput
 
     dones = torch.tensor([[False, True], [False, False], [True, False]])

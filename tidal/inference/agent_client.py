@@ -31,8 +31,8 @@ with needs_extra("agents", "agent workflows on the OpenAI SDK"):
     from openai.resources.chat.completions import AsyncCompletions
     from openai.types.chat import ChatCompletion
 
+from tidal.inference.chat_template import chat_prompt, render_chat
 from tidal.inference.client import InferenceClient, ModelRequest, ModelResponse
-from tidal.inference.openai_api import chat_prompt, render_chat
 from tidal.inference.params import GenerationConfig
 
 _ABSENT = (None, openai.NOT_GIVEN)

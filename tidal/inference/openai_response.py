@@ -1,0 +1,97 @@
+"""The OpenAI API's response bodies from tidal's ``GenerationResult``: choices' text, finish
+reasons, log-probs in the completions and the chat shapes, token ids, and the envelope."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from tidal.inference.engine import GenerationEngine, GenerationResult
+from tidal.inference.protocol import output_text
+
+
+def choice_text(result: GenerationResult, engine: GenerationEngine) -> str:
+    return output_text(result, engine.tokenizer) if engine.tokenizer is not None else ""
+
+
+def finish_reason(result: GenerationResult) -> str:
+    return "stop" if result.finish_reason == "stop" else "length"
+
+
+def _token_str(tokenizer, tok: int) -> str:
+    return tokenizer.decode([tok]) if tokenizer is not None else f"token_id:{tok}"
+
+
+def completion_logprobs(result: GenerationResult, tokenizer) -> dict:
+    tokens = [_token_str(tokenizer, t) for t in result.output_ids]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    top = [
+        {_token_str(tokenizer, t): lp for t, lp in step} for step in result.output_top_logprobs
+    ] or None
+    return {
+        "tokens": tokens,
+        "token_logprobs": result.output_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(result: GenerationResult, tokenizer) -> dict:
+    def entry(tok: int, lp: float) -> dict:
+        s = _token_str(tokenizer, tok)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    steps = result.output_top_logprobs or [[] for _ in result.output_ids]
+    return {
+        "content": [
+            {**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]}
+            for t, lp, alts in zip(result.output_ids, result.output_logprobs, steps)
+        ]
+    }
+
+
+def with_token_ids(choice: dict, body: dict, prompt: list[int], result: GenerationResult) -> dict:
+    if body.get("return_token_ids"):
+        choice.update(
+            prompt_token_ids=prompt,
+            token_ids=result.output_ids,
+            token_versions=result.output_versions,
+        )
+    return choice
+
+
+def envelope(
+    prefix: str,
+    kind: str,
+    model: str,
+    choices: list[dict],
+    prompts: list[list[int]],
+    results: list[tuple[int, GenerationResult]],
+) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(len(r.output_ids) for _, r in results)
+    return {
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def server_sent_event(data: dict) -> str:
+    """One event of a streamed response (``data: {json}`` and a blank line)."""
+    return "data: " + json.dumps(data) + "\n\n"
