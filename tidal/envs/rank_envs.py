@@ -10,7 +10,7 @@ from tidal.data import EnvOutput
 from tidal.envs.base import ChunkedEnv, VectorEnvAdapter, env_make_kwargs, make_env
 from tidal.envs.checks import NonFiniteGuard
 from tidal.envs.recorder import StageRecorder
-from tidal.envs.seeds import evaluation_seeds
+from tidal.envs.seeds import evaluation_seeds, training_seeds
 from tidal.envs.video import FrameRecorder
 
 
@@ -34,7 +34,7 @@ class TrainingEnvs:
             ChunkedEnv(
                 env_from_config(env, self.stage_envs, first, env.group_size),
                 env.auto_reset,
-                self._seeds(first, env.group_size),
+                training_seeds(self.seed, first, self.stage_envs, env.group_size),
             )
             for first in first_env
         ]
@@ -48,10 +48,6 @@ class TrainingEnvs:
             for _ in range(self.num_stages)
         ]
         self.max_episode_steps = self.envs[0].env.max_episode_steps
-
-    def _seeds(self, first: int, group_size: int) -> list[int]:
-        """Envs ``g * group_size .. (g + 1) * group_size - 1`` (global numbering) share a seed."""
-        return [self.seed + (first + i) // group_size for i in range(self.stage_envs)]
 
     def start_epoch(self, epoch: int) -> None:
         """Without ``env.auto_reset`` every epoch starts fresh episodes (same seed per group)."""
