@@ -214,7 +214,9 @@ def probe_env(cfg: EmbodiedConfig):
     try:
         probe = make_env(env.adapter, 1, **{**env_make_kwargs(env), "vectorization_mode": "sync"})
     except MissingExtraError as exc:
-        raise ConfigError(f"env.adapter: {exc}") from None
+        raise ConfigError(
+            f"env.id: cannot make {env.id!r} with the {env.adapter} adapter: {exc}"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - gymnasium raises many kinds for a bad id or kwarg
         key = "env.kwargs" if isinstance(exc, TypeError) and env.kwargs else "env.id"
         raise ConfigError(
