@@ -482,6 +482,24 @@ def _synthetic_batch(rows: int, width: int, vocab: int, seed: int = 0) -> LLMBat
     )
 
 
+def _trainer_config(model, loss_agg: str, *extra: str) -> LLMConfig:
+    """A trainer for the synthetic batches: 16 rows in 2 minibatches, decoupled PPO."""
+    return load_config(
+        LLMConfig,
+        None,
+        [
+            f"model.path={model}",
+            "rollout.group_size=4",
+            "rollout.batch_size=4",
+            "actor.ppo_minibatches=2",
+            f"algorithm.loss_agg={loss_agg}",
+            "algorithm.use_decoupled_loss=true",
+            "actor.lr=1e-3",
+            *extra,
+        ],
+    )
+
+
 @pytest.mark.ray
 def test_data_parallel_trainer_takes_the_same_step_as_one_rank(arith_model):
     """Two DDP ranks, each on its half of every minibatch, end a PPO step with the weights a
@@ -506,21 +524,7 @@ def test_data_parallel_trainer_takes_the_same_step_as_one_rank(arith_model):
         }
         for agg, extra in cases.items():
             loss_agg = "token-mean" if agg == "kl-in-reward" else agg
-            cfg = load_config(
-                LLMConfig,
-                None,
-                [
-                    f"model.path={arith_model}",
-                    "rollout.group_size=4",
-                    "rollout.batch_size=4",
-                    "actor.ppo_minibatches=2",
-                    "actor.max_tokens_per_mb=40",
-                    f"algorithm.loss_agg={loss_agg}",
-                    "algorithm.use_decoupled_loss=true",
-                    "actor.lr=1e-3",
-                    *extra,
-                ],
-            )
+            cfg = _trainer_config(arith_model, loss_agg, "actor.max_tokens_per_mb=40", *extra)
             one = LLMActor.create_group(cfg).launch(cluster, "0", name=f"one-{agg}")
             two = LLMActor.create_group(cfg).launch(cluster, "1-2", name=f"two-{agg}")
             m1 = one.train_step(batch).wait(120)[0]
@@ -605,20 +609,11 @@ def test_a_language_step_does_not_depend_on_the_micro_batch_split(arith_model, l
     cluster = Cluster("local")
     try:
         for budget in (400, 40):
-            cfg = load_config(
-                LLMConfig,
-                None,
-                [
-                    f"model.path={arith_model}",
-                    "rollout.group_size=4",
-                    "rollout.batch_size=4",
-                    "actor.ppo_minibatches=2",
-                    f"actor.max_tokens_per_mb={budget}",
-                    f"algorithm.loss_agg={loss_agg}",
-                    "algorithm.use_decoupled_loss=true",
-                    "algorithm.behav_weight_cap=1.5",
-                    "actor.lr=1e-3",
-                ],
+            cfg = _trainer_config(
+                arith_model,
+                loss_agg,
+                f"actor.max_tokens_per_mb={budget}",
+                "algorithm.behav_weight_cap=1.5",
             )
             group = LLMActor.create_group(cfg).launch(cluster, "0", name=f"budget{budget}")
             metrics = group.train_step(batch).wait(120)[0]

@@ -32,3 +32,12 @@ def as_mask(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
         return torch.ones_like(like, dtype=torch.bool)
     check_shape("mask", mask, like.shape)
     return mask.bool()
+
+
+def masked_mean(
+    x: torch.Tensor, mask: torch.Tensor, denominator: float | None = None
+) -> torch.Tensor:
+    """Sum of ``x`` over ``mask`` divided by the mask's count (at least 1), or by
+    ``denominator`` (a count over more than these elements: a whole minibatch)."""
+    count = mask.sum().clamp(min=1) if denominator is None else max(denominator, 1e-12)
+    return torch.where(mask, x, 0.0).sum() / count

@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from tidal.algorithms._tensors import as_mask, check_same_shape, compute_dtype
+from tidal.algorithms._tensors import as_mask, check_same_shape, compute_dtype, masked_mean
 
 ROLLOUT_CORRECTIONS = ("none", "token_tis", "seq_tis", "seq_mis", "icepop")
 _LOG_LIMIT = 20.0
-
-
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
 
 
 def mismatch_metrics(
@@ -32,8 +28,8 @@ def mismatch_metrics(
     log_r = log_r.clamp(-_LOG_LIMIT, _LOG_LIMIT)
     ratio = torch.exp(log_r)
     return {
-        "mismatch_kl": _masked_mean(torch.expm1(log_r) - log_r, m),
-        "mismatch_ratio_mean": _masked_mean(ratio, m),
+        "mismatch_kl": masked_mean(torch.expm1(log_r) - log_r, m),
+        "mismatch_ratio_mean": masked_mean(ratio, m),
         "mismatch_ratio_max": ratio[m].max() if m.any() else torch.ones((), dtype=dtype),
     }
 

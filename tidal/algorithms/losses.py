@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tidal.algorithms._tensors import as_mask, check_same_shape, compute_dtype
+from tidal.algorithms._tensors import as_mask, check_same_shape, compute_dtype, masked_mean
 
 LOG_RATIO_LIMIT = 20.0
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "embodied-ratio")
@@ -77,10 +77,6 @@ def loss_denominator(mask: torch.Tensor, agg: str) -> torch.Tensor:
     if agg == "embodied-ratio":
         return torch.tensor(m.numel())
     raise ValueError(f"agg: expected one of {', '.join(AGGREGATIONS)}, got {agg!r}")
-
-
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
 
 
 def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -171,10 +167,10 @@ def _surrogate(
 def _ratio_metrics(log_ratio, ratio, clip_active, dual_active, mask) -> dict[str, torch.Tensor]:
     dtype = ratio.dtype
     return {
-        "clip_frac": _masked_mean(clip_active.to(dtype), mask),
-        "dual_clip_frac": _masked_mean(dual_active.to(dtype), mask),
-        "approx_kl": _masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
-        "ratio_mean": _masked_mean(ratio, mask),
+        "clip_frac": masked_mean(clip_active.to(dtype), mask),
+        "dual_clip_frac": masked_mean(dual_active.to(dtype), mask),
+        "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
+        "ratio_mean": masked_mean(ratio, mask),
         "ratio_max": _masked_max(ratio, mask),
     }
 
@@ -273,9 +269,9 @@ def decoupled_ppo_loss(
     with torch.no_grad():
         metrics = {
             **_ratio_metrics(log_ratio, ratio, clip_active, dual_active, train_mask),
-            "behave_weight_mean": _masked_mean(weight, m),
+            "behave_weight_mean": masked_mean(weight, m),
             "behave_weight_max": _masked_max(weight, m),
-            "behave_capped_frac": _masked_mean(capped.to(dtype), m),
+            "behave_capped_frac": masked_mean(capped.to(dtype), m),
         }
     return loss, metrics
 
@@ -327,15 +323,15 @@ def value_loss(
             1.0 - residual_var / target_var if target_var > 0 else torch.zeros((), dtype=dtype)
         )
         metrics = {
-            "value_clip_frac": _masked_mean(clip_active.to(dtype), m),
+            "value_clip_frac": masked_mean(clip_active.to(dtype), m),
             "explained_variance": explained,
         }
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
 def _masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    mean = _masked_mean(x, mask)
-    return _masked_mean((x - mean) ** 2, mask)
+    mean = masked_mean(x, mask)
+    return masked_mean((x - mean) ** 2, mask)
 
 
 LOGPROB_LEVELS = ("token", "action", "chunk")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tidal.algorithms._tensors import masked_mean
 from tidal.algorithms.correction import mismatch_metrics, rollout_correction
 from tidal.algorithms.kl import kl_estimate
 from tidal.algorithms.losses import (
@@ -77,13 +78,6 @@ def minibatch_denominators(
     tokens = sum(float(m.sum()) for m in policy_masks)
     steps = sum(float(m.sum()) for m in value_masks) if value_masks else 1.0
     return Denominators(policy / ranks, tokens / ranks, steps / ranks)
-
-
-def _masked_mean(
-    x: torch.Tensor, mask: torch.Tensor, denominator: float | None = None
-) -> torch.Tensor:
-    count = mask.sum().clamp(min=1) if denominator is None else max(denominator, 1e-12)
-    return torch.where(mask, x, 0.0).sum() / count
 
 
 def _as_micro_mean(share: torch.Tensor, whole: float | None, count) -> torch.Tensor:
@@ -154,7 +148,7 @@ class PPOObjective:
             **agg,
         )
         if self.prox_method == "metrics":  # how far the approximation is from the forward pass
-            info["prox_approx_abs_err"] = _masked_mean((approx - p.prox).abs(), p.mask)
+            info["prox_approx_abs_err"] = masked_mean((approx - p.prox).abs(), p.mask)
         if p.prox is not None:
             info.update(self._mismatch(p))
         return loss, info
@@ -182,7 +176,7 @@ class PPOObjective:
         ``mismatch_masked_frac``: valid tokens the correction dropped."""
         same = p.mask if p.versions is None else p.mask & (p.versions == p.version)
         info = mismatch_metrics(p.prox, p.behave, same) if same.any() else {}  # none: say nothing
-        masked = torch.zeros(()) if dropped is None else _masked_mean(dropped.float(), p.mask)
+        masked = torch.zeros(()) if dropped is None else masked_mean(dropped.float(), p.mask)
         info["mismatch_masked_frac"] = masked
         return info
 
@@ -206,13 +200,13 @@ class PPOObjective:
         loss = torch.zeros((), device=pg_loss.device) if critic_only else pg_loss
         tokens = p.mask.sum()
         if p.entropy is not None:
-            entropy = _masked_mean(p.entropy, p.mask, whole("tokens"))
+            entropy = masked_mean(p.entropy, p.mask, whole("tokens"))
             info["entropy"] = _as_micro_mean(entropy, whole("tokens"), tokens)
             if not critic_only and self.entropy_bonus:
                 loss = loss - self.entropy_bonus * entropy
         if p.ref is not None and self.kl_in_loss:
             estimate = kl_estimate(p.logp, p.ref, self.kl_kind, self.kl_clamp)
-            kl = _masked_mean(estimate, p.mask, whole("tokens"))
+            kl = masked_mean(estimate, p.mask, whole("tokens"))
             info["kl_ref"] = _as_micro_mean(kl, whole("tokens"), tokens)
             if not critic_only:
                 loss = loss + self.kl_coef * kl
