@@ -105,8 +105,10 @@ class TrainEngine:
                     loss, info = loss_fn(self.module, micro)
                 loss.backward()
             for k, v in info.items():
-                metrics[k].append(float(v))
-        metrics["grad_norm"].append(self._optimizer_step())
+                metrics[k].append(v)
+        norm = self._optimizer_step()
+        metrics = host_floats(metrics)
+        metrics["grad_norm"] = [norm]
         return metrics
 
     def train_epochs(
@@ -205,6 +207,18 @@ class TrainEngine:
         self.optimizer_steps = counters.get("optimizer_steps", 0)
         self.skipped_steps = counters.get("skipped_steps", 0)
         return meta
+
+
+def host_floats(metrics: dict[str, list]) -> dict[str, list[float]]:
+    """Micro-batch metrics (floats or 0-d tensors, e.g. on the GPU) as floats: the tensors are
+    read in one transfer per optimizer step, not one sync per micro-batch and metric."""
+    tensors = [
+        v.detach().float().reshape(()) for vs in metrics.values() for v in vs if torch.is_tensor(v)
+    ]
+    read = iter(torch.stack(tensors).tolist() if tensors else [])
+    return {
+        k: [next(read) if torch.is_tensor(v) else float(v) for v in vs] for k, vs in metrics.items()
+    }
 
 
 def load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:

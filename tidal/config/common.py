@@ -54,6 +54,10 @@ class ClusterConfig:
         False,
         "ray backend, CPU nodes: each rank's process runs only on the core of its CPU slot (slot mod cores), so ranks placed apart never share a core",
     )
+    device: str = setting(
+        "auto",
+        "auto | cpu | cuda: where each rank computes (auto: CUDA where the rank sees a GPU); cuda without one is an error before start",
+    )
     placement: dict[str, str] = setting(
         factory=dict,
         help="component(s) -> devices, e.g. {env: '0', 'rollout,actor': '1'}; empty: all on 0",
@@ -196,6 +200,7 @@ def validate_common(
     registry, e.g. ``cluster.backend`` and ``algorithm.adv_type``, are checked by
     tidal.runners.preflight)."""
     one_of(algorithm.cap_mode, ("mask", "clamp"), "algorithm.cap_mode")
+    one_of(cluster.device, ("auto", "cpu", "cuda"), "cluster.device")
     require(
         algorithm.kl_clamp is None or algorithm.kl_clamp > 0,
         "algorithm.kl_clamp",

@@ -85,9 +85,12 @@ class GenerationEngine:
         max_batch_size: int = 64,
         dtype: torch.dtype = torch.float32,
         weight_version: int = 0,
+        device: torch.device | str = "cpu",
     ):
         self.model_dir = str(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).eval()
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+        self.model.to(self.device).eval()
         self.vocab_size = self.model.config.vocab_size
         self.max_positions = getattr(self.model.config, "max_position_embeddings", 4096)
         self.tokenizer = load_tokenizer(self.model_dir)  # None when the folder has none
@@ -244,6 +247,7 @@ class GenerationEngine:
         for i, r in enumerate(reqs):
             ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
             mask[i, width - len(r.prompt) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         tokens, logprobs, tops = self._sample(out.logits[:, -1].float(), reqs)
@@ -274,8 +278,9 @@ class GenerationEngine:
     @torch.no_grad()
     def _decode_step(self) -> None:
         batch = self._active
-        ids = torch.tensor([[r.next_token] for r in batch])
-        self._mask = torch.cat([self._mask, torch.ones(len(batch), 1, dtype=torch.long)], 1)
+        ids = torch.tensor([[r.next_token] for r in batch], device=self.device)
+        ones = torch.ones(len(batch), 1, dtype=torch.long, device=self.device)
+        self._mask = torch.cat([self._mask, ones], 1)
         positions = self._mask.sum(1, keepdim=True) - 1
         out = self.model(
             input_ids=ids,
@@ -334,7 +339,7 @@ class GenerationEngine:
         if not keep:
             self._cache, self._mask = None, None
             return
-        index = torch.tensor(keep)
+        index = torch.tensor(keep, device=self.device)
         self._mask = self._mask[index]
         first = int((self._mask.sum(0) > 0).nonzero()[0])  # trim columns every row pads
         self._mask = self._mask[:, first:]
@@ -371,12 +376,14 @@ class GenerationEngine:
     ) -> tuple[torch.Tensor, torch.Tensor, list]:
         """One token per row: greedy rows take the argmax, the others draw by inverse CDF from
         one uniform of their own generator (seeded requests repeat)."""
-        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in reqs])
+        temps = torch.tensor(
+            [1.0 if r.params.greedy else r.params.temperature for r in reqs], device=logits.device
+        )
         logp = torch.log_softmax(logits / temps[:, None], -1)
         tokens = logits.argmax(-1)
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if sampled:
-            rows = torch.tensor(sampled)
+            rows = torch.tensor(sampled, device=logits.device)
             probs = logp[rows].exp()
             for j, i in enumerate(sampled):
                 p = reqs[i].params
@@ -385,6 +392,7 @@ class GenerationEngine:
             cdf = probs.cumsum(-1)
             # 1 - U(0, 1) lies in (0, 1]: the first index reaching it has a nonzero probability
             u = torch.cat([1.0 - torch.rand(1, generator=reqs[i].generator) for i in sampled])
+            u = u.to(logits.device)  # drawn on the host: each request's generator is a CPU one
             picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
             tokens[rows] = picked.clamp(max=probs.shape[-1] - 1)
         # a token the model gives probability 0 has log-prob -inf, which JSON cannot carry
@@ -484,4 +492,4 @@ def _left_pad(x: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
         return x
     shape = list(x.shape)
     shape[dim] = missing
-    return torch.cat([torch.zeros(shape, dtype=x.dtype), x], dim)
+    return torch.cat([torch.zeros(shape, dtype=x.dtype, device=x.device), x], dim)

@@ -90,6 +90,7 @@ class TidalEngine(RolloutEngine):
             torch_threads=cfg.cluster.torch_threads,
             dtype=cfg.model.dtype,
             attn_implementation=cfg.model.attn_implementation,
+            device=cfg.cluster.device,
         ).launch(self.cluster, self.server_devices(), name="rollout")
         self.weights_ch = Channel.create(  # bound: weights go straight to each server's process
             f"{cfg.runner.experiment}-{uuid.uuid4().hex[:6]}-weights",

@@ -127,9 +127,10 @@ class RunLoop(ABC):
     def start_cluster(self):
         """The cluster ``cluster.*`` describes (the one place a runner makes it)."""
         from tidal.runtime import Cluster
+        from tidal.runtime.devices import check_device_setting
 
         c = self.cfg.cluster
-        return Cluster(
+        cluster = Cluster(
             c.backend,
             address=c.address,
             connect_timeout_s=c.connect_timeout_s,
@@ -137,6 +138,12 @@ class RunLoop(ABC):
             gil_switch_interval=c.gil_switch_interval,
             pin_cpus=c.pin_cpus,
         )
+        try:  # a joined cluster's nodes are known only now, before any worker starts
+            check_device_setting(c.device, sum(n.device_kind == "gpu" for n in cluster.nodes))
+        except Exception:
+            cluster.shutdown()
+            raise
+        return cluster
 
     # -- the loop --------------------------------------------------------------------------
 

@@ -28,7 +28,8 @@ def send_weights(
     """Pickled once: on ray, sent by ZeroMQ to each receiving rank when the channel is bound to
     them (the tensors' buffers travel without a copy into the pickle), else one object-store
     write; on local, one shared reference. The version travels with the tensors."""
-    update = WeightsUpdate(version, {k: v.detach() for k, v in state_dict.items()})
+    # a pickled CUDA tensor would need CUDA on the receiving end: the wire carries host tensors
+    update = WeightsUpdate(version, {k: v.detach().cpu() for k, v in state_dict.items()})
     keys = [CommMapper.build_channel_key(0, dst, tag) for dst in range(dst_world_size)]
     channel.put_shared(update, keys, timeout=timeout)
 

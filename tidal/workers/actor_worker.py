@@ -16,6 +16,7 @@ from tidal.data import Trajectory
 from tidal.data.records import flat_time_major, flatten_steps
 from tidal.engine import TrainEngine
 from tidal.runtime import Channel, CommMapper, ConfigSections, Worker, merge_batches, send_weights
+from tidal.runtime.devices import to_device
 from tidal.workers.rollout_worker import make_policy
 from tidal.workers.routes import TRAJECTORY_TAG, Topology
 
@@ -38,7 +39,8 @@ class ActorWorker(Worker):
         self.cfg, self.topo = cfg, topology
         torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.runner.seed)
-        self.policy = make_policy(cfg, observation_space, action_space)
+        self.compute_device = self.torch_device(cfg.cluster.device)
+        self.policy = make_policy(cfg, observation_space, action_space).to(self.compute_device)
         if self.world_size > 1:
             self.init_distributed()
         self.engine = TrainEngine(
@@ -83,7 +85,7 @@ class ActorWorker(Worker):
                     f"trajectory from source {src}: expected {size} envs, got {shard.rewards.shape[0]}"
                 )
             shards.append(shard)
-        self.traj = merge_batches(shards)
+        self.traj = to_device(merge_batches(shards), self.compute_device)  # once per step
         return self.traj.rewards.shape[0]
 
     async def discard_trajectories(self, actor_ch: Channel, timeout: float = 600.0) -> int:
@@ -231,7 +233,7 @@ class ActorWorker(Worker):
             loss_mask_sum=spread_to(micro["mask_sum"], policy.logp),
             max_episode_steps=self.max_chunk_steps,
         )
-        return loss, {k: v.item() for k, v in info.items()}
+        return loss, {k: v.detach() for k, v in info.items()}  # read once per optimizer step
 
     # -- checkpoints ---------------------------------------------------------------------
 

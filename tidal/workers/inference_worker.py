@@ -21,9 +21,15 @@ class InferenceServerWorker(Worker):
         torch_threads: int = 1,
         dtype: str = "float32",
         attn_implementation: str | None = None,
+        device: str = "auto",
     ):
         torch.set_num_threads(torch_threads)
-        engine = GenerationEngine(model_dir, max_batch_size=max_batch_size, dtype=DTYPES[dtype])
+        engine = GenerationEngine(
+            model_dir,
+            max_batch_size=max_batch_size,
+            dtype=DTYPES[dtype],
+            device=self.torch_device(device),
+        )
         if attn_implementation is not None:  # model.attn_implementation, as the trainer loads it
             engine.model.set_attn_implementation(attn_implementation)
         self.server = InferenceServer(
