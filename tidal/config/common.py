@@ -21,6 +21,7 @@ from tidal.extras import installed
 # it for a whole process.
 DEFAULT_TIMEOUT_S = float(os.environ.get("TIDAL_WAIT_TIMEOUT", "600"))
 
+WEIGHT_SYNCS = ("channel", "collective", "disk")  # tidal.runtime.weight_sync registers them
 LR_SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adam", "adamw")
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")

@@ -15,8 +15,9 @@ from tidal.algorithms.objectives import drop_stale, make_objective, minibatch_de
 from tidal.data import Trajectory
 from tidal.data.records import flat_time_major, flatten_steps
 from tidal.engine import TrainEngine
-from tidal.runtime import Channel, CommMapper, ConfigSections, Worker, merge_batches, send_weights
+from tidal.runtime import Channel, CommMapper, ConfigSections, Worker, merge_batches
 from tidal.runtime.devices import to_device
+from tidal.runtime.weight_sync import WeightLinks
 from tidal.workers.rollout_worker import make_policy
 from tidal.workers.routes import TRAJECTORY_TAG, Topology
 
@@ -25,7 +26,7 @@ def _time_major(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1)
 
 
-class ActorWorker(Worker):
+class ActorWorker(Worker, WeightLinks):
     config_sections = ("cluster", "runner", "env", "rollout", "model", "actor", "algorithm")
 
     def __init__(
@@ -60,15 +61,20 @@ class ActorWorker(Worker):
 
     # -- weights -------------------------------------------------------------------------
 
-    def send_weights(self, weights_ch: Channel) -> int:
-        """Rank 0 sends its weights to every rollout rank. Asynchronous runs send a copy: the
-        update may wait in the channel while the next step changes the weights in place."""
+    def send_weights(self, link) -> int:
+        """Rank 0 sends its weights to every rollout rank over the run's weight link (or a
+        bare channel). Asynchronous runs send a copy: the update may wait in the channel while
+        the next step changes the weights in place."""
         if self.rank == 0:
-            weights = self.policy.state_dict()
-            if self.cfg.rollout.max_staleness > 0:
-                weights = {k: v.detach().clone() for k, v in weights.items()}
-            send_weights(weights_ch, weights, self.engine.step, self.topo.rollout)
+            end = self.weight_end(link, "send", self.topo.rollout)
+            snapshot = self.cfg.rollout.max_staleness > 0
+            end.send(self.weight_tensors(), self.engine.step, snapshot=snapshot)
         return self.engine.step
+
+    def weight_tensors(self):
+        """The ``(name, tensor)`` pairs a weight link sends (a sharded trainer yields each one
+        gathered, one at a time)."""
+        return self.policy.state_dict().items()
 
     # -- data ----------------------------------------------------------------------------
 

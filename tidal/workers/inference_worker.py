@@ -7,10 +7,11 @@ import torch
 
 from tidal.inference import GenerationEngine, InferenceServer
 from tidal.models.llm import DTYPES
-from tidal.runtime import Channel, Worker, recv_weights
+from tidal.runtime import Worker
+from tidal.runtime.weight_sync import WeightLinks
 
 
-class InferenceServerWorker(Worker):
+class InferenceServerWorker(Worker, WeightLinks):
     def __init__(
         self,
         model_dir: str,
@@ -48,9 +49,7 @@ class InferenceServerWorker(Worker):
     def continue_generation(self) -> None:
         self.server.engine.resume()
 
-    def update_weights(
-        self, weights_ch: Channel, pause_mode: str = "abort", timeout: float = 600.0
-    ) -> int:
+    def update_weights(self, link, pause_mode: str = "abort", timeout: float = 600.0) -> int:
         """pause → receive the trainer's weights → load → continue, in one call (on ray, two
         round trips fewer than separate pause and continue calls); returns the version.
         Receiving while still generating was measured slower on ray: the transfer then
@@ -58,16 +57,16 @@ class InferenceServerWorker(Worker):
         engine = self.server.engine
         engine.pause(pause_mode)
         try:
-            update = recv_weights(weights_ch, self.rank, timeout=timeout)
-            engine.update_weights(update.state_dict, update.version)
+            update = self.weight_end(link, "recv", timeout_s=timeout).recv()
+            engine.update_weights(update.state_dict, update.version)  # checked, then loaded
         finally:
             engine.resume()
         return update.version
 
-    def load_weights(self, weights_ch: Channel, timeout: float = 600.0) -> int:
+    def load_weights(self, link, timeout: float = 600.0) -> int:
         """Load the trainer's weights while the caller holds generation paused (the client's
         pause → update → continue cycle across all servers)."""
-        update = recv_weights(weights_ch, self.rank, timeout=timeout)
+        update = self.weight_end(link, "recv", timeout_s=timeout).recv()
         self.server.engine.update_weights(update.state_dict, update.version)
         return update.version
 

@@ -19,8 +19,9 @@ from tidal.algorithms.objectives import (
 from tidal.data import LLMBatch
 from tidal.engine import TrainEngine
 from tidal.models.llm import load_causal_lm
-from tidal.runtime import Channel, ConfigSections, Worker, send_weights
+from tidal.runtime import ConfigSections, Worker
 from tidal.runtime.devices import to_device
+from tidal.runtime.weight_sync import WeightLinks
 
 
 def token_logprobs(
@@ -62,7 +63,7 @@ def length_grouped_micro_batches(
     ]
 
 
-class LLMActor(Worker):
+class LLMActor(Worker, WeightLinks):
     config_sections = ("cluster", "runner", "rollout", "model", "actor", "algorithm")
 
     def __init__(self, cfg: ConfigSections):
@@ -88,10 +89,16 @@ class LLMActor(Worker):
         self.temperature = cfg.rollout.temperature
         self.objective = make_objective(cfg.algorithm)
 
-    def send_weights(self, weights_ch: Channel, num_servers: int) -> int:
+    def send_weights(self, link, num_servers: int = 0) -> int:
+        """Rank 0 sends over the run's weight link (or a bare channel to ``num_servers``)."""
         if self.rank == 0:
-            send_weights(weights_ch, self.model.state_dict(), self.version, num_servers)
+            self.weight_end(link, "send", num_servers).send(self.weight_tensors(), self.version)
         return self.version
+
+    def weight_tensors(self):
+        """The ``(name, tensor)`` pairs a weight link sends (a sharded trainer yields each one
+        gathered, one at a time)."""
+        return self.model.state_dict().items()
 
     def save_weights_folder(self, folder: str) -> int:
         """The weights as a ``save_pretrained`` safetensors folder (for servers that reload from

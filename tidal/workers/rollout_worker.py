@@ -17,9 +17,9 @@ from tidal.runtime import (
     Outbox,
     Worker,
     async_recv_batch,
-    async_recv_weights,
 )
 from tidal.runtime.devices import to_host
+from tidal.runtime.weight_sync import WeightLinks, load_checked
 from tidal.workers.routes import Topology, action_tag, obs_tag
 
 
@@ -29,7 +29,7 @@ def make_policy(
     return build_from_config(cfg.model, observation_space, action_space, cfg.env.num_action_chunks)
 
 
-class RolloutWorker(Worker):
+class RolloutWorker(Worker, WeightLinks):
     config_sections = ("cluster", "runner", "env", "rollout", "model")
 
     def __init__(
@@ -49,9 +49,12 @@ class RolloutWorker(Worker):
         self.version = -1  # no weights received yet
         self._stamp, self._stamp_version = None, None
 
-    async def sync_weights(self, weights_ch: Channel, timeout: float = 600.0) -> int:
-        update = await async_recv_weights(weights_ch, self.rank, timeout=timeout)
-        self.policy.load_state_dict(update.state_dict)
+    async def sync_weights(self, link, timeout: float = 600.0) -> int:
+        """The next update over the run's weight link (or a bare channel), checked, then loaded:
+        a refused one changes nothing and names the tensor."""
+        end = self.weight_end(link, "recv", timeout_s=timeout)
+        update = await end.arecv(self.offload)  # a blocking receive leaves the event loop free
+        load_checked(self.policy, update.state_dict)
         self.version = update.version
         return self.version
 
