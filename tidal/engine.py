@@ -27,6 +27,7 @@ import torch
 
 from tidal.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from tidal.config.common import ActorConfig
+from tidal.runtime.offload import HostOffload, module_and_optimizer_tensors
 
 log = logging.getLogger("tidal.engine")
 
@@ -79,6 +80,7 @@ class TrainEngine:
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self.consecutive_skips = 0
+        self._host = HostOffload()
 
     # -- training --------------------------------------------------------------------------
 
@@ -178,6 +180,17 @@ class TrainEngine:
         self.scheduler.step()
         self.step += 1
         return {"train/lr": lr, "train/skipped_steps": float(self.skipped_steps)}
+
+    # -- collocated offload (actor.offload) -------------------------------------------------
+
+    def offload(self) -> int:
+        """Parameters, gradients and optimizer state to host memory while another worker uses
+        the device (tidal.runtime.offload); returns the bytes freed."""
+        return self._host.offload(module_and_optimizer_tensors(self.model, self.optimizer))
+
+    def onload(self) -> int:
+        """Back on the device before training; bitwise as before ``offload``."""
+        return self._host.onload()
 
     # -- checkpoints -----------------------------------------------------------------------
 

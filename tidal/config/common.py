@@ -128,7 +128,15 @@ class ActorConfig:
     adam_eps: float = setting(1e-8, "the optimizer's epsilon")
     weight_decay: float = setting(0.0, "weight decay (decoupled with adamw)")
     max_grad_norm: float | None = setting(1.0, "clip the gradient norm to this; None: no clipping")
-    bf16: bool = setting(False, "bfloat16 autocast for forward passes")
+    bf16: bool = setting(
+        False, "bfloat16 autocast for forward passes (the master weights stay float32)"
+    )
+    offload: bool = setting(
+        False,
+        "collocated layouts (actor and rollout on one device): the actor's parameters, "
+        "gradients and optimizer state move to host memory while the rollout generates and "
+        "back before training (synchronous runs; timers offload, onload)",
+    )
     max_skipped_steps: int = setting(
         10, "abort after this many consecutive optimizer steps with a non-finite gradient"
     )

@@ -256,6 +256,11 @@ def validate_embodied(cfg: EmbodiedConfig) -> None:
         "waiting update between chunk steps, which a collective cannot wait for",
     )
     require(
+        not (cfg.actor.offload and cfg.rollout.max_staleness),
+        "actor.offload",
+        "asynchronous runs (rollout.max_staleness > 0) train while the rollout generates",
+    )
+    require(
         cfg.rollout.weight_sync_bucket_mb > 0,
         "rollout.weight_sync_bucket_mb",
         f"must be > 0, got {cfg.rollout.weight_sync_bucket_mb}",

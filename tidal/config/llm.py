@@ -285,6 +285,11 @@ def validate_llm(cfg: LLMConfig) -> None:
         )
     one_of(r.pause_mode, ("abort", "keep", "in_place"), "rollout.pause_mode")
     require(
+        not (a.offload and r.max_staleness),
+        "actor.offload",
+        "asynchronous runs (rollout.max_staleness > 0) train while the servers generate",
+    )
+    require(
         r.weight_sync_bucket_mb > 0,
         "rollout.weight_sync_bucket_mb",
         f"must be > 0, got {r.weight_sync_bucket_mb}",

@@ -199,6 +199,22 @@ class GenerationEngine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()
 
+    def release_memory(self) -> int:
+        """With no request in flight: drop the KV cache and return the CUDA allocator's cached
+        blocks (a collocated trainer takes the device); returns the bytes the cache held."""
+        with self._lock:
+            if self._active:
+                return 0
+            held = sum(
+                t.nbytes
+                for layer in (self._cache.layers if self._cache else [])
+                for t in (layer.keys, layer.values)
+            )
+            self._cache, self._mask = None, None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return held
+
     def close(self) -> None:
         self._stop.set()
         self._wake.set()

@@ -68,6 +68,10 @@ class RolloutEngine:
         (timed as ``update_weights/<phase>``); returns the version."""
         raise NotImplementedError
 
+    def release_memory(self) -> None:
+        """Collocated runs (``actor.offload``): give the device's memory back while the actor
+        trains (tidal: drop the KV cache and the allocator's cached blocks)."""
+
     def check_alive(self) -> None:
         """Raise, naming the group, rank and method, when a launched server is gone."""
         if self.servers is not None:
@@ -142,6 +146,9 @@ class TidalEngine(RolloutEngine):
             self.timeout,
         )
         return sent[0]
+
+    def release_memory(self) -> None:
+        self.servers.release_memory().wait(self.timeout)
 
     def cleanup_steps(self, graceful: bool) -> list:
         steps = super().cleanup_steps(graceful)

@@ -18,6 +18,7 @@ original error is what propagates.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -144,6 +145,22 @@ class RunLoop(ABC):
             cluster.shutdown()
             raise
         return cluster
+
+    @contextlib.contextmanager
+    def actor_offloaded(self, actor):
+        """``actor.offload``: the actor's state in host memory for the block (the rollout has
+        the device meanwhile), back on the device after it; timed as ``offload``, ``onload``."""
+        if not self.cfg.actor.offload:
+            yield
+            return
+        timeout = self.cfg.runner.timeout_s
+        with self.timer("offload"):
+            actor.offload_engine().wait(timeout)
+        try:
+            yield
+        finally:
+            with self.timer("onload"):
+                actor.onload_engine().wait(timeout)
 
     # -- the loop --------------------------------------------------------------------------
 

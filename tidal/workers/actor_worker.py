@@ -76,6 +76,13 @@ class ActorWorker(Worker, WeightLinks):
         gathered, one at a time)."""
         return self.policy.state_dict().items()
 
+    def offload_engine(self) -> int:
+        """``actor.offload``: parameters, gradients and optimizer state to host memory."""
+        return self.engine.offload()
+
+    def onload_engine(self) -> int:
+        return self.engine.onload()
+
     # -- data ----------------------------------------------------------------------------
 
     async def recv_trajectories(self, actor_ch: Channel, timeout: float = 600.0) -> int:

@@ -70,6 +70,10 @@ class InferenceServerWorker(Worker, WeightLinks):
         self.server.engine.update_weights(update.state_dict, update.version)
         return update.version
 
+    def release_memory(self) -> int:
+        """Drop the KV cache (when idle) and the allocator's cached blocks; returns bytes freed."""
+        return self.server.engine.release_memory()
+
     def stats(self) -> dict:
         return dict(self.server.engine.stats)
 

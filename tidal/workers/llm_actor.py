@@ -107,6 +107,13 @@ class LLMActor(Worker, WeightLinks):
             self.model.save_pretrained(folder, safe_serialization=True)
         return self.version
 
+    def offload_engine(self) -> int:
+        """``actor.offload``: parameters, gradients and optimizer state to host memory."""
+        return self.engine.offload()
+
+    def onload_engine(self) -> int:
+        return self.engine.onload()
+
     @property
     def version(self) -> int:
         """The policy version: training steps applied to the weights."""

@@ -347,7 +347,7 @@ class EmbodiedRunner(RunLoop):
             with self.timer("sync_weights"):
                 if step % self.cfg.runner.weight_sync_interval == 0 or self.rollout_version is None:
                     self.sync_weights()
-            with self.timer("generate_rollouts"):
+            with self.actor_offloaded(self.actor), self.timer("generate_rollouts"):
                 metrics = self.generate_rollouts()
             with self.timer("compute_advantages"):
                 metrics.update(self.actor.compute_advantages().wait(timeout)[0])

@@ -67,6 +67,10 @@ class CollectiveTransport(WeightTransport):
         dtype = spec.options.get("dtype")
         self.dtype = _dtype(dtype) if dtype else None
         self.pg = self._join()
+        # bucket buffers kept between updates (same layout every time): no allocation and no
+        # first-touch page faults per update. A receiver's update views its staging buffers:
+        # load it before the next receive.
+        self._buffers: dict[int, torch.Tensor] = {}
 
     def _join(self):
         timeout = datetime.timedelta(seconds=self.spec.timeout_s)
@@ -79,9 +83,11 @@ class CollectiveTransport(WeightTransport):
                 store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
             store = dist.PrefixStore(self.spec.name, store)
             self._store = store
-            # NCCL only when every end computes on CUDA: each says so, all read all
-            store.set(f"cuda/{self.link_rank}", "1" if self._wants_cuda() else "0")
-            on_cuda = all(store.get(f"cuda/{r}") == b"1" for r in range(self.world))
+            # NCCL only when every end computes on a GPU of its own (NCCL refuses two ranks on
+            # one GPU: a collocated layout takes gloo): each says which, all read all
+            store.set(f"gpu/{self.link_rank}", self._gpu_id())
+            gpus = [store.get(f"gpu/{r}").decode() for r in range(self.world)]
+            on_cuda = all(gpus) and len(set(gpus)) == self.world
             self.backend = "nccl" if on_cuda else "gloo"
             self.device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else None
             self.device = self.device or torch.device("cpu")
@@ -93,8 +99,11 @@ class CollectiveTransport(WeightTransport):
         except Exception as exc:  # noqa: BLE001 (named and re-raised)
             raise self.error(call, exc) from exc
 
-    def _wants_cuda(self) -> bool:
-        return self.spec.options.get("device", "auto") != "cpu" and torch.cuda.is_available()
+    def _gpu_id(self) -> str:
+        """This end's GPU (its UUID), or "" when it computes on the CPU."""
+        if self.spec.options.get("device", "auto") == "cpu" or not torch.cuda.is_available():
+            return ""
+        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
 
     # -- the wire ----------------------------------------------------------------------------
 
@@ -151,7 +160,12 @@ class CollectiveTransport(WeightTransport):
         }
         what = f"bucket {index} ({names[0]} ...)"
         self._header(header, what)
-        flat = torch.cat([t.reshape(-1) for _, t in bucket]).to(self.device)
+        numel = sum(t.numel() for _, t in bucket)
+        flat = self._buffer(index, numel, bucket[0][1].dtype)
+        if bucket[0][1].device == self.device:
+            torch.cat([t.reshape(-1) for _, t in bucket], out=flat)
+        else:
+            flat.copy_(torch.cat([t.reshape(-1) for _, t in bucket]))
         self._broadcast(flat, what)
 
     # -- receiving ---------------------------------------------------------------------------
@@ -169,13 +183,19 @@ class CollectiveTransport(WeightTransport):
                 break
             shapes = header["shapes"]
             sizes = [math.prod(s) for s in shapes]
-            flat = torch.empty(sum(sizes), dtype=_dtype(header["dtype"]), device=self.device)
+            flat = self._buffer(index, sum(sizes), _dtype(header["dtype"]))
             self._broadcast(flat, f"{what} ({header['names'][0]} ...)")
             for name, part, shape in zip(header["names"], flat.split(sizes), shapes):
                 staged[name] = part.view(shape)
         if len(versions) != 1:
             raise self.error("receive", f"buckets of one update carry versions {sorted(versions)}")
         return WeightsUpdate(versions.pop(), staged)
+
+    def _buffer(self, index: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._buffers.get(index)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            buf = self._buffers[index] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf
 
     def close(self) -> None:
         shutdown = getattr(self.pg, "shutdown", None)
