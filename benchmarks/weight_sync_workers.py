@@ -32,8 +32,11 @@ class SyncPeer(Worker, WeightLinks):
 
     def receive(self, link) -> float:
         start = time.perf_counter()
-        update = self.weight_end(link, "recv").recv()
-        load_checked(self.model, update.state_dict)
+        end = self.weight_end(link, "recv")
+        update = end.recv()
+        load_checked(self.model, update.state_dict, adopt=update.owned)
+        if update.owned:  # the collective's staged tensors are the model's weights now
+            end.adopted()
         return time.perf_counter() - start
 
     def bare_broadcast(self, link, role: str) -> float:

@@ -38,8 +38,11 @@ class Holder(Worker, WeightLinks):
         self.weight_end(link, "send").send(tensors(), 3)
 
     def receive(self, link) -> tuple[int, str]:
-        update = self.weight_end(link, "recv").recv()
-        load_checked(self.model, update.state_dict)
+        end = self.weight_end(link, "recv")
+        update = end.recv()
+        load_checked(self.model, update.state_dict, adopt=update.owned)
+        if update.owned:  # the collective's staged tensors are the model's weights now
+            end.adopted()
         return update.version, str(next(iter(update.state_dict.values())).dtype)
 
     def weights(self) -> dict:
@@ -101,6 +104,7 @@ def test_collective_sends_in_the_rollout_dtype(groups):
 def test_a_refused_collective_update_changes_nothing_and_names_the_tensor(groups, bad, named):
     _, sender, receivers, _ = groups
     link = _open(groups, "collective", bucket_mb=0.0005)
+    assert _sync(groups, link, version=4) == [(4, "torch.float32")] * 2  # adopted: now live
     before = receivers.weights().wait(5)
     with pytest.raises(WorkerError, match=named.replace("[", r"\[").replace("]", r"\]")):
         _sync(groups, link, version=5, bad=bad)

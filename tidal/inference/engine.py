@@ -39,6 +39,7 @@ from tidal.runtime.weight_sync.validation import (  # noqa: F401 (re-exported)
     WeightsRejected,
     check_weights,
     first_non_finite,
+    load_checked,
 )
 
 
@@ -185,15 +186,16 @@ class GenerationEngine:
     def paused(self) -> bool:
         return self._paused.is_set()
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], weight_version: int) -> None:
+    def update_weights(
+        self, state_dict: dict[str, torch.Tensor], weight_version: int, adopt: bool = False
+    ) -> None:
         """Load new weights (only while paused) and stamp later tokens with ``weight_version``.
-        Every tensor is checked before any is copied: a refused update changes nothing."""
+        Every tensor is checked before any is loaded: a refused update changes nothing.
+        ``adopt``: the tensors are this engine's own (``WeightsUpdate.owned``), used in place."""
         if not self._paused.is_set():
             raise EngineError("weights can only be updated while generation is paused")
-        pairs = check_weights(self.model.state_dict(), state_dict)
-        with self._lock, torch.no_grad():
-            for target, source in pairs:
-                target.copy_(source)
+        with self._lock:
+            load_checked(self.model, state_dict, adopt=adopt)
             self.weight_version = weight_version
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -15,6 +15,10 @@ from tidal.runtime.comm import CommMapper
 class WeightsUpdate:
     version: int
     state_dict: dict[str, torch.Tensor]
+    # the tensors are the receiver's own (a collective's staging buffers, not reused by the next
+    # update): a loader may adopt them in place of copying. Never a channel's: on the local
+    # backend those are the sender's tensors.
+    owned: bool = False
 
 
 def send_weights(

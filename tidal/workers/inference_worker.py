@@ -57,8 +57,11 @@ class InferenceServerWorker(Worker, WeightLinks):
         engine = self.server.engine
         engine.pause(pause_mode)
         try:
-            update = self.weight_end(link, "recv", timeout_s=timeout).recv()
-            engine.update_weights(update.state_dict, update.version)  # checked, then loaded
+            end = self.weight_end(link, "recv", timeout_s=timeout)
+            update = end.recv()
+            engine.update_weights(update.state_dict, update.version, adopt=update.owned)
+            if update.owned:  # checked, then loaded: the staged tensors are the weights now
+                end.adopted()
         finally:
             engine.resume()
         return update.version
@@ -66,8 +69,11 @@ class InferenceServerWorker(Worker, WeightLinks):
     def load_weights(self, link, timeout: float = 600.0) -> int:
         """Load the trainer's weights while the caller holds generation paused (the client's
         pause → update → continue cycle across all servers)."""
-        update = self.weight_end(link, "recv", timeout_s=timeout).recv()
-        self.server.engine.update_weights(update.state_dict, update.version)
+        end = self.weight_end(link, "recv", timeout_s=timeout)
+        update = end.recv()
+        self.server.engine.update_weights(update.state_dict, update.version, adopt=update.owned)
+        if update.owned:
+            end.adopted()
         return update.version
 
     def release_memory(self) -> int:

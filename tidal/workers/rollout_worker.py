@@ -54,7 +54,9 @@ class RolloutWorker(Worker, WeightLinks):
         a refused one changes nothing and names the tensor."""
         end = self.weight_end(link, "recv", timeout_s=timeout)
         update = await end.arecv(self.offload)  # a blocking receive leaves the event loop free
-        load_checked(self.policy, update.state_dict)
+        load_checked(self.policy, update.state_dict, adopt=update.owned)
+        if update.owned:
+            end.adopted()
         self.version = update.version
         return self.version
 

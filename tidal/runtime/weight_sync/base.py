@@ -65,6 +65,10 @@ class WeightTransport:
     def recv(self) -> WeightsUpdate:
         raise NotImplementedError
 
+    def adopted(self) -> None:
+        """The receiver loaded the last update by adopting its tensors (``WeightsUpdate.owned``):
+        they are its weights now, and the next update must not be written into them."""
+
     async def arecv(self, run_blocking) -> WeightsUpdate:
         """``recv`` from a coroutine; ``run_blocking(fn)`` runs it on the rank's compute thread."""
         return await run_blocking(self.recv)

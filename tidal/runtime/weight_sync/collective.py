@@ -68,9 +68,12 @@ class CollectiveTransport(WeightTransport):
         self.dtype = _dtype(dtype) if dtype else None
         self.pg = self._join()
         # bucket buffers kept between updates (same layout every time): no allocation and no
-        # first-touch page faults per update. A receiver's update views its staging buffers:
-        # load it before the next receive.
-        self._buffers: dict[int, torch.Tensor] = {}
+        # first-touch page faults per update. A receiver stages into one of two sets; a loader
+        # that adopts the staged tensors as its weights (``adopted``) makes that set live, and
+        # the next update goes into the other one.
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._live_set: int | None = None
+        self._staging_set = 0
 
     def _join(self):
         timeout = datetime.timedelta(seconds=self.spec.timeout_s)
@@ -161,7 +164,7 @@ class CollectiveTransport(WeightTransport):
         what = f"bucket {index} ({names[0]} ...)"
         self._header(header, what)
         numel = sum(t.numel() for _, t in bucket)
-        flat = self._buffer(index, numel, bucket[0][1].dtype)
+        flat = self._buffer((0, index), numel, bucket[0][1].dtype)
         if bucket[0][1].device == self.device:
             torch.cat([t.reshape(-1) for _, t in bucket], out=flat)
         else:
@@ -173,6 +176,7 @@ class CollectiveTransport(WeightTransport):
     def recv(self) -> WeightsUpdate:
         staged: dict[str, torch.Tensor] = {}
         versions = set()
+        self._staging_set = 1 if self._live_set == 0 else 0
         for index in range(1 << 62):
             what = f"bucket {index}"
             header = self._header(None, what)
@@ -183,15 +187,18 @@ class CollectiveTransport(WeightTransport):
                 break
             shapes = header["shapes"]
             sizes = [math.prod(s) for s in shapes]
-            flat = self._buffer(index, sum(sizes), _dtype(header["dtype"]))
+            flat = self._buffer((self._staging_set, index), sum(sizes), _dtype(header["dtype"]))
             self._broadcast(flat, f"{what} ({header['names'][0]} ...)")
             for name, part, shape in zip(header["names"], flat.split(sizes), shapes):
                 staged[name] = part.view(shape)
         if len(versions) != 1:
             raise self.error("receive", f"buckets of one update carry versions {sorted(versions)}")
-        return WeightsUpdate(versions.pop(), staged)
+        return WeightsUpdate(versions.pop(), staged, owned=True)
 
-    def _buffer(self, index: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def adopted(self) -> None:
+        self._live_set = self._staging_set
+
+    def _buffer(self, index: tuple[int, int], numel: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self._buffers.get(index)
         if buf is None or buf.numel() != numel or buf.dtype != dtype:
             buf = self._buffers[index] = torch.empty(numel, dtype=dtype, device=self.device)

@@ -67,8 +67,22 @@ def first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
 
 
 @torch.no_grad()
-def load_checked(module: torch.nn.Module, update: dict[str, torch.Tensor]) -> None:
-    """Every tensor checked, then copied into ``module`` (``load_state_dict`` copies as it goes
-    and raises after: a mis-shaped tensor would leave the others loaded)."""
-    for target, source in check_weights(module.state_dict(), update):
-        target.copy_(source)
+def load_checked(
+    module: torch.nn.Module, update: dict[str, torch.Tensor], adopt: bool = False
+) -> None:
+    """Every tensor checked, then loaded into ``module`` (``load_state_dict`` copies as it goes
+    and raises after: a mis-shaped tensor would leave the others loaded). ``adopt``: tensors of
+    the same dtype and device become the module's storage (no copy); see ``WeightsUpdate.owned``."""
+    pairs = check_weights(module.state_dict(), update)
+    if not adopt:
+        for target, source in pairs:
+            target.copy_(source)
+        return
+    live = dict(module.named_parameters(remove_duplicate=False))
+    live.update(module.named_buffers(remove_duplicate=False))
+    for key, (target, source) in zip(update, pairs):
+        owner = live.get(key)
+        if owner is not None and owner.dtype == source.dtype and owner.device == source.device:
+            owner.data = source
+        else:
+            target.copy_(source)
