@@ -53,15 +53,16 @@ def check_weights(
 
 
 def first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
-    """The first key whose floating-point tensor holds NaN or inf, else None. One fused check
-    covers all of them (a per-tensor ``isfinite().all()`` cost 5-10x the copy of the weights):
-    ``x * 0`` is 0 for every finite ``x`` and NaN otherwise, so each sum is exactly 0 when all
-    is finite (a plain sum could overflow). Only a failing update is searched key by key."""
-    floats = {k: t for k, t in tensors.items() if t.dtype.is_floating_point}
+    """The first key whose floating-point tensor holds NaN or inf, else None. One pass per
+    tensor, no temporary: ``aminmax`` propagates NaN, and an inf is the min or the max, so all is
+    finite exactly when every bound is (10x faster here than ``isfinite(t).all()``, 5-10x the
+    fused ``t * 0`` sums tidal used before); one host sync for all of them. Only a failing
+    update is searched key by key."""
+    floats = {k: t for k, t in tensors.items() if t.dtype.is_floating_point and t.numel()}
     if not floats:
         return None
-    zeros = torch._foreach_mul(list(floats.values()), 0.0)
-    if bool(torch.stack([z.sum(dtype=torch.float32) for z in zeros]).eq(0).all()):
+    bounds = torch.stack([b.float() for t in floats.values() for b in torch.aminmax(t)])
+    if bool(bounds.isfinite().all()):
         return None
     return next(k for k, t in floats.items() if not bool(torch.isfinite(t).all()))
 
