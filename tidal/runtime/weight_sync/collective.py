@@ -164,7 +164,9 @@ class CollectiveTransport(WeightTransport):
         what = f"bucket {index} ({names[0]} ...)"
         self._header(header, what)
         numel = sum(t.numel() for _, t in bucket)
-        flat = self._buffer((0, index), numel, bucket[0][1].dtype)
+        # one buffer per dtype, reused bucket after bucket (each broadcast is waited for): the
+        # sender holds at most a bucket's bytes beside its model, never a second copy of it
+        flat = self._send_buffer(numel, bucket[0][1].dtype)
         if bucket[0][1].device == self.device:
             torch.cat([t.reshape(-1) for _, t in bucket], out=flat)
         else:
@@ -197,6 +199,13 @@ class CollectiveTransport(WeightTransport):
 
     def adopted(self) -> None:
         self._live_set = self._staging_set
+
+    def _send_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (-1, hash(dtype))
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[key] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf[:numel]
 
     def _buffer(self, index: tuple[int, int], numel: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self._buffers.get(index)
