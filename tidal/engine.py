@@ -27,6 +27,7 @@ import torch
 
 from tidal.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from tidal.config.common import ActorConfig
+from tidal.runtime.offload import HostOffload, module_and_optimizer_tensors
 
 log = logging.getLogger("tidal.engine")
 
@@ -79,6 +80,7 @@ class TrainEngine:
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self.consecutive_skips = 0
+        self._host = HostOffload()
 
     # -- training --------------------------------------------------------------------------
 
@@ -105,8 +107,10 @@ class TrainEngine:
                     loss, info = loss_fn(self.module, micro)
                 loss.backward()
             for k, v in info.items():
-                metrics[k].append(float(v))
-        metrics["grad_norm"].append(self._optimizer_step())
+                metrics[k].append(v)
+        norm = self._optimizer_step()
+        metrics = host_floats(metrics)
+        metrics["grad_norm"] = [norm]
         return metrics
 
     def train_epochs(
@@ -177,6 +181,17 @@ class TrainEngine:
         self.step += 1
         return {"train/lr": lr, "train/skipped_steps": float(self.skipped_steps)}
 
+    # -- collocated offload (actor.offload) -------------------------------------------------
+
+    def offload(self) -> int:
+        """Parameters, gradients and optimizer state to host memory while another worker uses
+        the device (tidal.runtime.offload); returns the bytes freed."""
+        return self._host.offload(module_and_optimizer_tensors(self.model, self.optimizer))
+
+    def onload(self) -> int:
+        """Back on the device before training; bitwise as before ``offload``."""
+        return self._host.onload()
+
     # -- checkpoints -----------------------------------------------------------------------
 
     def save(self, path: str | Path, meta: dict, extra: dict[str, Any] | None = None) -> Path:
@@ -205,6 +220,18 @@ class TrainEngine:
         self.optimizer_steps = counters.get("optimizer_steps", 0)
         self.skipped_steps = counters.get("skipped_steps", 0)
         return meta
+
+
+def host_floats(metrics: dict[str, list]) -> dict[str, list[float]]:
+    """Micro-batch metrics (floats or 0-d tensors, e.g. on the GPU) as floats: the tensors are
+    read in one transfer per optimizer step, not one sync per micro-batch and metric."""
+    tensors = [
+        v.detach().float().reshape(()) for vs in metrics.values() for v in vs if torch.is_tensor(v)
+    ]
+    read = iter(torch.stack(tensors).tolist() if tensors else [])
+    return {
+        k: [next(read) if torch.is_tensor(v) else float(v) for v in vs] for k, vs in metrics.items()
+    }
 
 
 def load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:

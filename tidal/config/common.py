@@ -21,6 +21,7 @@ from tidal.extras import installed
 # it for a whole process.
 DEFAULT_TIMEOUT_S = float(os.environ.get("TIDAL_WAIT_TIMEOUT", "600"))
 
+WEIGHT_SYNCS = ("channel", "collective", "disk")  # tidal.runtime.weight_sync registers them
 LR_SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adam", "adamw")
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
@@ -53,6 +54,10 @@ class ClusterConfig:
     pin_cpus: bool = setting(
         False,
         "ray backend, CPU nodes: each rank's process runs only on the core of its CPU slot (slot mod cores), so ranks placed apart never share a core",
+    )
+    device: str = setting(
+        "auto",
+        "auto | cpu | cuda: where each rank computes (auto: CUDA where the rank sees a GPU); cuda without one is an error before start",
     )
     placement: dict[str, str] = setting(
         factory=dict,
@@ -123,7 +128,15 @@ class ActorConfig:
     adam_eps: float = setting(1e-8, "the optimizer's epsilon")
     weight_decay: float = setting(0.0, "weight decay (decoupled with adamw)")
     max_grad_norm: float | None = setting(1.0, "clip the gradient norm to this; None: no clipping")
-    bf16: bool = setting(False, "bfloat16 autocast for forward passes")
+    bf16: bool = setting(
+        False, "bfloat16 autocast for forward passes (the master weights stay float32)"
+    )
+    offload: bool = setting(
+        False,
+        "collocated layouts (actor and rollout on one device): the actor's parameters, "
+        "gradients and optimizer state move to host memory while the rollout generates and "
+        "back before training (synchronous runs; timers offload, onload)",
+    )
     max_skipped_steps: int = setting(
         10, "abort after this many consecutive optimizer steps with a non-finite gradient"
     )
@@ -196,6 +209,7 @@ def validate_common(
     registry, e.g. ``cluster.backend`` and ``algorithm.adv_type``, are checked by
     tidal.runners.preflight)."""
     one_of(algorithm.cap_mode, ("mask", "clamp"), "algorithm.cap_mode")
+    one_of(cluster.device, ("auto", "cpu", "cuda"), "cluster.device")
     require(
         algorithm.kl_clamp is None or algorithm.kl_clamp > 0,
         "algorithm.kl_clamp",

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from tidal.config.common import (
+    WEIGHT_SYNCS,
     ActorConfig,
     AlgorithmConfig,
     ClusterConfig,
@@ -97,6 +98,13 @@ class RolloutConfig:
         "counted)",
     )
     eval_deterministic: bool = setting(True, "evaluate with the mode of the action distribution")
+    weight_sync: str = setting(
+        "auto",
+        "how the actor's weights reach the rollout (tidal.runtime.weight_sync): channel | "
+        "collective | disk; auto: collective, or channel in asynchronous runs (their rollout "
+        "takes a waiting update between chunk steps)",
+    )
+    weight_sync_bucket_mb: float = setting(256.0, "collective: MiB per broadcast bucket")
 
 
 @dataclass
@@ -209,6 +217,8 @@ class EmbodiedConfig:
 
     def __post_init__(self):
         resolve_algorithm(self.algorithm, self.rollout.max_staleness)
+        if self.rollout.weight_sync == "auto":
+            self.rollout.weight_sync = "channel" if self.rollout.max_staleness else "collective"
 
     MOVED_KEYS: ClassVar[dict[str, str]] = {
         "actor.seed": "runner.seed",
@@ -238,6 +248,23 @@ def validate_embodied(cfg: EmbodiedConfig) -> None:
     one_of(cfg.runner.eval_video_format, ("gif", "mp4"), "runner.eval_video_format")
     one_of(alg.prox_logp_method, ("recompute", "loglinear"), "algorithm.prox_logp_method")
     one_of(cfg.rollout.staleness_policy, ("wait", "drop"), "rollout.staleness_policy")
+    one_of(cfg.rollout.weight_sync, WEIGHT_SYNCS, "rollout.weight_sync")
+    require(
+        cfg.rollout.max_staleness == 0 or cfg.rollout.weight_sync == "channel",
+        "rollout.weight_sync",
+        "asynchronous runs (rollout.max_staleness > 0) need channel: the rollout takes a "
+        "waiting update between chunk steps, which a collective cannot wait for",
+    )
+    require(
+        not (cfg.actor.offload and cfg.rollout.max_staleness),
+        "actor.offload",
+        "asynchronous runs (rollout.max_staleness > 0) train while the rollout generates",
+    )
+    require(
+        cfg.rollout.weight_sync_bucket_mb > 0,
+        "rollout.weight_sync_bucket_mb",
+        f"must be > 0, got {cfg.rollout.weight_sync_bucket_mb}",
+    )
     require(
         cfg.rollout.max_staleness >= 0,
         "rollout.max_staleness",

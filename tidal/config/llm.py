@@ -149,6 +149,13 @@ class LLMRolloutConfig:
         "(in_place: SGLang's name for keep)",
     )
     engine: str = setting("tidal", "what serves rollouts (tidal.rollout.engines): tidal | vllm")
+    weight_sync: str = setting(
+        "auto",
+        "how the trainer's weights reach the servers (tidal.runtime.weight_sync): channel | "
+        "collective | disk; auto: the engine's first (tidal: collective; vllm: disk, a "
+        "safetensors folder its servers reload)",
+    )
+    weight_sync_bucket_mb: float = setting(256.0, "collective: MiB per broadcast bucket")
     server_urls: list[str] = setting(
         factory=list,
         help="vllm: running servers to use instead of launching one per rollout rank",
@@ -277,6 +284,16 @@ def validate_llm(cfg: LLMConfig) -> None:
             "needs the trainer's own log-probs: set algorithm.recompute_logprob=true",
         )
     one_of(r.pause_mode, ("abort", "keep", "in_place"), "rollout.pause_mode")
+    require(
+        not (a.offload and r.max_staleness),
+        "actor.offload",
+        "asynchronous runs (rollout.max_staleness > 0) train while the servers generate",
+    )
+    require(
+        r.weight_sync_bucket_mb > 0,
+        "rollout.weight_sync_bucket_mb",
+        f"must be > 0, got {r.weight_sync_bucket_mb}",
+    )
     require(
         r.temperature >= 0, "rollout.temperature", f"must be >= 0 (0: greedy), got {r.temperature}"
     )

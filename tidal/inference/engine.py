@@ -35,6 +35,12 @@ with needs_extra("llm", "the generation engine"):
     from transformers import AutoModelForCausalLM, DynamicCache
 
 from tidal.inference.params import GenerationConfig
+from tidal.runtime.weight_sync.validation import (  # noqa: F401 (re-exported)
+    WeightsRejected,
+    check_weights,
+    first_non_finite,
+    load_checked,
+)
 
 
 @dataclass
@@ -52,11 +58,6 @@ class GenerationResult:
 
 class EngineError(RuntimeError):
     pass
-
-
-class WeightsRejected(ValueError):
-    """An update that does not fit the model (keys, shapes, dtypes) or holds non-finite values;
-    nothing of it was applied."""
 
 
 PAUSE_MODES = ("abort", "in_place")
@@ -85,9 +86,12 @@ class GenerationEngine:
         max_batch_size: int = 64,
         dtype: torch.dtype = torch.float32,
         weight_version: int = 0,
+        device: torch.device | str = "cpu",
     ):
         self.model_dir = str(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).eval()
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+        self.model.to(self.device).eval()
         self.vocab_size = self.model.config.vocab_size
         self.max_positions = getattr(self.model.config, "max_position_embeddings", 4096)
         self.tokenizer = load_tokenizer(self.model_dir)  # None when the folder has none
@@ -182,19 +186,36 @@ class GenerationEngine:
     def paused(self) -> bool:
         return self._paused.is_set()
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], weight_version: int) -> None:
+    def update_weights(
+        self, state_dict: dict[str, torch.Tensor], weight_version: int, adopt: bool = False
+    ) -> None:
         """Load new weights (only while paused) and stamp later tokens with ``weight_version``.
-        Every tensor is checked before any is copied: a refused update changes nothing."""
+        Every tensor is checked before any is loaded: a refused update changes nothing.
+        ``adopt``: the tensors are this engine's own (``WeightsUpdate.owned``), used in place."""
         if not self._paused.is_set():
             raise EngineError("weights can only be updated while generation is paused")
-        pairs = check_weights(self.model.state_dict(), state_dict)
-        with self._lock, torch.no_grad():
-            for target, source in pairs:
-                target.copy_(source)
+        with self._lock:
+            load_checked(self.model, state_dict, adopt=adopt)
             self.weight_version = weight_version
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()
+
+    def release_memory(self) -> int:
+        """With no request in flight: drop the KV cache and return the CUDA allocator's cached
+        blocks (a collocated trainer takes the device); returns the bytes the cache held."""
+        with self._lock:
+            if self._active:
+                return 0
+            held = sum(
+                t.nbytes
+                for layer in (self._cache.layers if self._cache else [])
+                for t in (layer.keys, layer.values)
+            )
+            self._cache, self._mask = None, None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return held
 
     def close(self) -> None:
         self._stop.set()
@@ -244,6 +265,7 @@ class GenerationEngine:
         for i, r in enumerate(reqs):
             ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
             mask[i, width - len(r.prompt) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         tokens, logprobs, tops = self._sample(out.logits[:, -1].float(), reqs)
@@ -274,8 +296,9 @@ class GenerationEngine:
     @torch.no_grad()
     def _decode_step(self) -> None:
         batch = self._active
-        ids = torch.tensor([[r.next_token] for r in batch])
-        self._mask = torch.cat([self._mask, torch.ones(len(batch), 1, dtype=torch.long)], 1)
+        ids = torch.tensor([[r.next_token] for r in batch], device=self.device)
+        ones = torch.ones(len(batch), 1, dtype=torch.long, device=self.device)
+        self._mask = torch.cat([self._mask, ones], 1)
         positions = self._mask.sum(1, keepdim=True) - 1
         out = self.model(
             input_ids=ids,
@@ -334,7 +357,7 @@ class GenerationEngine:
         if not keep:
             self._cache, self._mask = None, None
             return
-        index = torch.tensor(keep)
+        index = torch.tensor(keep, device=self.device)
         self._mask = self._mask[index]
         first = int((self._mask.sum(0) > 0).nonzero()[0])  # trim columns every row pads
         self._mask = self._mask[:, first:]
@@ -371,12 +394,14 @@ class GenerationEngine:
     ) -> tuple[torch.Tensor, torch.Tensor, list]:
         """One token per row: greedy rows take the argmax, the others draw by inverse CDF from
         one uniform of their own generator (seeded requests repeat)."""
-        temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in reqs])
+        temps = torch.tensor(
+            [1.0 if r.params.greedy else r.params.temperature for r in reqs], device=logits.device
+        )
         logp = torch.log_softmax(logits / temps[:, None], -1)
         tokens = logits.argmax(-1)
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if sampled:
-            rows = torch.tensor(sampled)
+            rows = torch.tensor(sampled, device=logits.device)
             probs = logp[rows].exp()
             for j, i in enumerate(sampled):
                 p = reqs[i].params
@@ -385,6 +410,7 @@ class GenerationEngine:
             cdf = probs.cumsum(-1)
             # 1 - U(0, 1) lies in (0, 1]: the first index reaching it has a nonzero probability
             u = torch.cat([1.0 - torch.rand(1, generator=reqs[i].generator) for i in sampled])
+            u = u.to(logits.device)  # drawn on the host: each request's generator is a CPU one
             picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
             tokens[rows] = picked.clamp(max=probs.shape[-1] - 1)
         # a token the model gives probability 0 has log-prob -inf, which JSON cannot carry
@@ -408,62 +434,6 @@ def load_tokenizer(model_dir: str):
         return None
 
 
-def check_weights(
-    current: dict[str, torch.Tensor], update: dict[str, torch.Tensor]
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Pair every tensor of ``current`` (a model's state dict) with its new value in ``update``,
-    after checking all of them: the same keys (a key tied to another, e.g. a language-model head sharing
-    the embedding, may be left out), the same shapes, a compatible dtype (floating point may
-    change precision, nothing else may change) and finite values. Raises ``WeightsRejected``."""
-    unexpected = sorted(set(update) - set(current))
-    if unexpected:
-        raise WeightsRejected(
-            f"weights: unexpected keys {unexpected[:5]} (the model has no such tensors)"
-        )
-    supplied_storage = {current[k].data_ptr() for k in update}
-    missing = sorted(
-        k for k in current if k not in update and current[k].data_ptr() not in supplied_storage
-    )
-    if missing:
-        raise WeightsRejected(
-            f"weights: missing keys {missing[:5]} ({len(missing)} of {len(current)} tensors)"
-        )
-    pairs = []
-    for key, source in update.items():
-        target = current[key]
-        if not isinstance(source, torch.Tensor):
-            raise WeightsRejected(f"weights: {key} is a {type(source).__name__}, not a tensor")
-        if source.shape != target.shape:
-            raise WeightsRejected(
-                f"weights: {key} has shape {list(source.shape)}, the model expects "
-                f"{list(target.shape)}"
-            )
-        same_kind = source.dtype.is_floating_point and target.dtype.is_floating_point
-        if source.dtype != target.dtype and not same_kind:
-            raise WeightsRejected(
-                f"weights: {key} has dtype {source.dtype}, the model expects {target.dtype}"
-            )
-        pairs.append((target, source))
-    bad = first_non_finite(update)
-    if bad is not None:
-        raise WeightsRejected(f"weights: {bad} holds non-finite values (NaN or inf)")
-    return pairs
-
-
-def first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
-    """The first key whose floating-point tensor holds NaN or inf, else None. One fused check
-    covers all of them (a per-tensor ``isfinite().all()`` cost 5-10x the copy of the weights):
-    ``x * 0`` is 0 for every finite ``x`` and NaN otherwise, so each sum is exactly 0 when all
-    is finite (a plain sum could overflow). Only a failing update is searched key by key."""
-    floats = {k: t for k, t in tensors.items() if t.dtype.is_floating_point}
-    if not floats:
-        return None
-    zeros = torch._foreach_mul(list(floats.values()), 0.0)
-    if bool(torch.stack([z.sum(dtype=torch.float32) for z in zeros]).eq(0).all()):
-        return None
-    return next(k for k, t in floats.items() if not bool(torch.isfinite(t).all()))
-
-
 def _filtered_probs(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     probs = logp.exp()
     if top_k and top_k > 0 and top_k < probs.shape[-1]:
@@ -484,4 +454,4 @@ def _left_pad(x: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
         return x
     shape = list(x.shape)
     shape[dim] = missing
-    return torch.cat([torch.zeros(shape, dtype=x.dtype), x], dim)
+    return torch.cat([torch.zeros(shape, dtype=x.dtype, device=x.device), x], dim)

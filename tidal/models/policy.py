@@ -331,10 +331,12 @@ class MLPActorCritic(EmbodiedPolicy):
 
     def env_actions(self, actions: torch.Tensor) -> np.ndarray:
         if self.discrete:
-            return actions.numpy()
+            return actions.numpy(force=True)
         if self.squash:
-            return (self.low + (torch.tanh(actions) + 1.0) * 0.5 * (self.high - self.low)).numpy()
-        return torch.maximum(torch.minimum(actions, self.high), self.low).numpy()
+            return (self.low + (torch.tanh(actions) + 1.0) * 0.5 * (self.high - self.low)).numpy(
+                force=True
+            )
+        return torch.maximum(torch.minimum(actions, self.high), self.low).numpy(force=True)
 
     def policy_actions(self, env_actions: torch.Tensor) -> torch.Tensor:
         if self.discrete:

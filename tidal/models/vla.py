@@ -187,7 +187,7 @@ class TokenActionPolicy(EmbodiedPolicy):
 
     def env_actions(self, actions: torch.Tensor) -> np.ndarray:
         """Each bin's centre."""
-        return (self.low + (actions.float() + 0.5) * self._bin_width()).numpy()
+        return (self.low + (actions.float() + 0.5) * self._bin_width()).numpy(force=True)
 
     def policy_actions(self, env_actions: torch.Tensor) -> torch.Tensor:
         bins = torch.floor((env_actions.float() - self.low) / self._bin_width())

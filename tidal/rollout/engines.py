@@ -11,13 +11,13 @@ engine registers its name here.
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
 
 from tidal.config.llm import LLMConfig
 from tidal.config.loader import require
 from tidal.registry import Registry
-from tidal.runtime import Channel, wait_all
+from tidal.runtime import wait_all
+from tidal.runtime.weight_sync import WEIGHT_TRANSPORTS, open_weight_link
 
 ROLLOUT_ENGINES: Registry[type[RolloutEngine]] = Registry("rollout engine", "rollout.engine")
 
@@ -25,6 +25,9 @@ ROLLOUT_ENGINES: Registry[type[RolloutEngine]] = Registry("rollout engine", "rol
 class RolloutEngine:
     """The servers of one run: ``launch`` returns their addresses, ``update_weights`` puts the
     actor's weights on all of them (pause → new weights → resume) and returns the version."""
+
+    # the weight transports (rollout.weight_sync) this engine takes; the first is its default
+    weight_syncs: tuple[str, ...] = ("channel",)
 
     def __init__(self, cfg: LLMConfig, cluster, placement, run_dir: Path):
         self.cfg, self.cluster, self.placement, self.run_dir = cfg, cluster, placement, run_dir
@@ -34,6 +37,18 @@ class RolloutEngine:
     @classmethod
     def validate(cls, cfg: LLMConfig) -> None:
         """The engine's own config rules, checked before the run folder exists."""
+
+    @classmethod
+    def resolve_weight_sync(cls, cfg: LLMConfig) -> None:
+        """``rollout.weight_sync``: auto becomes this engine's default; others must be its."""
+        r = cfg.rollout
+        if r.weight_sync == "auto":
+            r.weight_sync = cls.weight_syncs[0]
+        require(
+            r.weight_sync in cls.weight_syncs,
+            "rollout.weight_sync",
+            f"rollout.engine={r.engine} takes {' | '.join(cls.weight_syncs)}, got {r.weight_sync!r}",
+        )
 
     def protocol(self):
         from tidal.inference import SGLangProtocol
@@ -53,6 +68,10 @@ class RolloutEngine:
         (timed as ``update_weights/<phase>``); returns the version."""
         raise NotImplementedError
 
+    def release_memory(self) -> None:
+        """Collocated runs (``actor.offload``): give the device's memory back while the actor
+        trains (tidal: drop the KV cache and the allocator's cached blocks)."""
+
     def check_alive(self) -> None:
         """Raise, naming the group, rank and method, when a launched server is gone."""
         if self.servers is not None:
@@ -70,6 +89,7 @@ class RolloutEngine:
 @ROLLOUT_ENGINES.register("tidal")
 class TidalEngine(RolloutEngine):
     PAUSE_MODES = {"abort": "abort", "keep": "in_place", "in_place": "in_place"}
+    weight_syncs = ("collective", "channel", "disk")
 
     @classmethod
     def validate(cls, cfg: LLMConfig) -> None:
@@ -90,37 +110,63 @@ class TidalEngine(RolloutEngine):
             torch_threads=cfg.cluster.torch_threads,
             dtype=cfg.model.dtype,
             attn_implementation=cfg.model.attn_implementation,
+            device=cfg.cluster.device,
         ).launch(self.cluster, self.server_devices(), name="rollout")
-        self.weights_ch = Channel.create(  # bound: weights go straight to each server's process
-            f"{cfg.runner.experiment}-{uuid.uuid4().hex[:6]}-weights",
-            self.cluster,
-            consumer=self.servers,
-        )
+        self.weights_link = None  # opened with the trainer, at the first update
         return self.servers.address().wait(self.timeout)
+
+    def open_link(self, actor):
+        """The run's weight link (``rollout.weight_sync``) from actor rank 0 to every server; a
+        channel link is bound to the servers: weights go straight into each one's process."""
+        cfg = self.cfg
+        return open_weight_link(
+            cfg.rollout.weight_sync,
+            self.cluster,
+            actor.execute_on(0),
+            self.servers,
+            f"{cfg.runner.experiment}-weights",
+            self.timeout,
+            bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+            dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype,
+            device=cfg.cluster.device,
+            folder=str(self.run_dir / "rollout_weights"),
+        )
 
     def update_weights(self, actor, timer) -> int:
         """One call per server: it pauses, receives, validates, loads and continues."""
+        if self.weights_link is None:
+            with timer("update_weights/connect"):
+                self.weights_link = self.open_link(actor)
         mode = self.PAUSE_MODES[self.cfg.rollout.pause_mode]
         sent, _ = wait_all(
             [
-                actor.send_weights(self.weights_ch, self.servers.world_size),
-                self.servers.update_weights(self.weights_ch, mode, self.timeout),
+                actor.send_weights(self.weights_link),
+                self.servers.update_weights(self.weights_link, mode, self.timeout),
             ],
             self.timeout,
         )
         return sent[0]
 
+    def release_memory(self) -> None:
+        self.servers.release_memory().wait(self.timeout)
+
     def cleanup_steps(self, graceful: bool) -> list:
         steps = super().cleanup_steps(graceful)
-        if getattr(self, "weights_ch", None) is not None:
-            steps.append(("weights channel", self.weights_ch.close))
+        link = getattr(self, "weights_link", None)
+        if link is not None:
+            steps.append(
+                ("weight link", lambda: WEIGHT_TRANSPORTS.get(link.transport).release(link))
+            )
         return steps
 
 
 @ROLLOUT_ENGINES.register("vllm")
 class VLLMEngine(RolloutEngine):
     """Launched servers are driven through their ranks (a dead one is named with its group,
-    rank and method); servers at ``rollout.server_urls`` are called directly."""
+    rank and method); servers at ``rollout.server_urls`` are called directly. Weights: a
+    safetensors folder the servers reload (vLLM's CPU build has no NCCL weight-transfer path)."""
+
+    weight_syncs = ("disk",)
 
     @classmethod
     def validate(cls, cfg: LLMConfig) -> None:

@@ -18,6 +18,7 @@ original error is what propagates.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -127,9 +128,10 @@ class RunLoop(ABC):
     def start_cluster(self):
         """The cluster ``cluster.*`` describes (the one place a runner makes it)."""
         from tidal.runtime import Cluster
+        from tidal.runtime.devices import check_device_setting
 
         c = self.cfg.cluster
-        return Cluster(
+        cluster = Cluster(
             c.backend,
             address=c.address,
             connect_timeout_s=c.connect_timeout_s,
@@ -137,6 +139,28 @@ class RunLoop(ABC):
             gil_switch_interval=c.gil_switch_interval,
             pin_cpus=c.pin_cpus,
         )
+        try:  # a joined cluster's nodes are known only now, before any worker starts
+            check_device_setting(c.device, sum(n.device_kind == "gpu" for n in cluster.nodes))
+        except Exception:
+            cluster.shutdown()
+            raise
+        return cluster
+
+    @contextlib.contextmanager
+    def actor_offloaded(self, actor):
+        """``actor.offload``: the actor's state in host memory for the block (the rollout has
+        the device meanwhile), back on the device after it; timed as ``offload``, ``onload``."""
+        if not self.cfg.actor.offload:
+            yield
+            return
+        timeout = self.cfg.runner.timeout_s
+        with self.timer("offload"):
+            actor.offload_engine().wait(timeout)
+        try:
+            yield
+        finally:
+            with self.timer("onload"):
+                actor.onload_engine().wait(timeout)
 
     # -- the loop --------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from tidal.models.policy import POLICIES, policy_arguments
 from tidal.models.saving import read_saved_config, space_from_json
 from tidal.runtime import ComponentPlacement, PlacementError
 from tidal.runtime.backends import backend_class, backend_names
+from tidal.runtime.devices import DeviceError, check_device_setting
 from tidal.runtime.placement import _parse_spec_string
 
 # -- both halves ---------------------------------------------------------------------------------
@@ -58,6 +59,11 @@ def check_common(cfg) -> None:
         backend_class(cluster.backend).check_installed()
     except MissingExtraError as exc:
         raise ConfigError(f"cluster.backend: {exc}") from None
+    if cluster.address is None:  # the cluster starts on this node: ask its devices now
+        try:
+            check_device_setting(cluster.device)
+        except DeviceError as exc:
+            raise ConfigError(str(exc)) from None
     for name in cfg.runner.loggers:
         if name in LOGGER_PACKAGES:
             missing = missing_extra("trackers", f"the {name} logger", LOGGER_PACKAGES[name])

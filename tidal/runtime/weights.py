@@ -15,6 +15,10 @@ from tidal.runtime.comm import CommMapper
 class WeightsUpdate:
     version: int
     state_dict: dict[str, torch.Tensor]
+    # the tensors are the receiver's own (a collective's staging buffers, not reused by the next
+    # update): a loader may adopt them in place of copying. Never a channel's: on the local
+    # backend those are the sender's tensors.
+    owned: bool = False
 
 
 def send_weights(
@@ -28,7 +32,8 @@ def send_weights(
     """Pickled once: on ray, sent by ZeroMQ to each receiving rank when the channel is bound to
     them (the tensors' buffers travel without a copy into the pickle), else one object-store
     write; on local, one shared reference. The version travels with the tensors."""
-    update = WeightsUpdate(version, {k: v.detach() for k, v in state_dict.items()})
+    # a pickled CUDA tensor would need CUDA on the receiving end: the wire carries host tensors
+    update = WeightsUpdate(version, {k: v.detach().cpu() for k, v in state_dict.items()})
     keys = [CommMapper.build_channel_key(0, dst, tag) for dst in range(dst_world_size)]
     channel.put_shared(update, keys, timeout=timeout)
 

@@ -66,6 +66,13 @@ class Worker:
         """The global device id this rank is placed on."""
         return self._tidal.device
 
+    def torch_device(self, setting: str = "auto"):
+        """This rank's ``torch.device`` for ``cluster.device`` (tidal.runtime.devices)."""
+        from tidal.runtime.devices import resolve_device
+
+        placed_on_gpu = "CUDA_VISIBLE_DEVICES" in dict(self._tidal.env)
+        return resolve_device(setting, f"{self.group_name} rank {self.rank}", placed_on_gpu)
+
     @property
     def local_rank(self) -> int:
         return self._tidal.local_rank
@@ -97,7 +104,8 @@ class Worker:
         import torch.distributed as dist
 
         keys = sorted(metrics)
-        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+        on = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces device tensors only
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=on)
         dist.all_reduce(t)
         return dict(zip(keys, (t / self.world_size).tolist()))
 

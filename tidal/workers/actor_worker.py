@@ -15,7 +15,9 @@ from tidal.algorithms.objectives import drop_stale, make_objective, minibatch_de
 from tidal.data import Trajectory
 from tidal.data.records import flat_time_major, flatten_steps
 from tidal.engine import TrainEngine
-from tidal.runtime import Channel, CommMapper, ConfigSections, Worker, merge_batches, send_weights
+from tidal.runtime import Channel, CommMapper, ConfigSections, Worker, merge_batches
+from tidal.runtime.devices import to_device
+from tidal.runtime.weight_sync import WeightLinks
 from tidal.workers.rollout_worker import make_policy
 from tidal.workers.routes import TRAJECTORY_TAG, Topology
 
@@ -24,7 +26,7 @@ def _time_major(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1)
 
 
-class ActorWorker(Worker):
+class ActorWorker(Worker, WeightLinks):
     config_sections = ("cluster", "runner", "env", "rollout", "model", "actor", "algorithm")
 
     def __init__(
@@ -38,7 +40,8 @@ class ActorWorker(Worker):
         self.cfg, self.topo = cfg, topology
         torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.runner.seed)
-        self.policy = make_policy(cfg, observation_space, action_space)
+        self.compute_device = self.torch_device(cfg.cluster.device)
+        self.policy = make_policy(cfg, observation_space, action_space).to(self.compute_device)
         if self.world_size > 1:
             self.init_distributed()
         self.engine = TrainEngine(
@@ -58,15 +61,27 @@ class ActorWorker(Worker):
 
     # -- weights -------------------------------------------------------------------------
 
-    def send_weights(self, weights_ch: Channel) -> int:
-        """Rank 0 sends its weights to every rollout rank. Asynchronous runs send a copy: the
-        update may wait in the channel while the next step changes the weights in place."""
+    def send_weights(self, link) -> int:
+        """Rank 0 sends its weights to every rollout rank over the run's weight link (or a
+        bare channel). Asynchronous runs send a copy: the update may wait in the channel while
+        the next step changes the weights in place."""
         if self.rank == 0:
-            weights = self.policy.state_dict()
-            if self.cfg.rollout.max_staleness > 0:
-                weights = {k: v.detach().clone() for k, v in weights.items()}
-            send_weights(weights_ch, weights, self.engine.step, self.topo.rollout)
+            end = self.weight_end(link, "send", self.topo.rollout)
+            snapshot = self.cfg.rollout.max_staleness > 0
+            end.send(self.weight_tensors(), self.engine.step, snapshot=snapshot)
         return self.engine.step
+
+    def weight_tensors(self):
+        """The ``(name, tensor)`` pairs a weight link sends (a sharded trainer yields each one
+        gathered, one at a time)."""
+        return self.policy.state_dict().items()
+
+    def offload_engine(self) -> int:
+        """``actor.offload``: parameters, gradients and optimizer state to host memory."""
+        return self.engine.offload()
+
+    def onload_engine(self) -> int:
+        return self.engine.onload()
 
     # -- data ----------------------------------------------------------------------------
 
@@ -83,7 +98,7 @@ class ActorWorker(Worker):
                     f"trajectory from source {src}: expected {size} envs, got {shard.rewards.shape[0]}"
                 )
             shards.append(shard)
-        self.traj = merge_batches(shards)
+        self.traj = to_device(merge_batches(shards), self.compute_device)  # once per step
         return self.traj.rewards.shape[0]
 
     async def discard_trajectories(self, actor_ch: Channel, timeout: float = 600.0) -> int:
@@ -231,7 +246,7 @@ class ActorWorker(Worker):
             loss_mask_sum=spread_to(micro["mask_sum"], policy.logp),
             max_episode_steps=self.max_chunk_steps,
         )
-        return loss, {k: v.item() for k, v in info.items()}
+        return loss, {k: v.detach() for k, v in info.items()}  # read once per optimizer step
 
     # -- checkpoints ---------------------------------------------------------------------
 

@@ -7,10 +7,11 @@ import torch
 
 from tidal.inference import GenerationEngine, InferenceServer
 from tidal.models.llm import DTYPES
-from tidal.runtime import Channel, Worker, recv_weights
+from tidal.runtime import Worker
+from tidal.runtime.weight_sync import WeightLinks
 
 
-class InferenceServerWorker(Worker):
+class InferenceServerWorker(Worker, WeightLinks):
     def __init__(
         self,
         model_dir: str,
@@ -21,9 +22,15 @@ class InferenceServerWorker(Worker):
         torch_threads: int = 1,
         dtype: str = "float32",
         attn_implementation: str | None = None,
+        device: str = "auto",
     ):
         torch.set_num_threads(torch_threads)
-        engine = GenerationEngine(model_dir, max_batch_size=max_batch_size, dtype=DTYPES[dtype])
+        engine = GenerationEngine(
+            model_dir,
+            max_batch_size=max_batch_size,
+            dtype=DTYPES[dtype],
+            device=self.torch_device(device),
+        )
         if attn_implementation is not None:  # model.attn_implementation, as the trainer loads it
             engine.model.set_attn_implementation(attn_implementation)
         self.server = InferenceServer(
@@ -42,9 +49,7 @@ class InferenceServerWorker(Worker):
     def continue_generation(self) -> None:
         self.server.engine.resume()
 
-    def update_weights(
-        self, weights_ch: Channel, pause_mode: str = "abort", timeout: float = 600.0
-    ) -> int:
+    def update_weights(self, link, pause_mode: str = "abort", timeout: float = 600.0) -> int:
         """pause → receive the trainer's weights → load → continue, in one call (on ray, two
         round trips fewer than separate pause and continue calls); returns the version.
         Receiving while still generating was measured slower on ray: the transfer then
@@ -52,18 +57,28 @@ class InferenceServerWorker(Worker):
         engine = self.server.engine
         engine.pause(pause_mode)
         try:
-            update = recv_weights(weights_ch, self.rank, timeout=timeout)
-            engine.update_weights(update.state_dict, update.version)
+            end = self.weight_end(link, "recv", timeout_s=timeout)
+            update = end.recv()
+            engine.update_weights(update.state_dict, update.version, adopt=update.owned)
+            if update.owned:  # checked, then loaded: the staged tensors are the weights now
+                end.adopted()
         finally:
             engine.resume()
         return update.version
 
-    def load_weights(self, weights_ch: Channel, timeout: float = 600.0) -> int:
+    def load_weights(self, link, timeout: float = 600.0) -> int:
         """Load the trainer's weights while the caller holds generation paused (the client's
         pause → update → continue cycle across all servers)."""
-        update = recv_weights(weights_ch, self.rank, timeout=timeout)
-        self.server.engine.update_weights(update.state_dict, update.version)
+        end = self.weight_end(link, "recv", timeout_s=timeout)
+        update = end.recv()
+        self.server.engine.update_weights(update.state_dict, update.version, adopt=update.owned)
+        if update.owned:
+            end.adopted()
         return update.version
+
+    def release_memory(self) -> int:
+        """Drop the KV cache (when idle) and the allocator's cached blocks; returns bytes freed."""
+        return self.server.engine.release_memory()
 
     def stats(self) -> dict:
         return dict(self.server.engine.stats)

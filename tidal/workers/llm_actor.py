@@ -19,7 +19,9 @@ from tidal.algorithms.objectives import (
 from tidal.data import LLMBatch
 from tidal.engine import TrainEngine
 from tidal.models.llm import load_causal_lm
-from tidal.runtime import Channel, ConfigSections, Worker, send_weights
+from tidal.runtime import ConfigSections, Worker
+from tidal.runtime.devices import to_device
+from tidal.runtime.weight_sync import WeightLinks
 
 
 def token_logprobs(
@@ -61,7 +63,7 @@ def length_grouped_micro_batches(
     ]
 
 
-class LLMActor(Worker):
+class LLMActor(Worker, WeightLinks):
     config_sections = ("cluster", "runner", "rollout", "model", "actor", "algorithm")
 
     def __init__(self, cfg: ConfigSections):
@@ -69,9 +71,11 @@ class LLMActor(Worker):
         torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.runner.seed)
         m = cfg.model
+        self.compute_device = self.torch_device(cfg.cluster.device)
         self.model, _ = load_causal_lm(
             m.path, m.dtype, m.attn_implementation, m.gradient_checkpointing
         )
+        self.model.to(self.compute_device)
         self.ref = (
             copy.deepcopy(self.model).eval().requires_grad_(False)
             if cfg.algorithm.kl_coef > 0
@@ -85,10 +89,16 @@ class LLMActor(Worker):
         self.temperature = cfg.rollout.temperature
         self.objective = make_objective(cfg.algorithm)
 
-    def send_weights(self, weights_ch: Channel, num_servers: int) -> int:
+    def send_weights(self, link, num_servers: int = 0) -> int:
+        """Rank 0 sends over the run's weight link (or a bare channel to ``num_servers``)."""
         if self.rank == 0:
-            send_weights(weights_ch, self.model.state_dict(), self.version, num_servers)
+            self.weight_end(link, "send", num_servers).send(self.weight_tensors(), self.version)
         return self.version
+
+    def weight_tensors(self):
+        """The ``(name, tensor)`` pairs a weight link sends (a sharded trainer yields each one
+        gathered, one at a time)."""
+        return self.model.state_dict().items()
 
     def save_weights_folder(self, folder: str) -> int:
         """The weights as a ``save_pretrained`` safetensors folder (for servers that reload from
@@ -96,6 +106,13 @@ class LLMActor(Worker):
         if self.rank == 0:
             self.model.save_pretrained(folder, safe_serialization=True)
         return self.version
+
+    def offload_engine(self) -> int:
+        """``actor.offload``: parameters, gradients and optimizer state to host memory."""
+        return self.engine.offload()
+
+    def onload_engine(self) -> int:
+        return self.engine.onload()
 
     @property
     def version(self) -> int:
@@ -117,8 +134,8 @@ class LLMActor(Worker):
         """Token log-probs of ``rows`` (default all) under ``model``; other rows stay 0."""
         model = model or self.model
         model.eval()
-        out = torch.zeros(batch.input_ids.shape)
-        rows = torch.arange(out.shape[0]) if rows is None else rows
+        out = torch.zeros(batch.input_ids.shape, device=self.compute_device)
+        rows = torch.arange(out.shape[0], device=self.compute_device) if rows is None else rows
         for i, w in length_grouped_micro_batches(
             batch.attention_mask, rows, self.cfg.actor.max_tokens_per_mb
         ):
@@ -131,8 +148,8 @@ class LLMActor(Worker):
         """Per-token advantages ``[B, L]``: the sequence reward sits on its last generated token."""
         mask = batch.loss_mask
         last = mask.shape[1] - 1 - torch.flip(mask.long(), [1]).argmax(1)
-        token_rewards = torch.zeros(mask.shape)
-        token_rewards[torch.arange(mask.shape[0]), last] = batch.rewards
+        token_rewards = torch.zeros(mask.shape, device=mask.device)
+        token_rewards[torch.arange(mask.shape[0], device=mask.device), last] = batch.rewards
         kl = None
         alg = self.cfg.algorithm
         if self.ref is not None and alg.kl_in == "reward":
@@ -151,9 +168,12 @@ class LLMActor(Worker):
         then each global minibatch is split over the ranks, DDP averages the gradients, and each
         loss is weighted by the tokens (or sequences) of the global minibatch."""
         a, alg = self.cfg.actor, self.cfg.algorithm
+        batch = to_device(batch, self.compute_device)  # once: every pass below reads it there
         metrics: dict[str, list[float]] = {}
         mask = batch.loss_mask
-        minibatches = torch.arange(mask.shape[0]).chunk(a.ppo_minibatches)
+        minibatches = torch.arange(mask.shape[0], device=self.compute_device).chunk(
+            a.ppo_minibatches
+        )
         mine = torch.cat([self.my_rows(mb) for mb in minibatches])
         stale = (self.version - batch.versions)[mask]
         ref_logp = None
@@ -212,7 +232,7 @@ class LLMActor(Worker):
             ref=None if ref_logp is None else ref_logp[i, :w],
         )
         loss, info = self.objective.loss(policy, norm=norm, agg=alg.loss_agg)
-        return loss, {k: float(v) for k, v in info.items()}
+        return loss, {k: v.detach() if torch.is_tensor(v) else float(v) for k, v in info.items()}
 
     def save(self, path: str, meta: dict) -> str | None:
         if self.rank != 0:

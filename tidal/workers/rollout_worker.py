@@ -17,8 +17,9 @@ from tidal.runtime import (
     Outbox,
     Worker,
     async_recv_batch,
-    async_recv_weights,
 )
+from tidal.runtime.devices import to_host
+from tidal.runtime.weight_sync import WeightLinks, load_checked
 from tidal.workers.routes import Topology, action_tag, obs_tag
 
 
@@ -28,7 +29,7 @@ def make_policy(
     return build_from_config(cfg.model, observation_space, action_space, cfg.env.num_action_chunks)
 
 
-class RolloutWorker(Worker):
+class RolloutWorker(Worker, WeightLinks):
     config_sections = ("cluster", "runner", "env", "rollout", "model")
 
     def __init__(
@@ -41,13 +42,21 @@ class RolloutWorker(Worker):
         self.cfg, self.topo = cfg, topology
         torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.runner.seed + 7 * self.rank + 1)
-        self.policy = make_policy(cfg, observation_space, action_space).eval()
+        self.compute_device = self.torch_device(cfg.cluster.device)
+        self.policy = (
+            make_policy(cfg, observation_space, action_space).to(self.compute_device).eval()
+        )
         self.version = -1  # no weights received yet
         self._stamp, self._stamp_version = None, None
 
-    async def sync_weights(self, weights_ch: Channel, timeout: float = 600.0) -> int:
-        update = await async_recv_weights(weights_ch, self.rank, timeout=timeout)
-        self.policy.load_state_dict(update.state_dict)
+    async def sync_weights(self, link, timeout: float = 600.0) -> int:
+        """The next update over the run's weight link (or a bare channel), checked, then loaded:
+        a refused one changes nothing and names the tensor."""
+        end = self.weight_end(link, "recv", timeout_s=timeout)
+        update = await end.arecv(self.offload)  # a blocking receive leaves the event loop free
+        load_checked(self.policy, update.state_dict, adopt=update.owned)
+        if update.owned:
+            end.adopted()
         self.version = update.version
         return self.version
 
@@ -112,7 +121,7 @@ class RolloutWorker(Worker):
         the actor's (``runner.weight_sync_interval`` > 1)."""
         weights = None
         if with_weights and self.rank == 0:  # every rank holds the same weights
-            weights = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+            weights = {k: v.detach().cpu().clone() for k, v in self.policy.state_dict().items()}
         return {"rng": rng_state(), "version": self.version, "weights": weights}
 
     def load_state_dict(self, state: dict) -> None:
@@ -125,15 +134,18 @@ class RolloutWorker(Worker):
     # into trajectories, or pickled on ray), which inference tensors allow.
     @torch.inference_mode()
     def _act(self, out: EnvOutput, deterministic: bool, with_values: bool) -> ChunkActions:
-        inputs = self.policy.prepare(out.obs)
+        device = self.compute_device
+        inputs = self.policy.prepare(out.obs.to(device))
         step = self.policy.act(inputs, deterministic=deterministic)
         final_values = None
         if with_values and out.needs_bootstrap is not None and step.values is not None:
             final_values = torch.zeros_like(step.values)
+            # needs_bootstrap came over the wire: asking it on the host costs no device sync
             if out.final_obs is not None and bool(out.needs_bootstrap.any()):
                 rows = out.needs_bootstrap
-                final_values[rows] = self.policy.value(self.policy.prepare(out.final_obs[rows]))
-        return ChunkActions(
+                final_obs = out.final_obs[rows].to(device)
+                final_values[rows.to(device)] = self.policy.value(self.policy.prepare(final_obs))
+        answer = ChunkActions(
             actions=step.actions,
             env_actions=torch.as_tensor(self.policy.env_actions(step.actions)),
             logprobs=step.logprobs,
@@ -142,6 +154,8 @@ class RolloutWorker(Worker):
             forward_inputs=step.inputs,
             version=self._version_stamp(step.actions.shape[0]),
         )
+        # the answer crosses the channel: one copy to the host (none on a CPU rank)
+        return answer if device.type == "cpu" else to_host(answer)
 
     def _version_stamp(self, rows: int) -> torch.Tensor:
         """``[rows]`` of the current version; one tensor per (version, rows), shared by the chunk

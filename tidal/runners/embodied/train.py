@@ -25,6 +25,7 @@ from tidal.runners.collection import Collection
 from tidal.runners.loop import RunLoop, fmt
 from tidal.runners.preflight import check_embodied, probe_env
 from tidal.runtime import Channel, wait_all
+from tidal.runtime.weight_sync import open_weight_link
 from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker, Topology
 
 log = logging.getLogger("tidal.train")
@@ -88,6 +89,7 @@ class EmbodiedRunner(RunLoop):
             name: Channel.create(f"{run_id}-{name}", self.cluster, consumer=reader)
             for name, reader in self.channel_readers().items()
         }
+        self.weights_link = self.open_weights_link(run_id)
         self.eval_horizon = self.env.execute_on(0).eval_horizon().wait(cfg.runner.timeout_s)[0]
         if self.asynchronous:
             self.build_collection()
@@ -102,6 +104,24 @@ class EmbodiedRunner(RunLoop):
             "weights": self.rollout,
             "reward": self.reward,
         }
+
+    def open_weights_link(self, run_id: str):
+        """``rollout.weight_sync``: the weights channel (bound to the rollout), or a link of its
+        own from actor rank 0 to every rollout rank (a restart builds a new one)."""
+        r = self.cfg.rollout
+        if r.weight_sync == "channel":
+            return self.channels["weights"]
+        return open_weight_link(
+            r.weight_sync,
+            self.cluster,
+            self.actor.execute_on(0),
+            self.rollout,
+            f"{run_id}-weights",
+            self.cfg.runner.timeout_s,
+            bucket_mb=r.weight_sync_bucket_mb,
+            device=self.cfg.cluster.device,
+            folder=str(self.run_dir / "rollout_weights"),
+        )
 
     def build_collection(self) -> None:
         """Admission in trajectory segments (one env's chunk steps of one training step): a
@@ -203,9 +223,9 @@ class EmbodiedRunner(RunLoop):
 
     def sync_weights(self) -> None:
         timeout = self.cfg.runner.timeout_s
-        ch = self.channels["weights"]
+        link = self.weights_link
         sent, received = wait_all(
-            [self.actor.execute_on(0).send_weights(ch), self.rollout.sync_weights(ch, timeout)],
+            [self.actor.execute_on(0).send_weights(link), self.rollout.sync_weights(link, timeout)],
             timeout,
         )
         self.rollout_version = sent[0]
@@ -327,7 +347,7 @@ class EmbodiedRunner(RunLoop):
             with self.timer("sync_weights"):
                 if step % self.cfg.runner.weight_sync_interval == 0 or self.rollout_version is None:
                     self.sync_weights()
-            with self.timer("generate_rollouts"):
+            with self.actor_offloaded(self.actor), self.timer("generate_rollouts"):
                 metrics = self.generate_rollouts()
             with self.timer("compute_advantages"):
                 metrics.update(self.actor.compute_advantages().wait(timeout)[0])

@@ -48,6 +48,7 @@ def check_llm(cfg: LLMConfig) -> None:
     one_of(alg.rollout_correction, ROLLOUT_CORRECTIONS, "algorithm.rollout_correction")
     one_of(r.engine, ROLLOUT_ENGINES.names(), "rollout.engine")
     ROLLOUT_ENGINES.get(r.engine).validate(cfg)
+    ROLLOUT_ENGINES.get(r.engine).resolve_weight_sync(cfg)
     validate_llm(cfg)
     kind = data_kind(cfg.data)
     require(

@@ -179,9 +179,11 @@ class LLMRunner(RunLoop):
     def train_step(self, step: int) -> dict:
         r = self.cfg.runner
         with self.timer("step"):
-            with self.timer("prepare_batch"):
+            with self.actor_offloaded(self.actor), self.timer("prepare_batch"):
                 episodes = self._prepare_batch()
                 batch = LLMBatch.concat(episodes, self.tokenizer.pad_token_id)
+            if self.cfg.actor.offload:  # the servers hand the device back while the actor trains
+                self.rollout.release_memory()
             with self.timer("train"):
                 metrics = self.actor.train_step(batch).wait(r.timeout_s)[0]
             with self.timer("update_weights"):
