@@ -39,17 +39,18 @@ class ActorWorker(Worker):
         torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.runner.seed)
         self.policy = make_policy(cfg, observation_space, action_space)
+        # a KL penalty keeps the policy near the one training started from (model.path, e.g.
+        # the behaviour-cloned policy): a frozen copy (made before the engine shards the policy),
+        # as the language half keeps its reference
+        self.ref = None
+        if cfg.algorithm.kl_coef > 0:
+            self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
         if self.world_size > 1:
             self.init_distributed()
         self.engine = TrainEngine(
             self.policy, cfg.actor, cfg.runner.max_steps, distributed=self.world_size > 1
         )
         self.objective = make_objective(cfg.algorithm)
-        # a KL penalty keeps the policy near the one training started from (model.path, e.g.
-        # the behaviour-cloned policy): a frozen copy, as the language half keeps its reference
-        self.ref = None
-        if cfg.algorithm.kl_coef > 0:
-            self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
         self.max_chunk_steps = math.ceil(
             (max_episode_steps or cfg.rollout.num_steps) / cfg.env.num_action_chunks
         )
@@ -59,10 +60,11 @@ class ActorWorker(Worker):
     # -- weights -------------------------------------------------------------------------
 
     def send_weights(self, weights_ch: Channel) -> int:
-        """Rank 0 sends its weights to every rollout rank. Asynchronous runs send a copy: the
-        update may wait in the channel while the next step changes the weights in place."""
+        """Rank 0 sends its weights to every rollout rank (every rank calls it: sharded weights
+        are gathered). Asynchronous runs send a copy: the update may wait in the channel while
+        the next step changes the weights in place."""
+        weights = self.engine.full_state_dict(self.rank)
         if self.rank == 0:
-            weights = self.policy.state_dict()
             if self.cfg.rollout.max_staleness > 0:
                 weights = {k: v.detach().clone() for k, v in weights.items()}
             send_weights(weights_ch, weights, self.engine.step, self.topo.rollout)
@@ -236,10 +238,11 @@ class ActorWorker(Worker):
     # -- checkpoints ---------------------------------------------------------------------
 
     def save(self, path: str, meta: dict, extra: dict | None = None) -> str | None:
-        """Rank 0 writes the checkpoint; ``extra``: other groups' state, saved alongside."""
-        if self.rank != 0:
-            return None
-        return str(self.engine.save(path, {**meta, "version": self.engine.step}, extra))
+        """The checkpoint (rank 0 writes all of it, or each rank its shards); ``extra``: other
+        groups' state, saved alongside. Its path on rank 0."""
+        meta = {**meta, "version": self.engine.step}
+        saved = self.engine.save(path, meta, extra, rank=self.rank)
+        return None if saved is None else str(saved)
 
     def load(self, path: str) -> dict:
         return self.engine.load(path)

@@ -86,15 +86,18 @@ class LLMActor(Worker):
         self.objective = make_objective(cfg.algorithm)
 
     def send_weights(self, weights_ch: Channel, num_servers: int) -> int:
+        """Rank 0 sends the whole model (every rank calls it: sharded weights are gathered)."""
+        weights = self.engine.full_state_dict(self.rank)
         if self.rank == 0:
-            send_weights(weights_ch, self.model.state_dict(), self.version, num_servers)
+            send_weights(weights_ch, weights, self.version, num_servers)
         return self.version
 
     def save_weights_folder(self, folder: str) -> int:
         """The weights as a ``save_pretrained`` safetensors folder (for servers that reload from
         disk, e.g. vLLM); returns their version."""
+        weights = self.engine.full_state_dict(self.rank)
         if self.rank == 0:
-            self.model.save_pretrained(folder, safe_serialization=True)
+            self.model.save_pretrained(folder, state_dict=weights, safe_serialization=True)
         return self.version
 
     @property
@@ -102,8 +105,9 @@ class LLMActor(Worker):
         """The policy version: training steps applied to the weights."""
         return self.engine.step
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights on rank 0 (every rank calls it)."""
+        return self.engine.full_state_dict(self.rank)
 
     def my_rows(self, minibatch: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous block of a global minibatch's rows."""
@@ -215,9 +219,8 @@ class LLMActor(Worker):
         return loss, {k: float(v) for k, v in info.items()}
 
     def save(self, path: str, meta: dict) -> str | None:
-        if self.rank != 0:
-            return None
-        return str(self.engine.save(path, {**meta, "version": self.version}))
+        saved = self.engine.save(path, {**meta, "version": self.version}, rank=self.rank)
+        return None if saved is None else str(saved)
 
     def load(self, path: str) -> dict:
         return self.engine.load(path)
