@@ -185,3 +185,15 @@ def test_resuming_a_checkpoint_under_another_strategy_fails_before_any_worker(tm
     with pytest.raises(ConfigError, match=r"^actor.strategy: .* written with actor.strategy=ddp"):
         EmbodiedRunner(cfg)
     assert not list(tmp_path.glob("run*"))  # no run folder made
+
+
+def test_fsdp2_options_bf16_offload_and_no_reshard_train(single_process_group):
+    """The mixed-precision policy (actor.bf16), CPU offload and keeping gathered layers."""
+    cfg = actor_config("fsdp2", bf16=True)
+    cfg.fsdp.cpu_offload, cfg.fsdp.reshard_after_forward = True, False
+    engine = TrainEngine(build_model("lm"), cfg, 10)
+    before = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    history = train_steps(engine, "lm", make_batches("lm", 1, 4), rank=0, world=1, micro_per_rank=2)
+    after = engine.full_state_dict()
+    assert all(v.dtype == torch.float32 for v in after.values())  # fp32 shards, bf16 compute
+    assert history[0][1] > 0 and any(not torch.equal(before[k], after[k]) for k in before)

@@ -151,8 +151,8 @@ class FSDP2Strategy(Strategy):
             options["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32
             )
-        if self.cfg.fsdp.cpu_offload:
-            options["offload_policy"] = CPUOffloadPolicy()
+        if self.cfg.fsdp.cpu_offload:  # pinned memory (fast copies) only where there is a GPU
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         for unit in shard_units(model):
             fully_shard(unit, **options)
         fully_shard(model, **options)
