@@ -197,3 +197,28 @@ def test_fsdp2_options_bf16_offload_and_no_reshard_train(single_process_group):
     after = engine.full_state_dict()
     assert all(v.dtype == torch.float32 for v in after.values())  # fp32 shards, bf16 compute
     assert history[0][1] > 0 and any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_tidal_config_memory_plans_each_half(tmp_path, capsys):
+    """Per actor rank, before anything is built: an embodied policy and a language model (on
+    the meta device, from model.path's config), halved by fsdp2 over 2 ranks."""
+    from tidal.cli import main
+    from tidal.inference.tiny import save_tiny_model
+
+    assert main(["config", "examples/embodied/cartpole_ppo.yaml", "--memory"]) == 0
+    out = capsys.readouterr().out
+    assert "# actor memory per rank (ddp, 1 rank(s)" in out and "#   optimizer state" in out
+    folder = save_tiny_model(tmp_path / "lm")
+    base = ["config", "examples/llm/arith_grpo.yaml", f"model.path={folder}"]
+    two = [
+        "actor.strategy=fsdp2",
+        "cluster.backend=ray",
+        'cluster.placement={rollout: "0", actor: "0-1"}',
+    ]
+    totals = {}
+    for name, extra in (("ddp", []), ("fsdp2", two)):
+        assert main([*base, *extra, "--memory"]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("#   total"))
+        value, unit = line.split()[2:4]
+        totals[name] = float(value) * {"KiB": 2**10, "MiB": 2**20}[unit]
+    assert totals["fsdp2"] == pytest.approx(totals["ddp"] / 2, rel=1e-2)

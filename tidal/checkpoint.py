@@ -14,6 +14,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -241,7 +242,9 @@ def load_model_state(path: Path) -> dict[str, torch.Tensor]:
     folder = str(path / SHARDS_DIR)
     keys = {k for k in FileSystemReader(folder).read_metadata().state_dict_metadata}
     model_keys = {k for k in keys if k.startswith("model.")}
-    return dict(_load_state_dict_from_keys(model_keys, checkpoint_id=folder)["model"])
+    with warnings.catch_warnings():  # "assuming ... a single process": it is, on purpose
+        warnings.filterwarnings("ignore", "torch.distributed is unavailable or uninitialized")
+        return dict(_load_state_dict_from_keys(model_keys, checkpoint_id=folder)["model"])
 
 
 def load_checkpoint(
