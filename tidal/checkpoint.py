@@ -1,7 +1,8 @@
 """Atomic checkpoints: written to a temporary folder, fsynced, then renamed into place.
 
 A checkpoint folder holds ``model.safetensors`` (weights and buffers, e.g. the observation
-normaliser), ``state.pt`` (optimizer, scheduler and RNG states; loaded with
+normaliser) or, written by a sharded strategy (``actor.strategy=fsdp2``), ``shards/`` (every
+rank's part of the model and optimizer state, by ``torch.distributed.checkpoint``), ``state.pt`` (optimizer, scheduler and RNG states; loaded with
 ``weights_only=True``, never unrestricted pickle) and ``meta.json`` (step, version, counters).
 ``latest`` moves only once the new folder is complete; a crash while writing leaves the
 previous checkpoints untouched, and resuming falls back to the newest complete one.
@@ -13,6 +14,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 MODEL_FILE, STATE_FILE, META_FILE = "model.safetensors", "state.pt", "meta.json"
+SHARDS_DIR = "shards"  # torch.distributed.checkpoint files: model and optimizer, every rank's part
 
 
 def rng_state() -> dict[str, Any]:
@@ -60,15 +63,17 @@ def save_checkpoint(
     state: dict[str, Any],
     meta: dict[str, Any],
     extra: dict[str, Any] | None = None,
+    staged: Path | None = None,
 ) -> Path:
     """Write a checkpoint folder atomically; returns its path. ``extra``: more files
-    ``{name: weights-only-loadable value}`` (e.g. the env and rollout workers' state)."""
+    ``{name: weights-only-loadable value}`` (e.g. the env and rollout workers' state).
+    ``staged``: the :func:`staging_folder` the ranks already wrote their ``shards/`` into
+    (``model_state`` is None then)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(_unshared(model_state), str(tmp / MODEL_FILE))
+    tmp = staged
+    if tmp is None:
+        tmp = staging_folder(path, str(os.getpid()))
+        save_file(_unshared(model_state), str(tmp / MODEL_FILE))
     torch.save(state, tmp / STATE_FILE)
     (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
     for name, value in (extra or {}).items():
@@ -86,6 +91,17 @@ def save_checkpoint(
     return path
 
 
+def staging_folder(path: str | Path, suffix: str) -> Path:
+    """The empty temporary folder a checkpoint is written into before its rename (every rank
+    of a sharded save passes the same ``suffix``; only one creates it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{suffix}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
 def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Contiguous CPU tensors, tied weights (one storage, several names) copied apart: safetensors
     refuses tensors that share memory, and a strict load wants every name."""
@@ -100,6 +116,9 @@ def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _fsync_files(folder: Path) -> None:
     for f in folder.iterdir():
+        if f.is_dir():
+            _fsync_files(f)
+            continue
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     _fsync_dir(folder)
@@ -125,8 +144,16 @@ def _write_latest(path: Path) -> None:
     _fsync_dir(path.parent)
 
 
+def missing_files(path: Path) -> list[str]:
+    """What a checkpoint folder lacks: state, meta, and the model (one file, or shards)."""
+    missing = [f for f in (STATE_FILE, META_FILE) if not (path / f).is_file()]
+    if not (path / MODEL_FILE).is_file() and not (path / SHARDS_DIR / ".metadata").is_file():
+        missing.insert(0, MODEL_FILE)
+    return missing
+
+
 def is_complete(path: Path) -> bool:
-    return all((path / f).is_file() for f in (MODEL_FILE, STATE_FILE, META_FILE))
+    return not missing_files(path)
 
 
 def complete_checkpoints(folder: str | Path) -> list[Path]:
@@ -169,7 +196,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
                 f"runner.resume_from: {str(path)!r} holds no complete checkpoint"
             )
         return candidates[-1]
-    missing = [f for f in (MODEL_FILE, STATE_FILE, META_FILE) if not (path / f).is_file()]
+    missing = missing_files(path)
     if missing:
         raise FileNotFoundError(
             f"runner.resume_from: {str(path)!r} is not a checkpoint (missing {', '.join(missing)})"
@@ -196,11 +223,32 @@ def load_extra(path: str | Path, name: str) -> Any | None:
     return torch.load(file, weights_only=True) if file.is_file() else None
 
 
+def load_checkpoint_state(path: str | Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """The checkpoint's folder, ``state.pt`` and ``meta.json`` (not the model)."""
+    path = resolve_checkpoint(path)
+    state = torch.load(path / STATE_FILE, weights_only=True)
+    meta = json.loads((path / META_FILE).read_text())
+    return path, state, meta
+
+
+def load_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The whole model's weights, from ``model.safetensors`` or gathered from the shards (in
+    this process, no process group: ``tidal eval``, an export)."""
+    if (path / MODEL_FILE).is_file():
+        return load_file(str(path / MODEL_FILE))
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    folder = str(path / SHARDS_DIR)
+    keys = {k for k in FileSystemReader(folder).read_metadata().state_dict_metadata}
+    model_keys = {k for k in keys if k.startswith("model.")}
+    with warnings.catch_warnings():  # "assuming ... a single process": it is, on purpose
+        warnings.filterwarnings("ignore", "torch.distributed is unavailable or uninitialized")
+        return dict(_load_state_dict_from_keys(model_keys, checkpoint_id=folder)["model"])
+
+
 def load_checkpoint(
     path: str | Path,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    path = resolve_checkpoint(path)
-    model_state = load_file(str(path / MODEL_FILE))
-    state = torch.load(path / STATE_FILE, weights_only=True)
-    meta = json.loads((path / META_FILE).read_text())
-    return model_state, state, meta
+    path, state, meta = load_checkpoint_state(path)
+    return load_model_state(path), state, meta

@@ -18,6 +18,7 @@ class Half:
     sft_check: str  # what tidal sft checks before anything runs
     eval: str  # run_eval(cfg, checkpoint, **options) -> summary
     eval_options: tuple[str, ...]  # the tidal eval flags the half takes, as run_eval's keywords
+    memory: str  # actor_memory(cfg) -> MemoryPlan: tidal config --memory
 
 
 HALVES = {
@@ -28,6 +29,7 @@ HALVES = {
         sft_check="tidal.runners.preflight:check_embodied_sft",
         eval="tidal.runners.embodied.eval:run_eval",
         eval_options=("episodes", "sampled"),
+        memory="tidal.runners.preflight:actor_memory",
     ),
     "llm": Half(
         config="tidal.config.llm:LLMConfig",
@@ -36,6 +38,7 @@ HALVES = {
         sft_check="tidal.runners.llm.preflight:check_llm_sft",
         eval="tidal.runners.llm.eval:run_eval",
         eval_options=("n",),
+        memory="tidal.runners.llm.preflight:actor_memory",
     ),
 }
 
@@ -136,10 +139,13 @@ def config(args: argparse.Namespace) -> int:
     if args.config is None:
         return _fail("usage", "tidal config FILE [key=value ...], or tidal config --markdown")
     try:
-        _, cfg = _config(args)
+        task, cfg = _config(args)
+        plan = _load(HALVES[task].memory)(cfg) if args.memory else None
     except (ConfigError, FileNotFoundError) as exc:
         return _fail("config error", exc)
     print(describe(cfg))
+    if plan is not None:
+        print("\n".join(f"# {line}" for line in plan.lines()))
     return 0
 
 
@@ -230,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         "--markdown",
         action="store_true",
         help="print the reference of every key of both halves as markdown (docs/config.md)",
+    )
+    p_config.add_argument(
+        "--memory",
+        action="store_true",
+        help="also print, per actor rank, the bytes of parameters, gradients and optimizer state "
+        "the config implies (strategy, ranks, dtype), counted on the meta device",
     )
     p_config.set_defaults(fn=config)
     p_sft = sub.add_parser(

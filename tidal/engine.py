@@ -1,7 +1,8 @@
 """The train engine both halves train through. It knows nothing of RL.
 
-It owns the model, the optimizer, the LR schedule, DDP wrapping, gradient accumulation
-(``no_sync`` on all but the last micro-batch), clipping, bf16 autocast, the non-finite guard
+It owns the model, the optimizer, the LR schedule, the wrapping over the ranks
+(``actor.strategy``: DDP or FSDP2, tidal.strategies), gradient accumulation (no gradient sync
+on all but the last micro-batch), clipping (the global norm, over shards too), bf16 autocast, the non-finite guard
 and its checkpoint state. A trainer hands it micro-batches and a loss function::
 
     engine = TrainEngine(model, cfg.actor, total_steps=cfg.runner.max_steps)
@@ -15,7 +16,6 @@ minibatch loss (the shares sum to the minibatch loss): the engine backpropagates
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections import defaultdict
@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-from tidal.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from tidal.checkpoint import rng_state, set_rng_state
 from tidal.config.common import ActorConfig
 from tidal.runtime.offload import HostOffload, module_and_optimizer_tensors
+from tidal.strategies import check_keys, make_strategy
 
 log = logging.getLogger("tidal.engine")
 
@@ -67,8 +68,8 @@ class TrainEngine:
         self.cfg, self.name = cfg, name
         self.model = model
         self.distributed = distributed
-        # DDP averages gradients over the ranks (the process group is the worker's to start)
-        self.module = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
+        self.strategy = make_strategy(cfg, distributed)
+        self.module = self.strategy.wrap(model)  # what the loss calls
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = OPTIMIZERS[cfg.optimizer](
             params, lr=cfg.lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
@@ -93,16 +94,12 @@ class TrainEngine:
         micro-batch's metrics and the step's ``grad_norm``."""
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
+        self.strategy.before_step(self.module)
         metrics: dict[str, list[float]] = defaultdict(list)
         last = len(micro_batches) - 1
         for i, micro in enumerate(micro_batches):
-            # gradients are all-reduced once, on the last backward of the minibatch
-            sync = (
-                contextlib.nullcontext()
-                if i == last or not self.distributed
-                else self.module.no_sync()
-            )
-            with sync:
+            # gradients are reduced over the ranks once, on the last backward of the minibatch
+            with self.strategy.accumulate(self.module, sync=i == last):
                 with self.autocast():
                     loss, info = loss_fn(self.module, micro)
                 loss.backward()
@@ -149,7 +146,10 @@ class TrainEngine:
         update would poison the weights), warn, and abort after too many in a row."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        norm = global_grad_norm(params)
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        norm = float(norm)
         self.optimizer_steps += 1
         if math.isfinite(norm):
             self.optimizer.step()
@@ -194,9 +194,24 @@ class TrainEngine:
 
     # -- checkpoints -----------------------------------------------------------------------
 
-    def save(self, path: str | Path, meta: dict, extra: dict[str, Any] | None = None) -> Path:
+    def full_state_dict(self, rank: int = 0, dtype: torch.dtype | None = None):
+        """The whole model's weights on rank 0 (None on the others, which must call it too:
+        a sharded model is gathered), floating tensors in ``dtype`` (None: as they are)."""
+        state = self.strategy.full_state_dict(self.model, rank)
+        if state is None or dtype is None:
+            return state
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+    def save(
+        self,
+        path: str | Path,
+        meta: dict,
+        extra: dict[str, Any] | None = None,
+        rank: int = 0,
+    ) -> Path | None:
+        """Every rank calls it (a sharded strategy writes every rank's part); the folder's path
+        on rank 0, else None."""
         state = {
-            "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": rng_state(),
             "engine": {
@@ -205,14 +220,13 @@ class TrainEngine:
                 "skipped_steps": self.skipped_steps,
             },
         }
-        return save_checkpoint(path, self.model.state_dict(), state, meta, extra)
+        meta = {**meta, "strategy": self.strategy.name}
+        return self.strategy.save(self.model, self.optimizer, Path(path), state, meta, extra, rank)
 
     def load(self, path: str | Path) -> dict:
         """Model, optimizer, schedule, RNG and counters from a checkpoint, strictly: a key
         missing or unexpected is an error that names it."""
-        model_state, state, meta = load_checkpoint(path)
-        load_strict(self.model, model_state, str(path))
-        self.optimizer.load_state_dict(state["optimizer"])
+        state, meta = self.strategy.load(self.model, self.optimizer, Path(path))
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         counters = state.get("engine", {})
@@ -232,16 +246,16 @@ def host_floats(metrics: dict[str, list]) -> dict[str, list[float]]:
     return {
         k: [next(read) if torch.is_tensor(v) else float(v) for v in vs] for k, vs in metrics.items()
     }
+def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The 2-norm of all the gradients together; over every rank's shards when they are
+    DTensors (FSDP2), so every rank clips by the same factor."""
+    if not params:
+        return torch.tensor(0.0)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """``model.load_state_dict(state)`` with every missing and unexpected key named."""
-    expected, given = set(model.state_dict()), set(state)
-    missing, unexpected = sorted(expected - given), sorted(given - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {source} does not match the model: missing keys {missing[:10]}"
-            f"{' ...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
-            f"{' ...' if len(unexpected) > 10 else ''}"
-        )
+    check_keys(set(model.state_dict()), set(state), source)
     model.load_state_dict(state, strict=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidal.config.loader import require
-from tidal.config.schema import setting
+from tidal.config.schema import section, setting
 from tidal.extras import installed
 
 # Every wait has a bound; this one when nobody gives one (``runner.timeout_s``, and the runtime's
@@ -118,8 +118,32 @@ class RunnerConfig:
 
 
 @dataclass
+class FSDPConfig:
+    """FSDP2's options (actor.strategy=fsdp2 only; null: FSDP2's default)."""
+
+    reshard_after_forward: bool | None = setting(
+        None,
+        "free each layer's gathered parameters after its forward and gather them again for "
+        "backward (less memory, more communication); null: true",
+    )
+    cpu_offload: bool | None = setting(
+        None,
+        "keep the parameter, gradient and optimizer shards on the CPU between uses (a GPU "
+        "holds only what it computes with); null: false",
+    )
+
+
+@dataclass
 class ActorConfig:
     """The train engine: optimizer, schedule, clipping, precision, non-finite guard."""
+
+    strategy: str = setting(
+        "ddp",
+        "how the actor ranks share the model: ddp (each holds all of it; gradients averaged) | "
+        "fsdp2 (parameters, gradients and optimizer state sharded over the ranks, each decoder "
+        "layer gathered for its compute; needs the ray backend for more than one rank)",
+    )
+    fsdp: FSDPConfig = section(FSDPConfig)
 
     lr: float = setting(2.5e-4, "learning rate")
     lr_schedule: str = setting("constant", "constant | linear | cosine, over runner.max_steps")
@@ -248,6 +272,12 @@ def validate_common(
         f"must be a folder name, got {runner.experiment!r}",
     )
     require(actor.lr > 0, "actor.lr", f"must be > 0, got {actor.lr}")
+    for key, value in vars(actor.fsdp).items():
+        require(
+            value is None or actor.strategy == "fsdp2",
+            f"actor.fsdp.{key}",
+            f"is an FSDP2 option; set actor.strategy=fsdp2 (got {actor.strategy!r}) or remove it",
+        )
     one_of(actor.lr_schedule, LR_SCHEDULES, "actor.lr_schedule")
     one_of(actor.optimizer, OPTIMIZERS, "actor.optimizer")
     require(

@@ -112,6 +112,9 @@ class EmbodiedPolicy(nn.Module, abc.ABC):
     """The interface every embodied policy implements (MLP, CNN, VLA-style token policies)."""
 
     obs_norm: RunningNorm | None
+    # methods the trainer calls besides forward: a sharded policy (actor.strategy=fsdp2)
+    # gathers its parameters for them as for forward
+    sharded_forward_methods: tuple[str, ...] = ("value",)
 
     def __init__(self):
         super().__init__()
@@ -119,6 +122,11 @@ class EmbodiedPolicy(nn.Module, abc.ABC):
         # class attribute: nn.Module keeps sub-modules out of the instance __dict__, so a class
         # default would shadow the normaliser and every policy would skip normalisation.
         self.obs_norm = None
+
+    def shard_units(self) -> list[nn.Module]:
+        """The blocks actor.strategy=fsdp2 shards one by one (gathered in turn for compute);
+        none: the whole policy is one unit."""
+        return []
 
     def prepare(self, raw_obs: torch.Tensor) -> dict[str, torch.Tensor]:
         """What the networks consume for these raw observations (normalised if enabled)."""

@@ -120,6 +120,9 @@ class TokenActionPolicy(EmbodiedPolicy):
         )
         self.obs_norm = LeadingNorm(layout.state_dim) if obs_norm and layout.state_dim else None
 
+    def shard_units(self) -> list[nn.Module]:
+        return list(self.trunk.layers)  # the transformer blocks
+
     # -- the network ---------------------------------------------------------------------
 
     def _sequence(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,6 +57,8 @@ class RunLoop(ABC):
         self.cfg = cfg
         r = cfg.runner
         self.checkpoint_to_resume = find_resume_checkpoint(r)
+        if self.checkpoint_to_resume is not None:
+            self.check_checkpoint(self.checkpoint_to_resume)
         self.folder = RunFolder(cfg, "train", self.checkpoint_to_resume, run_dir)
         self.run_dir = self.folder.path
         if run_dir is not None and self.checkpoint_to_resume is None:
@@ -97,6 +99,11 @@ class RunLoop(ABC):
 
     @abstractmethod
     def restore(self, checkpoint: Path) -> dict: ...
+
+    def check_checkpoint(self, checkpoint: Path) -> None:
+        """The checkpoint to resume fits this config (before any worker starts); any does
+        unless a runner says otherwise."""
+        return None
 
     @abstractmethod
     def train_step(self, step: int) -> dict: ...

@@ -13,6 +13,8 @@ import logging
 import os
 from pathlib import Path
 
+import torch
+
 from tidal.algorithms import advantage_spec, list_advantages
 from tidal.algorithms.kl import KL_KINDS
 from tidal.algorithms.losses import AGGREGATIONS, LOGPROB_LEVELS, SURROGATES
@@ -33,12 +35,16 @@ from tidal.config.embodied import (
 from tidal.config.loader import require
 from tidal.envs import adapter_arguments, env_make_kwargs, list_env_adapters, make_env
 from tidal.extras import MissingExtraError, missing_extra
+from tidal.memory import MemoryPlan
+from tidal.memory import plan as memory_plan
+from tidal.models.factory import build_from_config
 from tidal.models.policy import POLICIES, policy_arguments
 from tidal.models.saving import read_saved_config, space_from_json
 from tidal.runtime import ComponentPlacement, PlacementError
 from tidal.runtime.backends import backend_class, backend_names
 from tidal.runtime.devices import DeviceError, check_device_setting
 from tidal.runtime.placement import _parse_spec_string
+from tidal.strategies import STRATEGIES
 
 # -- both halves ---------------------------------------------------------------------------------
 
@@ -68,6 +74,7 @@ def check_common(cfg) -> None:
         if name in LOGGER_PACKAGES:
             missing = missing_extra("trackers", f"the {name} logger", LOGGER_PACKAGES[name])
             require(missing is None, "runner.loggers", missing)
+    one_of(cfg.actor.strategy, STRATEGIES.names(), "actor.strategy")
     one_of(cfg.algorithm.adv_type, list_advantages(), "algorithm.adv_type")
     one_of(cfg.algorithm.policy_loss, SURROGATES, "algorithm.policy_loss")
     eta = cfg.rollout.max_staleness
@@ -106,6 +113,13 @@ def _num_devices_hint(cluster: ClusterConfig) -> int:
         for d in _parse_spec_string(str(spec), 1 << 16, "cluster.placement")
     ]
     return max([os.cpu_count() or 1, *(d + 1 for d in named)])
+
+
+def check_actor_ranks(cfg, ranks: int, what: str) -> None:
+    """The actor's ranks fit its strategy and, more than one, run as processes."""
+    multi_process = backend_class(cfg.cluster.backend).multi_process
+    STRATEGIES.get(cfg.actor.strategy).check_ranks(ranks, multi_process)
+    require_processes(cfg.cluster, ranks, what)
 
 
 def require_processes(cluster: ClusterConfig, ranks: int, what: str) -> None:
@@ -157,7 +171,7 @@ def check_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
     validate_layout(cfg, worlds)
     if spec.needs_groups:
         validate_groups(cfg, worlds["actor"])
-    require_processes(cfg.cluster, worlds["actor"], "a data-parallel actor (more than one rank)")
+    check_actor_ranks(cfg, worlds["actor"], "a data-parallel actor (more than one rank)")
     _check_renders(env)
     _check_policy_arguments(cfg.model)
     return worlds
@@ -273,3 +287,20 @@ def check_embodied_eval(cfg: EmbodiedConfig, checkpoint: str | None, episodes: i
     check_embodied(cfg)
     check_saved_policy(cfg.model, cfg.env.num_action_chunks)
     return folder
+
+
+def meta_training_model(cfg: EmbodiedConfig, spaces) -> torch.nn.Module:
+    """The policy the actor trains, built on the meta device (no weights; a saved policy is
+    read as saved): what ``tidal config --memory`` counts. Whatever freezes part of it for
+    training freezes it here too."""
+    if cfg.model.path is not None:
+        return build_from_config(cfg.model, *spaces, cfg.env.num_action_chunks)
+    with torch.device("meta"):
+        return build_from_config(cfg.model, *spaces, cfg.env.num_action_chunks)
+
+
+def actor_memory(cfg: EmbodiedConfig) -> MemoryPlan:
+    """Per actor rank, the parameters, gradients and optimizer state the config implies."""
+    worlds = check_embodied(cfg)
+    spaces, _ = probe_env(cfg)
+    return memory_plan(meta_training_model(cfg, spaces), cfg.actor, worlds["actor"])

@@ -42,17 +42,18 @@ class ActorWorker(Worker, WeightLinks):
         torch.manual_seed(cfg.runner.seed)
         self.compute_device = self.torch_device(cfg.cluster.device)
         self.policy = make_policy(cfg, observation_space, action_space).to(self.compute_device)
+        # a KL penalty keeps the policy near the one training started from (model.path, e.g.
+        # the behaviour-cloned policy): a frozen copy (made before the engine shards the policy),
+        # as the language half keeps its reference
+        self.ref = None
+        if cfg.algorithm.kl_coef > 0:
+            self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
         if self.world_size > 1:
             self.init_distributed()
         self.engine = TrainEngine(
             self.policy, cfg.actor, cfg.runner.max_steps, distributed=self.world_size > 1
         )
         self.objective = make_objective(cfg.algorithm)
-        # a KL penalty keeps the policy near the one training started from (model.path, e.g.
-        # the behaviour-cloned policy): a frozen copy, as the language half keeps its reference
-        self.ref = None
-        if cfg.algorithm.kl_coef > 0:
-            self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
         self.max_chunk_steps = math.ceil(
             (max_episode_steps or cfg.rollout.num_steps) / cfg.env.num_action_chunks
         )
@@ -63,18 +64,21 @@ class ActorWorker(Worker, WeightLinks):
 
     def send_weights(self, link) -> int:
         """Rank 0 sends its weights to every rollout rank over the run's weight link (or a
-        bare channel). Asynchronous runs send a copy: the update may wait in the channel while
-        the next step changes the weights in place."""
+        bare channel); every rank calls it, since sharded weights are gathered. Asynchronous
+        runs send a copy: the update may wait in the channel while the next step changes the
+        weights in place."""
+        weights = self.weight_tensors()
         if self.rank == 0:
             end = self.weight_end(link, "send", self.topo.rollout)
             snapshot = self.cfg.rollout.max_staleness > 0
-            end.send(self.weight_tensors(), self.engine.step, snapshot=snapshot)
+            end.send(weights, self.engine.step, snapshot=snapshot)
         return self.engine.step
 
     def weight_tensors(self):
-        """The ``(name, tensor)`` pairs a weight link sends (a sharded trainer yields each one
-        gathered, one at a time)."""
-        return self.policy.state_dict().items()
+        """The ``(name, tensor)`` pairs a weight link sends, on rank 0 (None elsewhere): the
+        whole model, gathered from the shards under a sharded strategy."""
+        state = self.engine.full_state_dict(self.rank)
+        return None if state is None else state.items()
 
     def offload_engine(self) -> int:
         """``actor.offload``: parameters, gradients and optimizer state to host memory."""
@@ -251,10 +255,11 @@ class ActorWorker(Worker, WeightLinks):
     # -- checkpoints ---------------------------------------------------------------------
 
     def save(self, path: str, meta: dict, extra: dict | None = None) -> str | None:
-        """Rank 0 writes the checkpoint; ``extra``: other groups' state, saved alongside."""
-        if self.rank != 0:
-            return None
-        return str(self.engine.save(path, {**meta, "version": self.engine.step}, extra))
+        """The checkpoint (rank 0 writes all of it, or each rank its shards); ``extra``: other
+        groups' state, saved alongside. Its path on rank 0."""
+        meta = {**meta, "version": self.engine.step}
+        saved = self.engine.save(path, meta, extra, rank=self.rank)
+        return None if saved is None else str(saved)
 
     def load(self, path: str) -> dict:
         return self.engine.load(path)

@@ -90,21 +90,25 @@ class LLMActor(Worker, WeightLinks):
         self.objective = make_objective(cfg.algorithm)
 
     def send_weights(self, link, num_servers: int = 0) -> int:
-        """Rank 0 sends over the run's weight link (or a bare channel to ``num_servers``)."""
+        """Rank 0 sends over the run's weight link (or a bare channel to ``num_servers``);
+        every rank calls it, since sharded weights are gathered."""
+        weights = self.weight_tensors()
         if self.rank == 0:
-            self.weight_end(link, "send", num_servers).send(self.weight_tensors(), self.version)
+            self.weight_end(link, "send", num_servers).send(weights, self.version)
         return self.version
 
     def weight_tensors(self):
-        """The ``(name, tensor)`` pairs a weight link sends (a sharded trainer yields each one
-        gathered, one at a time)."""
-        return self.model.state_dict().items()
+        """The ``(name, tensor)`` pairs a weight link sends, on rank 0 (None elsewhere): the
+        whole model, gathered from the shards under a sharded strategy."""
+        state = self.engine.full_state_dict(self.rank)
+        return None if state is None else state.items()
 
     def save_weights_folder(self, folder: str) -> int:
         """The weights as a ``save_pretrained`` safetensors folder (for servers that reload from
         disk, e.g. vLLM); returns their version."""
+        weights = self.engine.full_state_dict(self.rank)
         if self.rank == 0:
-            self.model.save_pretrained(folder, safe_serialization=True)
+            self.model.save_pretrained(folder, state_dict=weights, safe_serialization=True)
         return self.version
 
     def offload_engine(self) -> int:
@@ -119,8 +123,9 @@ class LLMActor(Worker, WeightLinks):
         """The policy version: training steps applied to the weights."""
         return self.engine.step
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights on rank 0 (every rank calls it)."""
+        return self.engine.full_state_dict(self.rank)
 
     def my_rows(self, minibatch: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous block of a global minibatch's rows."""
@@ -235,9 +240,8 @@ class LLMActor(Worker, WeightLinks):
         return loss, {k: v.detach() if torch.is_tensor(v) else float(v) for k, v in info.items()}
 
     def save(self, path: str, meta: dict) -> str | None:
-        if self.rank != 0:
-            return None
-        return str(self.engine.save(path, {**meta, "version": self.version}))
+        saved = self.engine.save(path, {**meta, "version": self.version}, rank=self.rank)
+        return None if saved is None else str(saved)
 
     def load(self, path: str) -> dict:
         return self.engine.load(path)

@@ -26,6 +26,7 @@ from tidal.runners.loop import RunLoop, fmt
 from tidal.runners.preflight import check_embodied, probe_env
 from tidal.runtime import Channel, wait_all
 from tidal.runtime.weight_sync import open_weight_link
+from tidal.strategies import check_resume
 from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker, Topology
 
 log = logging.getLogger("tidal.train")
@@ -65,6 +66,9 @@ class EmbodiedRunner(RunLoop):
         return self.cfg.model.path is not None
 
     # -- what the run loop asks of a runner ------------------------------------------------
+
+    def check_checkpoint(self, checkpoint: Path) -> None:
+        check_resume(self.cfg.actor.strategy, checkpoint)
 
     def build(self) -> None:
         cfg, spaces = self.cfg, self.spaces
@@ -225,7 +229,7 @@ class EmbodiedRunner(RunLoop):
         timeout = self.cfg.runner.timeout_s
         link = self.weights_link
         sent, received = wait_all(
-            [self.actor.execute_on(0).send_weights(link), self.rollout.sync_weights(link, timeout)],
+            [self.actor.send_weights(link), self.rollout.sync_weights(link, timeout)],
             timeout,
         )
         self.rollout_version = sent[0]
@@ -379,7 +383,7 @@ class EmbodiedRunner(RunLoop):
             with self.timer("train"):
                 metrics.update(collection.wait_polling([self.actor.run_training()])[0][0])
             with self.timer("update_weights"):
-                sent = self.actor.execute_on(0).send_weights(self.channels["weights"])
+                sent = self.actor.send_weights(self.channels["weights"])
                 self.rollout_version = sent.wait(timeout)[0]
                 self.staleness.set_version(self.rollout_version)
         metrics.update(self.timer.pop())

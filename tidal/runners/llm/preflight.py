@@ -24,7 +24,10 @@ from tidal.config.llm import (
 )
 from tidal.config.loader import require
 from tidal.data.datasets import DataConfigError, load_conversations, load_prompts
+from tidal.memory import MemoryPlan
+from tidal.memory import plan as memory_plan
 from tidal.models.llm import (
+    DTYPES,
     ModelConfigError,
     check_causal_lm,
     check_load_options,
@@ -34,7 +37,8 @@ from tidal.models.llm import (
 from tidal.rollout.engines import ROLLOUT_ENGINES
 from tidal.rollout.rewards import Reward, resolve_reward
 from tidal.rollout.tasks import TASKS, is_multi_turn
-from tidal.runners.preflight import check_common, import_object, require_processes, world_sizes
+from tidal.runners.preflight import check_actor_ranks, check_common, import_object, world_sizes
+from tidal.strategies import STRATEGIES
 
 
 def check_llm(cfg: LLMConfig) -> None:
@@ -66,7 +70,7 @@ def check_llm(cfg: LLMConfig) -> None:
         f"rollout.group_size > 1 (got {kind} data, group_size {r.group_size})",
     )
     ranks = world_sizes(cfg.cluster, ["rollout", "actor"])["actor"]
-    require_processes(cfg.cluster, ranks, "a data-parallel trainer (more than one actor rank)")
+    check_actor_ranks(cfg, ranks, "a data-parallel trainer (more than one actor rank)")
     validate_actor_ranks(cfg, ranks)
     check_data(cfg)
 
@@ -179,9 +183,34 @@ def check_llm_model(cfg: LLMConfig) -> None:
             require_template(load_tokenizer(m.path))
     except ModelConfigError as exc:
         raise ConfigError(str(exc)) from None
+    STRATEGIES.get(cfg.actor.strategy).check_model(lambda: meta_training_model(cfg, model_cfg))
     context = getattr(model_cfg, "max_position_embeddings", None)
     require(
         context is None or cfg.rollout.max_new_tokens < context,
         "rollout.max_new_tokens",
         f"{cfg.rollout.max_new_tokens} does not fit the model's context of {context} tokens",
     )
+
+
+def meta_training_model(cfg: LLMConfig, model_cfg=None):
+    """The model the actor trains, built on the meta device from model.path's config (no
+    weights read), in model.dtype: what ``tidal config --memory`` counts and fsdp2 checks.
+    Whatever freezes part of it for training (e.g. adapters over a frozen base) freezes it
+    here too, so the trainable count follows."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_cfg = model_cfg or check_causal_lm(cfg.model.path)
+    dtype = DTYPES[cfg.model.dtype]
+    if dtype == "auto":
+        dtype = getattr(model_cfg, "dtype", None) or torch.float32
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_cfg, dtype=dtype)
+
+
+def actor_memory(cfg: LLMConfig) -> MemoryPlan:
+    """Per actor rank, the parameters, gradients and optimizer state the config implies."""
+    check_llm(cfg)
+    check_llm_model(cfg)
+    ranks = world_sizes(cfg.cluster, ["rollout", "actor"])["actor"]
+    return memory_plan(meta_training_model(cfg), cfg.actor, ranks)

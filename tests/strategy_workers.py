@@ -1,0 +1,124 @@
+"""Engines under each actor.strategy for tests/test_strategies.py (importable by Ray workers).
+
+Every rank builds the same tiny models from one seed; ``train`` takes the global batches of
+every step and trains on this rank's rows, two micro-batches per optimizer step."""
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from tidal.config.common import ActorConfig
+from tidal.engine import TrainEngine
+from tidal.memory import state_bytes_counted
+from tidal.runtime import Worker
+
+VOCAB, OBS_DIM, ACT_DIM = 40, 6, 2
+POISON = -1  # a step whose loss is NaN: the non-finite guard skips it
+
+
+def build_model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "lm":
+        from tidal.inference.tiny import tiny_llama
+
+        return tiny_llama(VOCAB, hidden=32, layers=2, heads=4, max_positions=32)
+    from tidal.models.vla import TokenActionPolicy
+
+    obs = gym.spaces.Box(-1.0, 1.0, (OBS_DIM,), np.float32)
+    act = gym.spaces.Box(-1.0, 1.0, (ACT_DIM,), np.float32)
+    return TokenActionPolicy(obs, act, hidden_size=32, num_layers=2, num_heads=2, num_bins=16)
+
+
+def make_batches(kind: str, steps: int, rows: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    if kind == "lm":
+        return [{"ids": torch.randint(3, VOCAB, (rows, 12), generator=g)} for _ in range(steps)]
+    return [
+        {
+            "obs": torch.rand(rows, OBS_DIM, generator=g) * 2 - 1,
+            "actions": torch.randint(0, 16, (rows, 1, ACT_DIM), generator=g),
+            "returns": torch.randn(rows, generator=g),
+        }
+        for _ in range(steps)
+    ]
+
+
+def micro_loss(kind: str, parts: int):
+    """Each micro-batch's share (1/parts) of the minibatch's mean loss."""
+
+    def loss_fn(model, micro):
+        if kind == "lm":
+            loss = model(input_ids=micro["ids"], labels=micro["ids"]).loss
+        else:
+            out = model({"obs": micro["obs"]}, micro["actions"])
+            loss = -out["logprobs"].mean() + ((out["values"] - micro["returns"]) ** 2).mean()
+        if micro.get("poison", False):
+            loss = loss * float("nan")
+        return loss / parts, {"loss": loss.item()}
+
+    return loss_fn
+
+
+def actor_config(strategy: str, **kw) -> ActorConfig:
+    # a linear schedule and clipping that bites (the norms here are ~1-5)
+    return ActorConfig(lr=3e-3, lr_schedule="linear", max_grad_norm=0.5, strategy=strategy, **kw)
+
+
+def train_steps(
+    engine, kind, batches, rank, world, micro_per_rank, poison_step=None, after_step=None
+):
+    out = []
+    for step, batch in enumerate(batches):
+        per_rank = next(iter(batch.values())).shape[0] // world
+        mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()}
+        size = per_rank // micro_per_rank
+        micros = [
+            {k: v[i * size : (i + 1) * size] for k, v in mine.items()}
+            for i in range(micro_per_rank)
+        ]
+        if step == poison_step:
+            micros[-1]["poison"] = True
+        metrics = engine.train_batch(micros, micro_loss(kind, micro_per_rank))
+        engine.end_step()
+        out.append((float(np.mean(metrics["loss"])), metrics["grad_norm"][0]))
+        if after_step is not None:
+            after_step(step + 1)
+    return out
+
+
+class EngineWorker(Worker):
+    def __init__(self):
+        torch.set_num_threads(1)
+        self.init_distributed()
+
+    def train(self, kind: str, strategy: str, steps: int, rows: int, poison_step=None, save=None):
+        """A fresh engine trained ``steps`` steps: each step's (loss, grad norm), the value of
+        the batch after training (policies: a forward method besides forward), the whole
+        updated weights (rank 0), and the bytes this rank holds. ``save``: (step, path), a
+        checkpoint after that step."""
+        engine = TrainEngine(build_model(kind), actor_config(strategy), 10, distributed=True)
+        batches = make_batches(kind, steps, rows)
+
+        def after_step(step):
+            if save is not None and step == save[0]:
+                engine.save(save[1], {"step": step}, rank=self.rank)
+
+        history = train_steps(
+            engine, kind, batches, self.rank, self.world_size, 2, poison_step, after_step
+        )
+        # the bytes held with gradients present: after one more backward (no step)
+        loss, _ = micro_loss(kind, 1)(engine.module, batches[0])
+        loss.backward()
+        held = state_bytes_counted(engine.model, engine.optimizer)
+        engine.optimizer.zero_grad(set_to_none=True)
+        value = None
+        if kind == "vla":
+            with torch.no_grad():
+                value = engine.model.value({"obs": batches[0]["obs"]})
+        return {
+            "history": history,
+            "value": value,
+            "weights": engine.full_state_dict(self.rank),
+            "bytes": held,
+            "skipped": engine.skipped_steps,
+        }

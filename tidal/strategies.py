@@ -1,0 +1,287 @@
+"""How the train engine spreads a model over the actor ranks (``actor.strategy``), by registry.
+
+``ddp``: every rank holds the whole model, gradients and optimizer state; DDP averages the
+gradients. ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on each shard unit (a causal LM's
+decoder layers, the classes its ``_no_split_modules`` names; an embodied policy's
+``shard_units()``, e.g. the VLA's transformer blocks) and then the root, so each rank holds
+1/world of the parameters, gradients and optimizer state, gathered layer by layer for compute.
+
+A strategy says what differs: wrapping, skipping the gradient sync on all but the last
+micro-batch, the full weights for the rollout, and the checkpoint's model and optimizer state
+(one safetensors file, or ``torch.distributed.checkpoint`` shards). The engine asks it; it never
+tests the strategy's name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tidal.checkpoint import (
+    META_FILE,
+    SHARDS_DIR,
+    load_checkpoint_state,
+    load_model_state,
+    save_checkpoint,
+    staging_folder,
+)
+from tidal.registry import Registry
+
+STRATEGIES: Registry[type[Strategy]] = Registry("train strategy", "actor.strategy")
+
+
+class ShardingError(ValueError):
+    """A model the strategy cannot spread over the ranks; the message names the key."""
+
+
+class Strategy:
+    """DDP's behaviour is the default of every hook."""
+
+    name: ClassVar[str]
+
+    def __init__(self, cfg, distributed: bool):
+        self.cfg, self.distributed = cfg, distributed
+
+    # -- preflight (before any worker starts): raise a ConfigError naming the key ----------
+
+    @classmethod
+    def check_ranks(cls, ranks: int, multi_process: bool) -> None:
+        """The actor's ranks fit the strategy (more than one on a backend of processes is
+        every data-parallel group's rule, checked by the runners)."""
+
+    @classmethod
+    def check_model(cls, build_meta: Callable[[], nn.Module]) -> None:
+        """The model (``build_meta()``: on the meta device, no weights) can be wrapped."""
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The module the loss calls (may be ``model`` itself, changed in place)."""
+        return model
+
+    def accumulate(self, module: nn.Module, sync: bool):
+        """A context for one micro-batch's forward and backward: ``sync`` false on all but the
+        last of a minibatch, so gradients are reduced over the ranks once."""
+        return contextlib.nullcontext()
+
+    def before_step(self, module: nn.Module) -> None:
+        """Before an optimizer step's first forward."""
+
+    def state_shares(self, world_size: int) -> float:
+        """The fraction of the parameters, gradients and optimizer state one rank holds."""
+        return 1.0
+
+    # -- full weights (rollout) and checkpoints --------------------------------------------
+
+    def full_state_dict(self, model: nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
+        """The whole model's state on rank 0 (None elsewhere); every rank calls it."""
+        return model.state_dict() if rank == 0 else None
+
+    def save(self, model, optimizer, path: Path, state: dict, meta: dict, extra, rank: int):
+        """Write the checkpoint (every rank calls it); its path on rank 0, else None."""
+        if rank != 0:
+            return None
+        state = {**state, "optimizer": optimizer.state_dict()}
+        return save_checkpoint(path, model.state_dict(), state, meta, extra)
+
+    def load(self, model, optimizer, path: Path) -> tuple[dict, dict]:
+        """Model and optimizer from a checkpoint, strictly; its ``state.pt`` and meta."""
+        path, state, meta = load_checkpoint_state(path)
+        weights = load_model_state(path)
+        check_keys(set(model.state_dict()), set(weights), str(path))
+        model.load_state_dict(weights, strict=True)
+        optimizer.load_state_dict(state["optimizer"])
+        return state, meta
+
+
+@STRATEGIES.register("ddp")
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        # DDP averages gradients over the ranks (the process group is the worker's to start)
+        return nn.parallel.DistributedDataParallel(model) if self.distributed else model
+
+    def accumulate(self, module: nn.Module, sync: bool):
+        return module.no_sync() if self.distributed and not sync else contextlib.nullcontext()
+
+
+@STRATEGIES.register("fsdp2")
+class FSDP2Strategy(Strategy):
+    name = "fsdp2"
+
+    @classmethod
+    def check_ranks(cls, ranks: int, multi_process: bool) -> None:
+        from tidal.config.loader import require
+
+        require(
+            ranks == 1 or multi_process,
+            "actor.strategy",
+            f"fsdp2 over {ranks} actor ranks shards the model across processes: set "
+            "cluster.backend=ray (the local backend runs every rank as a thread of one process)",
+        )
+
+    @classmethod
+    def check_model(cls, build_meta: Callable[[], nn.Module]) -> None:
+        from tidal.config.loader import ConfigError
+
+        try:
+            shard_units(build_meta())
+        except ShardingError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            fully_shard,
+            register_fsdp_forward_method,
+        )
+
+        ensure_process_group()
+        options: dict[str, Any] = {
+            "reshard_after_forward": self.cfg.fsdp.reshard_after_forward is not False
+        }
+        if self.cfg.bf16:  # compute in bf16, keep fp32 shards and reduce gradients in fp32
+            options["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
+        if self.cfg.fsdp.cpu_offload:  # pinned memory (fast copies) only where there is a GPU
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        for unit in shard_units(model):
+            fully_shard(unit, **options)
+        fully_shard(model, **options)
+        # methods the trainer calls besides forward gather their parameters like forward
+        for method in getattr(model, "sharded_forward_methods", ()):
+            register_fsdp_forward_method(model, method)
+        return model
+
+    def accumulate(self, module: nn.Module, sync: bool):
+        module.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def before_step(self, module: nn.Module) -> None:
+        """Buffers (e.g. observation statistics) from rank 0, as DDP broadcasts them."""
+        if dist.get_world_size() > 1:
+            for buffer in module.buffers():
+                dist.broadcast(buffer.data, 0)
+
+    def state_shares(self, world_size: int) -> float:
+        return 1.0 / world_size
+
+    def full_state_dict(self, model: nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # every rank all-gathers each parameter; with cpu_offload only rank 0 keeps the result
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(model, options=options)
+        return state if rank == 0 else None
+
+    def checkpoint_state(self, model: nn.Module, optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(model, optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def save(self, model, optimizer, path: Path, state: dict, meta: dict, extra, rank: int):
+        """Every rank writes its shards into one staging folder, then rank 0 adds the rest
+        and renames it into place: a crash before the rename leaves older checkpoints whole.
+        (On several nodes the run folder must be on a shared file system.)"""
+        import torch.distributed.checkpoint as dcp
+
+        staged = Path(path).with_name(f".{Path(path).name}.tmp-shards")
+        if rank == 0:
+            staging_folder(path, "shards")
+        dist.barrier()
+        dcp.save(self.checkpoint_state(model, optimizer), checkpoint_id=str(staged / SHARDS_DIR))
+        if rank != 0:
+            return None
+        return save_checkpoint(path, None, state, meta, extra, staged=staged)
+
+    def load(self, model, optimizer, path: Path) -> tuple[dict, dict]:
+        """Resharded to this world size by ``torch.distributed.checkpoint``; strict on the
+        model's keys."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        path, state, meta = load_checkpoint_state(path)
+        folder = str(path / SHARDS_DIR)
+        current = self.checkpoint_state(model, optimizer)
+        saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+        check_keys(
+            set(current["model"]),
+            {k.removeprefix("model.") for k in saved if k.startswith("model.")},
+            str(path),
+        )
+        dcp.load(current, checkpoint_id=folder)
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=current["model"],
+            optim_state_dict=current["optimizer"],
+        )
+        return state, meta
+
+
+def make_strategy(cfg, distributed: bool) -> Strategy:
+    return STRATEGIES.get(cfg.strategy)(cfg, distributed)
+
+
+def ensure_process_group() -> None:
+    """FSDP2 needs a process group even alone: one of world size 1 for an engine outside a
+    group of workers (``tidal sft``, tests)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The sub-modules ``fsdp2`` shards one by one before the root: an embodied policy's
+    ``shard_units()`` (empty: the whole policy is one unit), a Hugging Face model's decoder
+    layers (the classes in its ``_no_split_modules``)."""
+    if hasattr(model, "shard_units"):
+        return list(model.shard_units())
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    units = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    if not units:
+        raise ShardingError(
+            f"actor.strategy: fsdp2 shards a language model by its decoder layers (the classes "
+            f"its _no_split_modules names), and {type(model).__name__} has "
+            + (f"no module of class {', '.join(sorted(names))}" if names else "none declared")
+            + "; use actor.strategy=ddp"
+        )
+    return units
+
+
+def check_keys(expected: set[str], given: set[str], source: str) -> None:
+    """A strict load: every missing and unexpected key named."""
+    missing, unexpected = sorted(expected - given), sorted(given - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {source} does not match the model: missing keys {missing[:10]}"
+            f"{' ...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
+            f"{' ...' if len(unexpected) > 10 else ''}"
+        )
+
+
+def checkpoint_strategy(path: Path) -> str:
+    """The strategy that wrote a checkpoint (older checkpoints: ``ddp``)."""
+    meta = json.loads((path / META_FILE).read_text())
+    return meta.get("strategy", "ddp")
+
+
+def check_resume(strategy: str, checkpoint: Path) -> None:
+    """A checkpoint resumes under the strategy that wrote it (on any number of ranks): a
+    DDP checkpoint's optimizer state is keyed by parameter index, FSDP2's is sharded."""
+    from tidal.config.loader import ConfigError
+
+    written = checkpoint_strategy(checkpoint)
+    if written != strategy:
+        raise ConfigError(
+            f"actor.strategy: the checkpoint {str(checkpoint)!r} (runner.resume_from) was written "
+            f"with actor.strategy={written}; resume it with actor.strategy={written}, not {strategy}"
+        )
