@@ -246,6 +246,8 @@ def host_floats(metrics: dict[str, list]) -> dict[str, list[float]]:
     return {
         k: [next(read) if torch.is_tensor(v) else float(v) for v in vs] for k, vs in metrics.items()
     }
+
+
 def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """The 2-norm of all the gradients together; over every rank's shards when they are
     DTensors (FSDP2), so every rank clips by the same factor."""
