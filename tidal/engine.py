@@ -25,7 +25,14 @@ from typing import Any
 
 import torch
 
-from tidal.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from tidal.checkpoint import (
+    load_checkpoint,
+    load_trained_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    trained_state_dict,
+)
 from tidal.config.common import ActorConfig
 
 log = logging.getLogger("tidal.engine")
@@ -190,13 +197,14 @@ class TrainEngine:
                 "skipped_steps": self.skipped_steps,
             },
         }
-        return save_checkpoint(path, self.model.state_dict(), state, meta, extra)
+        return save_checkpoint(path, trained_state_dict(self.model), state, meta, extra)
 
     def load(self, path: str | Path) -> dict:
-        """Model, optimizer, schedule, RNG and counters from a checkpoint, strictly: a key
-        missing or unexpected is an error that names it."""
+        """Model (its trained part: frozen parameters are not saved), optimizer, schedule, RNG
+        and counters from a checkpoint, strictly: a key missing or unexpected is an error that
+        names it."""
         model_state, state, meta = load_checkpoint(path)
-        load_strict(self.model, model_state, str(path))
+        load_trained_state(self.model, model_state, str(path))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
@@ -205,16 +213,3 @@ class TrainEngine:
         self.optimizer_steps = counters.get("optimizer_steps", 0)
         self.skipped_steps = counters.get("skipped_steps", 0)
         return meta
-
-
-def load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """``model.load_state_dict(state)`` with every missing and unexpected key named."""
-    expected, given = set(model.state_dict()), set(state)
-    missing, unexpected = sorted(expected - given), sorted(given - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {source} does not match the model: missing keys {missing[:10]}"
-            f"{' ...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
-            f"{' ...' if len(unexpected) > 10 else ''}"
-        )
-    model.load_state_dict(state, strict=True)

@@ -28,8 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tidal.checkpoint import complete_checkpoints, prune_checkpoints, resolve_checkpoint
+from tidal.checkpoint import complete_checkpoints, prune_checkpoints, read_meta, resolve_checkpoint
 from tidal.metrics import MetricLogger, Timer, truncate_metrics
+from tidal.models.lora import check_checkpoint_lora
 from tidal.runners.run_folder import RunFolder, find_resume_checkpoint
 from tidal.runtime.errors import ChannelTimeoutError, WorkerError, WorkerTimeoutError
 
@@ -56,6 +57,8 @@ class RunLoop(ABC):
         self.cfg = cfg
         r = cfg.runner
         self.checkpoint_to_resume = find_resume_checkpoint(r)
+        if self.checkpoint_to_resume is not None:
+            check_resume(cfg, self.checkpoint_to_resume)
         self.folder = RunFolder(cfg, "train", self.checkpoint_to_resume, run_dir)
         self.run_dir = self.folder.path
         if run_dir is not None and self.checkpoint_to_resume is None:
@@ -251,6 +254,14 @@ class RunLoop(ABC):
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(graceful=exc_type is None)
+
+
+def check_resume(cfg: Any, checkpoint: Path) -> None:
+    """A checkpoint the config can continue, before any worker starts: LoRA adapters need the
+    same ``model.lora``, full weights need none."""
+    lora = getattr(getattr(cfg, "model", None), "lora", None)
+    if lora is not None:
+        check_checkpoint_lora(read_meta(checkpoint), lora, str(checkpoint))
 
 
 def is_worker_fault(exc: BaseException) -> bool:

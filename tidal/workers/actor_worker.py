@@ -3,7 +3,6 @@ the policy with PPO (micro-batches, gradient accumulation, data parallel over ra
 
 from __future__ import annotations
 
-import copy
 import math
 
 import gymnasium as gym
@@ -15,6 +14,7 @@ from tidal.algorithms.objectives import drop_stale, make_objective, minibatch_de
 from tidal.data import Trajectory
 from tidal.data.records import flat_time_major, flatten_steps
 from tidal.engine import TrainEngine
+from tidal.models.lora import apply_lora, lora_meta, reference_model, rollout_state_dict
 from tidal.runtime import Channel, CommMapper, ConfigSections, Worker, merge_batches, send_weights
 from tidal.workers.rollout_worker import make_policy
 from tidal.workers.routes import TRAJECTORY_TAG, Topology
@@ -38,7 +38,8 @@ class ActorWorker(Worker):
         self.cfg, self.topo = cfg, topology
         torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.runner.seed)
-        self.policy = make_policy(cfg, observation_space, action_space)
+        policy = make_policy(cfg, observation_space, action_space)
+        self.policy = apply_lora(policy, cfg.model.lora, f"policy {cfg.model.name!r}")
         if self.world_size > 1:
             self.init_distributed()
         self.engine = TrainEngine(
@@ -46,10 +47,8 @@ class ActorWorker(Worker):
         )
         self.objective = make_objective(cfg.algorithm)
         # a KL penalty keeps the policy near the one training started from (model.path, e.g.
-        # the behaviour-cloned policy): a frozen copy, as the language half keeps its reference
-        self.ref = None
-        if cfg.algorithm.kl_coef > 0:
-            self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        # the behaviour-cloned policy), kept as the language half keeps its reference
+        self.ref = reference_model(self.policy, keep=cfg.algorithm.kl_coef > 0)
         self.max_chunk_steps = math.ceil(
             (max_episode_steps or cfg.rollout.num_steps) / cfg.env.num_action_chunks
         )
@@ -62,7 +61,7 @@ class ActorWorker(Worker):
         """Rank 0 sends its weights to every rollout rank. Asynchronous runs send a copy: the
         update may wait in the channel while the next step changes the weights in place."""
         if self.rank == 0:
-            weights = self.policy.state_dict()
+            weights = rollout_state_dict(self.policy)
             if self.cfg.rollout.max_staleness > 0:
                 weights = {k: v.detach().clone() for k, v in weights.items()}
             send_weights(weights_ch, weights, self.engine.step, self.topo.rollout)
@@ -239,7 +238,8 @@ class ActorWorker(Worker):
         """Rank 0 writes the checkpoint; ``extra``: other groups' state, saved alongside."""
         if self.rank != 0:
             return None
-        return str(self.engine.save(path, {**meta, "version": self.engine.step}, extra))
+        meta = {**meta, "version": self.engine.step, "lora": lora_meta(self.cfg.model.lora)}
+        return str(self.engine.save(path, meta, extra))
 
     def load(self, path: str) -> dict:
         return self.engine.load(path)

@@ -3,7 +3,6 @@ decoupled or standard PPO over micro-batches packed by token budget."""
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import numpy as np
@@ -19,6 +18,13 @@ from tidal.algorithms.objectives import (
 from tidal.data import LLMBatch
 from tidal.engine import TrainEngine
 from tidal.models.llm import load_causal_lm
+from tidal.models.lora import (
+    apply_lora,
+    lora_meta,
+    reference_model,
+    rollout_state_dict,
+    save_pretrained_folder,
+)
 from tidal.runtime import Channel, ConfigSections, Worker, send_weights
 
 
@@ -69,14 +75,9 @@ class LLMActor(Worker):
         torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.runner.seed)
         m = cfg.model
-        self.model, _ = load_causal_lm(
-            m.path, m.dtype, m.attn_implementation, m.gradient_checkpointing
-        )
-        self.ref = (
-            copy.deepcopy(self.model).eval().requires_grad_(False)
-            if cfg.algorithm.kl_coef > 0
-            else None
-        )
+        model, _ = load_causal_lm(m.path, m.dtype, m.attn_implementation, m.gradient_checkpointing)
+        self.model = apply_lora(model, m.lora, repr(m.path))  # as is with model.lora.rank=0
+        self.ref = reference_model(self.model, keep=cfg.algorithm.kl_coef > 0)
         if self.world_size > 1:
             self.init_distributed()
         self.engine = TrainEngine(
@@ -87,14 +88,14 @@ class LLMActor(Worker):
 
     def send_weights(self, weights_ch: Channel, num_servers: int) -> int:
         if self.rank == 0:
-            send_weights(weights_ch, self.model.state_dict(), self.version, num_servers)
+            send_weights(weights_ch, rollout_state_dict(self.model), self.version, num_servers)
         return self.version
 
     def save_weights_folder(self, folder: str) -> int:
         """The weights as a ``save_pretrained`` safetensors folder (for servers that reload from
-        disk, e.g. vLLM); returns their version."""
+        disk, e.g. vLLM), merged under LoRA; returns their version."""
         if self.rank == 0:
-            self.model.save_pretrained(folder, safe_serialization=True)
+            save_pretrained_folder(self.model, folder)
         return self.version
 
     @property
@@ -217,7 +218,8 @@ class LLMActor(Worker):
     def save(self, path: str, meta: dict) -> str | None:
         if self.rank != 0:
             return None
-        return str(self.engine.save(path, {**meta, "version": self.version}))
+        meta = {**meta, "version": self.version, "lora": lora_meta(self.cfg.model.lora)}
+        return str(self.engine.save(path, meta))
 
     def load(self, path: str) -> dict:
         return self.engine.load(path)

@@ -11,7 +11,6 @@ from tidal.algorithms import list_advantages
 from tidal.algorithms.correction import ROLLOUT_CORRECTIONS
 from tidal.algorithms.kl import KL_KINDS
 from tidal.algorithms.losses import AGGREGATIONS, IMPORTANCE_LEVELS
-from tidal.checkpoint import checkpoint_argument
 from tidal.config import ConfigError
 from tidal.config.common import one_of
 from tidal.config.llm import (
@@ -31,10 +30,18 @@ from tidal.models.llm import (
     load_tokenizer,
     require_template,
 )
+from tidal.models.lora import check_lora, no_init
 from tidal.rollout.engines import ROLLOUT_ENGINES
 from tidal.rollout.rewards import Reward, resolve_reward
 from tidal.rollout.tasks import TASKS, is_multi_turn
-from tidal.runners.preflight import check_common, import_object, require_processes, world_sizes
+from tidal.runners.preflight import (
+    check_common,
+    check_lora_extra,
+    checkpoint_lora_argument,
+    import_object,
+    require_processes,
+    world_sizes,
+)
 
 
 def check_llm(cfg: LLMConfig) -> None:
@@ -103,7 +110,7 @@ def check_llm_eval(cfg: LLMConfig, checkpoint: str | None, n: int) -> Path | Non
         raise ConfigError("data.eval_path: tidal eval needs held-out records (a dataset file)")
     if n < 0:
         raise ConfigError(f"--n: must be >= 0, got {n}")
-    return checkpoint_argument(checkpoint)
+    return checkpoint_lora_argument(checkpoint, cfg.model.lora)
 
 
 def data_kind(d: DataConfig) -> str:
@@ -178,9 +185,23 @@ def check_llm_model(cfg: LLMConfig) -> None:
             require_template(load_tokenizer(m.path))
     except ModelConfigError as exc:
         raise ConfigError(str(exc)) from None
+    check_llm_lora(cfg, model_cfg)
     context = getattr(model_cfg, "max_position_embeddings", None)
     require(
         context is None or cfg.rollout.max_new_tokens < context,
         "rollout.max_new_tokens",
         f"{cfg.rollout.max_new_tokens} does not fit the model's context of {context} tokens",
     )
+
+
+def check_llm_lora(cfg: LLMConfig, model_cfg) -> None:
+    """``model.lora`` on the model, built as a skeleton from its config.json (no weights)."""
+    lora = cfg.model.lora
+    if lora.rank == 0:
+        return
+    check_lora_extra(lora)
+    from transformers import AutoModelForCausalLM
+
+    with no_init():
+        model = AutoModelForCausalLM.from_config(model_cfg)
+    check_lora(model, lora, repr(cfg.model.path))

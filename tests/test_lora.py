@@ -1,0 +1,188 @@
+"""LoRA (``model.lora``): only adapters train, the reference is the base with adapters disabled,
+the rollout and saved folders get merged weights, checkpoints hold adapters, bad input fails
+naming its key."""
+
+import json
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from tidal.checkpoint import checkpoint_weights, load_checkpoint
+from tidal.config import ActorConfig, ConfigError
+from tidal.config.lora import LoRAConfig
+from tidal.engine import TrainEngine
+from tidal.models.lora import (
+    apply_lora,
+    base_name,
+    check_checkpoint_lora,
+    check_lora,
+    lora_meta,
+    merged_state_dict,
+    reference_model,
+    rollout_state_dict,
+    save_pretrained_folder,
+)
+from tidal.models.policy import build_policy
+
+IDS = torch.tensor([[3, 9, 4, 1, 7, 2], [5, 5, 8, 6, 0, 2]])
+
+
+def tiny_qwen(seed=0):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    return Qwen2ForCausalLM(cfg)
+
+
+def lm_loss(model, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    return loss, {"loss": loss.item()}
+
+
+def logits(model, ids=IDS):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def trained_lora(seed=0, steps=2):
+    """A LoRA model a few optimizer steps away from its base (adapters no longer zero)."""
+    model = apply_lora(tiny_qwen(), LoRAConfig(rank=4, alpha=8))
+    torch.manual_seed(seed)
+    engine = TrainEngine(model, ActorConfig(lr=0.05), 10)
+    for _ in range(steps):
+        engine.train_batch([IDS], lm_loss)
+        engine.end_step()
+    return model, engine
+
+
+def test_only_adapters_train_and_have_optimizer_state():
+    base = tiny_qwen()
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    model, engine = trained_lora()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    # every linear layer of attention and MLP, none of the embeddings or the head
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    state = engine.optimizer.state_dict()["state"]
+    assert len(state) == len(trainable)  # Adam moments of the adapters only
+    frozen = {base_name(k): v for k, v in model.get_base_model().state_dict().items()}
+    for key, value in before.items():  # the base did not move
+        assert torch.equal(frozen[key], value), key
+
+
+def test_the_reference_is_the_base_and_the_rollout_gets_merged_weights(tmp_path):
+    model, _ = trained_lora()
+    base = tiny_qwen()
+    ref = reference_model(model, keep=True)
+    torch.testing.assert_close(logits(ref), logits(base), rtol=0, atol=0)
+    assert not torch.allclose(logits(model), logits(base))  # the adapters moved the policy
+    assert reference_model(model, keep=False) is None
+
+    adapters = {k: v.clone() for k, v in model.state_dict().items()}
+    merged = rollout_state_dict(model)
+    assert set(merged) == set(base.state_dict())  # the names the engine's servers expect
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in adapters.items())  # not merged in
+    base.load_state_dict(merged)
+    torch.testing.assert_close(logits(base), logits(model), rtol=1e-5, atol=1e-5)
+
+    save_pretrained_folder(model, tmp_path / "weights")  # what vLLM reloads
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "weights", local_files_only=True)
+    torch.testing.assert_close(logits(reloaded), logits(model), rtol=1e-5, atol=1e-5)
+    assert rollout_state_dict(tiny_qwen()).keys() == merged.keys()  # without LoRA: as it is
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_path):
+    model, engine = trained_lora()
+    engine.save(tmp_path / "ck", {"step": 2, "lora": lora_meta(LoRAConfig(rank=4, alpha=8))})
+    for _ in range(2):
+        engine.train_batch([IDS.flip(1)], lm_loss)
+        engine.end_step()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+
+    saved, state, _ = load_checkpoint(tmp_path / "ck")
+    assert set(saved) == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert len(state["optimizer"]["state"]) == len(saved)
+
+    torch.manual_seed(123)  # other adapter initialisations: the checkpoint overwrites them
+    resumed_model = apply_lora(tiny_qwen(), LoRAConfig(rank=4, alpha=8))
+    resumed = TrainEngine(resumed_model, ActorConfig(lr=0.05), 10)
+    assert resumed.load(tmp_path / "ck")["step"] == 2
+    for _ in range(2):
+        resumed.train_batch([IDS.flip(1)], lm_loss)
+        resumed.end_step()
+    for key, value in resumed_model.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+    weights = checkpoint_weights(tiny_qwen(), tmp_path / "ck", LoRAConfig(rank=4, alpha=8))
+    plain = tiny_qwen()
+    plain.load_state_dict(weights)
+    ref, _ = trained_lora()
+    torch.testing.assert_close(logits(plain), logits(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_a_checkpoint_resumed_with_other_lora_settings_is_a_config_error():
+    lora = LoRAConfig(rank=4, alpha=8)
+    with pytest.raises(ConfigError, match=r"model.lora.rank: ck holds LoRA adapters of rank 4"):
+        check_checkpoint_lora({"lora": lora_meta(lora)}, LoRAConfig(), "ck")
+    with pytest.raises(ConfigError, match=r"model.lora.rank: ck holds full weights.*rank=4"):
+        check_checkpoint_lora({}, lora, "ck")  # and older checkpoints: full weights
+    with pytest.raises(ConfigError, match=r"model.lora.rank: ck holds adapters made with"):
+        check_checkpoint_lora({"lora": lora_meta(lora)}, LoRAConfig(rank=8, alpha=8), "ck")
+    check_checkpoint_lora({"lora": lora_meta(lora)}, LoRAConfig(rank=4, alpha=8), "ck")
+
+
+def test_targets_that_match_nothing_and_policies_without_linear_layers_are_refused():
+    with pytest.raises(
+        ConfigError,
+        match=r"model.lora.target_modules: \['qkv'\] match no linear layer of 'm'; its linear "
+        r"layers are down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj",
+    ):
+        check_lora(tiny_qwen(), LoRAConfig(rank=4, target_modules=["q_proj", "qkv"]), "'m'")
+    convs = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
+    with pytest.raises(ConfigError, match=r"model.lora.rank: policy 'convs' has no linear layers"):
+        check_lora(convs, LoRAConfig(rank=4), "policy 'convs'")
+    check_lora(convs, LoRAConfig(rank=0), "policy 'convs'")  # off: nothing to check
+
+
+def test_the_vla_trunk_gets_adapters_that_act_in_evaluation_too():
+    obs = gym.spaces.Box(-1, 1, (6,), np.float32)
+    act = gym.spaces.Box(-1, 1, (2,), np.float32)
+    torch.manual_seed(0)
+    policy = build_policy("vla", obs, act, 2, hidden_size=32, num_heads=2, num_layers=2)
+    torch.nn.init.normal_(policy.action_head.weight)  # zero at start: every action equally likely
+    base = {k: v.clone() for k, v in policy.state_dict().items()}
+    model = apply_lora(policy, LoRAConfig(rank=4, alpha=8), "policy 'vla'")
+    trainable = {
+        n.split(".base_model.model.")[-1] for n, p in model.named_parameters() if p.requires_grad
+    }
+    assert any(".linear1.lora_A." in n for n in trainable)
+    assert all(".lora_" in n or ".modules_to_save." in n for n in trainable)
+    for name, p in model.named_parameters():
+        if ".lora_B." in name:
+            torch.nn.init.normal_(p, std=0.5)
+    inputs, actions = {"obs": torch.randn(5, 6)}, torch.randint(0, 256, (5, 2, 2))
+
+    def logp(m):
+        with torch.no_grad():  # eval without grad: torch's fused encoder path, were it not off
+            return m(inputs, actions)["logprobs"]
+
+    model.eval()
+    plain = build_policy("vla", obs, act, 2, hidden_size=32, num_heads=2, num_layers=2).eval()
+    plain.load_state_dict(base)
+    assert not torch.allclose(logp(model), logp(plain))
+    torch.testing.assert_close(logp(reference_model(model, keep=True)), logp(plain))
+    plain.load_state_dict(merged_state_dict(model))  # the rollout's policy: plain, merged
+    torch.testing.assert_close(logp(plain), logp(model), rtol=1e-5, atol=1e-5)
+    assert json.dumps(sorted(merged_state_dict(model))) == json.dumps(sorted(base))
