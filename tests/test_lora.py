@@ -186,3 +186,92 @@ def test_the_vla_trunk_gets_adapters_that_act_in_evaluation_too():
     plain.load_state_dict(merged_state_dict(model))  # the rollout's policy: plain, merged
     torch.testing.assert_close(logp(plain), logp(model), rtol=1e-5, atol=1e-5)
     assert json.dumps(sorted(merged_state_dict(model))) == json.dumps(sorted(base))
+
+
+# ----------------------------------------------------------------------------- tidal export
+
+
+def _run_folder(tmp_path, schema, overrides, model, engine, lora):
+    """A run folder as training leaves it: config.yaml and a checkpoint of ``engine``."""
+    from tidal.config import load_config, to_yaml
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(to_yaml(load_config(schema, None, overrides)))
+    meta = {"step": engine.step, "version": engine.step, "lora": lora_meta(lora)}
+    engine.save(run / "checkpoints" / "step_000002", meta)
+    return run
+
+
+def test_export_writes_a_merged_hugging_face_folder(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tidal.cli import main
+    from tidal.config.llm import LLMConfig
+    from tidal.inference import GenerationEngine
+    from tidal.inference.tiny import save_tiny_chat_model
+    from tidal.models.llm import load_causal_lm
+
+    base = save_tiny_chat_model(tmp_path / "base", corpus=["1 + 2 = 3"] * 8, vocab_size=300)
+    lora = LoRAConfig(rank=4, alpha=8)
+    model = apply_lora(load_causal_lm(base)[0], lora)
+    engine = TrainEngine(model, ActorConfig(lr=0.05), 10)
+    for _ in range(2):
+        engine.train_batch([IDS], lm_loss)
+        engine.end_step()
+    overrides = [f"model.path={base}", "model.lora.rank=4", "model.lora.alpha=8"]
+    run = _run_folder(tmp_path, LLMConfig, overrides, model, engine, lora)
+
+    assert main(["export", str(run), "-o", str(tmp_path / "out")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
+    torch.testing.assert_close(logits(exported), logits(model), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(logits(exported), logits(load_causal_lm(base)[0]))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out", local_files_only=True)
+    assert tokenizer.chat_template == AutoTokenizer.from_pretrained(base).chat_template
+    GenerationEngine(str(tmp_path / "out"))  # what tidal serve loads
+
+    # a checkpoint of adapters exported with a config that has none is a config error
+    assert main(["export", str(run), "-o", str(tmp_path / "out")]) == 2  # not empty
+    (run / "config.yaml").write_text(
+        (run / "config.yaml").read_text().replace("rank: 4", "rank: 0")
+    )
+    assert main(["export", str(run), "-o", str(tmp_path / "out2")]) == 2
+
+
+def test_export_writes_the_saved_policy_folder_of_an_embodied_run(tmp_path):
+    from tidal.config import EmbodiedConfig
+    from tidal.models.saving import load_policy, save_policy
+    from tidal.runners.export import export
+
+    obs = gym.spaces.Box(-1, 1, (6,), np.float32)
+    act = gym.spaces.Box(-1, 1, (2,), np.float32)
+    kwargs = {"hidden_size": 32, "num_heads": 2, "num_layers": 1}
+    torch.manual_seed(0)
+    save_policy(build_policy("vla", obs, act, 2, **kwargs), tmp_path / "bc")
+    lora = LoRAConfig(rank=2, alpha=4)
+    model = apply_lora(load_policy(tmp_path / "bc"), lora, "policy 'vla'")
+    engine = TrainEngine(model, ActorConfig(lr=0.05), 10)
+    inputs, actions = {"obs": torch.randn(8, 6)}, torch.randint(0, 256, (8, 2, 2))
+
+    def nll(m, _):
+        loss = -m(inputs, actions)["logprobs"].mean()
+        return loss, {}
+
+    for _ in range(2):
+        engine.train_batch([None], nll)
+        engine.end_step()
+    overrides = [
+        "model.name=vla",
+        f"model.path={tmp_path / 'bc'}",
+        "env.num_action_chunks=2",
+        "model.lora.rank=2",
+        "model.lora.alpha=4",
+    ]
+    run = _run_folder(tmp_path, EmbodiedConfig, overrides, model, engine, lora)
+    assert export(run, tmp_path / "out")["lora"] == 2
+    exported = load_policy(tmp_path / "out").eval()
+    model.eval()
+    with torch.no_grad():
+        logp = exported(inputs, actions)["logprobs"]
+        torch.testing.assert_close(logp, model(inputs, actions)["logprobs"])
+        assert not torch.allclose(logp, load_policy(tmp_path / "bc")(inputs, actions)["logprobs"])
