@@ -275,3 +275,44 @@ def test_export_writes_the_saved_policy_folder_of_an_embodied_run(tmp_path):
         logp = exported(inputs, actions)["logprobs"]
         torch.testing.assert_close(logp, model(inputs, actions)["logprobs"])
         assert not torch.allclose(logp, load_policy(tmp_path / "bc")(inputs, actions)["logprobs"])
+
+
+# ----------------------------------------------------------------------------- a language run
+
+
+def test_a_lora_run_trains_adapters_with_a_kl_reference_and_resumes(tmp_path):
+    """The actor sends merged weights to tidal's servers (which validate every name and shape),
+    keeps the KL reference as its base, checkpoints the adapters and resumes; resuming that
+    checkpoint without LoRA fails before anything starts."""
+    from tidal.config import load_config
+    from tidal.config.llm import LLMConfig
+    from tidal.inference.tiny import save_tiny_model
+    from tidal.runners.llm.train import LLMRunner
+
+    base = save_tiny_model(tmp_path / "base", hidden=32, layers=1, heads=2)
+    overrides = [
+        f"model.path={base}",
+        f"runner.run_dir={tmp_path}",
+        "runner.progress=false",
+        "runner.eval_interval=0",
+        "runner.max_steps=2",
+        "rollout.batch_size=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=4",
+        "model.lora.rank=4",
+        "algorithm.kl_coef=0.1",
+        "runner.experiment=lora",
+    ]
+    with LLMRunner(load_config(LLMConfig, None, overrides)) as runner:
+        summary = runner.run()
+    saved, _, meta = load_checkpoint(summary["checkpoint"])
+    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)
+    assert meta["lora"]["rank"] == 4
+    resume = [f"runner.resume_from={summary['checkpoint']}"]
+    with LLMRunner(load_config(LLMConfig, None, [*overrides, *resume, "runner.max_steps=3"])) as r:
+        resumed = r.run()
+    assert resumed["steps"] == 3 and resumed["run_dir"] == summary["run_dir"]
+    folders = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(ConfigError, match=r"model.lora.rank: .* holds LoRA adapters of rank 4"):
+        LLMRunner(load_config(LLMConfig, None, [*overrides, *resume, "model.lora.rank=0"]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == folders  # no run folder was made
