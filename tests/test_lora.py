@@ -316,3 +316,25 @@ def test_a_lora_run_trains_adapters_with_a_kl_reference_and_resumes(tmp_path):
     with pytest.raises(ConfigError, match=r"model.lora.rank: .* holds LoRA adapters of rank 4"):
         LLMRunner(load_config(LLMConfig, None, [*overrides, *resume, "model.lora.rank=0"]))
     assert sorted(p.name for p in tmp_path.iterdir()) == folders  # no run folder was made
+
+
+def test_the_preflight_checks_lora_on_a_skeleton_of_the_model_and_the_policy(tmp_path):
+    from tidal.config import EmbodiedConfig, load_config
+    from tidal.config.llm import LLMConfig
+    from tidal.inference.tiny import save_tiny_model
+    from tidal.runners.llm.preflight import check_llm_model
+    from tidal.runners.preflight import check_policy_lora
+
+    base = save_tiny_model(tmp_path / "base", hidden=32, layers=1, heads=2)
+    bad = [f"model.path={base}", "model.lora.rank=4", "model.lora.target_modules=[c_attn]"]
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules: \['c_attn'\] .* q_proj"):
+        check_llm_model(load_config(LLMConfig, None, bad))
+    check_llm_model(load_config(LLMConfig, None, bad[:2]))
+
+    cfg = load_config(EmbodiedConfig, None, ["model.name=vla", "model.lora.rank=4"])
+    obs = gym.spaces.Box(-1, 1, (6,), np.float32)
+    act = gym.spaces.Box(-1, 1, (2,), np.float32)
+    check_policy_lora(cfg.model, obs, act, 1)
+    cfg.model.lora.target_modules = ["self_attn"]  # attention is no linear layer there
+    with pytest.raises(ConfigError, match=r"\['self_attn'\] match no linear layer of policy 'vla'"):
+        check_policy_lora(cfg.model, obs, act, 1)
