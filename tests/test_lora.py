@@ -283,10 +283,11 @@ def test_export_writes_the_saved_policy_folder_of_an_embodied_run(tmp_path):
 def test_a_lora_run_trains_adapters_with_a_kl_reference_and_resumes(tmp_path):
     """The actor sends merged weights to tidal's servers (which validate every name and shape),
     keeps the KL reference as its base, checkpoints the adapters and resumes; resuming that
-    checkpoint without LoRA fails before anything starts."""
+    checkpoint without LoRA fails before anything starts; tidal eval scores it (merged)."""
     from tidal.config import load_config
     from tidal.config.llm import LLMConfig
     from tidal.inference.tiny import save_tiny_model
+    from tidal.runners.llm.eval import run_eval
     from tidal.runners.llm.train import LLMRunner
 
     base = save_tiny_model(tmp_path / "base", hidden=32, layers=1, heads=2)
@@ -312,6 +313,10 @@ def test_a_lora_run_trains_adapters_with_a_kl_reference_and_resumes(tmp_path):
     with LLMRunner(load_config(LLMConfig, None, [*overrides, *resume, "runner.max_steps=3"])) as r:
         resumed = r.run()
     assert resumed["steps"] == 3 and resumed["run_dir"] == summary["run_dir"]
+    evaluated = run_eval(
+        load_config(LLMConfig, None, [*overrides, "data.eval_size=4"]), summary["checkpoint"], n=0
+    )
+    assert evaluated["records"] == 4 and evaluated["checkpoint"] == summary["checkpoint"]
     folders = sorted(p.name for p in tmp_path.iterdir())
     with pytest.raises(ConfigError, match=r"model.lora.rank: .* holds LoRA adapters of rank 4"):
         LLMRunner(load_config(LLMConfig, None, [*overrides, *resume, "model.lora.rank=0"]))
