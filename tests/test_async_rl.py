@@ -521,9 +521,11 @@ def test_data_parallel_trainer_takes_the_same_step_as_one_rank(arith_model):
                 "rollout.group_size=8",
                 "rollout.batch_size=2",
             ],
+            # LoRA adapters under DDP, the reference being the base with them disabled
+            "lora": ["model.lora.rank=4", "algorithm.kl_coef=0.5"],
         }
         for agg, extra in cases.items():
-            loss_agg = "token-mean" if agg == "kl-in-reward" else agg
+            loss_agg = "token-mean" if agg in ("kl-in-reward", "lora") else agg
             cfg = _trainer_config(arith_model, loss_agg, "actor.max_tokens_per_mb=40", *extra)
             one = LLMActor.create_group(cfg).launch(cluster, "0", name=f"one-{agg}")
             two = LLMActor.create_group(cfg).launch(cluster, "1-2", name=f"two-{agg}")

@@ -247,6 +247,54 @@ def load_model_state(path: Path) -> dict[str, torch.Tensor]:
         return dict(_load_state_dict_from_keys(model_keys, checkpoint_id=folder)["model"])
 
 
+def check_keys(expected: set[str], given: set[str], source: str) -> None:
+    """A strict load: every missing and unexpected key named."""
+    missing, unexpected = sorted(expected - given), sorted(given - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {source} does not match the model: missing keys {missing[:10]}"
+            f"{' ...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
+            f"{' ...' if len(unexpected) > 10 else ''}"
+        )
+
+
+def trained_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds of a model: its state without the frozen parameters (a LoRA run's
+    base, which the run rebuilds from its config), buffers included."""
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model.state_dict().items() if k not in frozen}
+
+
+def load_trained_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Load a ``trained_state_dict`` into ``model`` with every missing and unexpected key named."""
+    expected = set(trained_state_dict(model))
+    check_keys(expected, set(state), source)
+    model.load_state_dict(state, strict=expected == set(model.state_dict()))
+
+
+def checkpoint_weights(model: torch.nn.Module, path: str | Path, lora, owner: str = "the model"):
+    """A checkpoint's trained weights in the base model's names: as saved, or under LoRA
+    (``lora``: the config's ``model.lora``) a copy of the base ``model`` built from the config
+    with the saved adapters, merged (``model`` itself is left as it is)."""
+    import copy
+
+    from tidal.models.lora import apply_lora, check_checkpoint_lora, merged_state_dict
+
+    path = resolve_checkpoint(path)
+    state, _, meta = load_checkpoint(path)
+    check_checkpoint_lora(meta, lora, str(path))
+    if lora.rank == 0:
+        return state
+    wrapped = apply_lora(copy.deepcopy(model), lora, owner)
+    load_trained_state(wrapped, state, str(path))
+    return merged_state_dict(wrapped)
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's ``meta.json`` (no weights read)."""
+    return json.loads((resolve_checkpoint(path) / META_FILE).read_text())
+
+
 def load_checkpoint(
     path: str | Path,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:

@@ -191,6 +191,21 @@ def evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def export(args: argparse.Namespace) -> int:
+    """A run's checkpoint as a model folder (LoRA merged): Hugging Face for language runs, a
+    saved policy for embodied ones."""
+    from tidal.config import ConfigError
+    from tidal.runners.export import export as run_export
+
+    _setup_logging()
+    try:
+        summary = run_export(args.run, args.out, args.checkpoint)
+    except (ConfigError, FileNotFoundError) as exc:
+        return _fail("config error", exc)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def _setup_logging() -> None:
     import logging
 
@@ -280,6 +295,17 @@ def main(argv: list[str] | None = None) -> int:
         help="embodied: also run the same episodes with sampled actions (eval_sampled/*)",
     )
     p_eval.set_defaults(fn=evaluate)
+    p_export = sub.add_parser(
+        "export",
+        help="write a run's checkpoint as a model folder, LoRA merged (Hugging Face for LLM runs, "
+        "a saved policy for embodied ones)",
+    )
+    p_export.add_argument("run", help="a run folder (it holds config.yaml and checkpoints/)")
+    p_export.add_argument(
+        "--checkpoint", default=None, help="a checkpoint folder (default: the run's newest)"
+    )
+    p_export.add_argument("-o", "--out", required=True, help="the folder to write (new or empty)")
+    p_export.set_defaults(fn=export)
     p_serve = sub.add_parser(
         "serve", help="serve a Hugging Face causal language model over HTTP (SGLang's API subset)"
     )

@@ -28,7 +28,7 @@ import torch
 from tidal.checkpoint import rng_state, set_rng_state
 from tidal.config.common import ActorConfig
 from tidal.runtime.offload import HostOffload, module_and_optimizer_tensors
-from tidal.strategies import check_keys, make_strategy
+from tidal.strategies import make_strategy
 
 log = logging.getLogger("tidal.engine")
 
@@ -255,9 +255,3 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
         return torch.tensor(0.0)
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
-def load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """``model.load_state_dict(state)`` with every missing and unexpected key named."""
-    check_keys(set(model.state_dict()), set(state), source)
-    model.load_state_dict(state, strict=True)

@@ -27,10 +27,13 @@ from torch import nn
 from tidal.checkpoint import (
     META_FILE,
     SHARDS_DIR,
+    check_keys,
     load_checkpoint_state,
     load_model_state,
+    load_trained_state,
     save_checkpoint,
     staging_folder,
+    trained_state_dict,
 )
 from tidal.registry import Registry
 
@@ -87,14 +90,14 @@ class Strategy:
         if rank != 0:
             return None
         state = {**state, "optimizer": optimizer.state_dict()}
-        return save_checkpoint(path, model.state_dict(), state, meta, extra)
+        # frozen parameters (a LoRA run's base) are rebuilt from the config, not saved
+        return save_checkpoint(path, trained_state_dict(model), state, meta, extra)
 
     def load(self, model, optimizer, path: Path) -> tuple[dict, dict]:
-        """Model and optimizer from a checkpoint, strictly; its ``state.pt`` and meta."""
+        """Model (its trained part) and optimizer from a checkpoint, strictly; its
+        ``state.pt`` and meta."""
         path, state, meta = load_checkpoint_state(path)
-        weights = load_model_state(path)
-        check_keys(set(model.state_dict()), set(weights), str(path))
-        model.load_state_dict(weights, strict=True)
+        load_trained_state(model, load_model_state(path), str(path))
         optimizer.load_state_dict(state["optimizer"])
         return state, meta
 
@@ -255,17 +258,6 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
             + "; use actor.strategy=ddp"
         )
     return units
-
-
-def check_keys(expected: set[str], given: set[str], source: str) -> None:
-    """A strict load: every missing and unexpected key named."""
-    missing, unexpected = sorted(expected - given), sorted(given - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {source} does not match the model: missing keys {missing[:10]}"
-            f"{' ...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
-            f"{' ...' if len(unexpected) > 10 else ''}"
-        )
 
 
 def checkpoint_strategy(path: Path) -> str:

@@ -18,6 +18,7 @@ from tidal.config.common import (
     validate_common,
 )
 from tidal.config.loader import require
+from tidal.config.lora import LoRAConfig, validate_lora
 from tidal.config.schema import section, setting
 
 
@@ -124,6 +125,7 @@ class ModelConfig:
     path: str | None = setting(
         None, "a saved policy folder: train starts from it; tidal sft writes it"
     )
+    lora: LoRAConfig = section(LoRAConfig)
 
 
 @dataclass
@@ -239,6 +241,7 @@ def validate_embodied(cfg: EmbodiedConfig) -> None:
     """The rules between keys of an embodied config (no registry, env or placement needed)."""
     env, alg, act = cfg.env, cfg.algorithm, cfg.actor
     validate_common(cfg.cluster, cfg.runner, act, alg)
+    validate_lora(cfg.model.lora, cfg.actor.strategy)
     one_of(cfg.model.activation, ("tanh", "relu", "gelu"), "model.activation")
     one_of(env.vectorization_mode, ("sync", "async"), "env.vectorization_mode")
     one_of(alg.reward_type, ("chunk", "action"), "algorithm.reward_type")

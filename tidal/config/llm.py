@@ -17,6 +17,7 @@ from tidal.config.common import (
     validate_common,
 )
 from tidal.config.loader import require
+from tidal.config.lora import LoRAConfig, validate_lora
 from tidal.config.schema import section, setting
 
 
@@ -55,6 +56,7 @@ class LLMModelConfig:
     vocab_size: int = setting(
         512, "... with data.path: its byte-level BPE vocabulary, trained on the dataset's text"
     )
+    lora: LoRAConfig = section(LoRAConfig)
 
 
 @dataclass
@@ -260,6 +262,7 @@ def validate_llm(cfg: LLMConfig) -> None:
     """The rules between keys of a language config (no registry, file or placement needed)."""
     a, alg, r = cfg.actor, cfg.algorithm, cfg.rollout
     validate_common(cfg.cluster, cfg.runner, a, alg)
+    validate_lora(cfg.model.lora, cfg.actor.strategy)
     one_of(
         alg.prox_logp_method, ("recompute", "loglinear", "metrics"), "algorithm.prox_logp_method"
     )

@@ -162,6 +162,17 @@ class EmbodiedPolicy(nn.Module, abc.ABC):
     def env_actions(self, actions: torch.Tensor) -> np.ndarray:
         """Actions as the env takes them, ``[B, C, ...]``."""
 
+    def lora_targets(self) -> list[str]:
+        """The layers ``model.lora`` adapts by default: every linear layer (a policy with a
+        transformer names its attention and MLP layers)."""
+        return sorted(
+            {n.rsplit(".", 1)[-1] for n, m in self.named_modules() if isinstance(m, nn.Linear)}
+        )
+
+    def lora_trained_modules(self) -> list[str]:
+        """Sub-modules trained whole beside the adapters (e.g. small heads); none by default."""
+        return []
+
     def policy_actions(self, env_actions: torch.Tensor) -> torch.Tensor:
         """The inverse of ``env_actions``: env actions ``[B, C, ...]`` as this policy's own
         actions (what ``evaluate`` scores; behaviour cloning needs it)."""

@@ -164,6 +164,16 @@ class TokenActionPolicy(EmbodiedPolicy):
 
     # -- the policy interface ------------------------------------------------------------
 
+    def lora_targets(self) -> list[str]:
+        """The trunk's feed-forward layers. Its attention is ``nn.MultiheadAttention``, whose
+        projections are raw weights: PEFT adapts it by merging into them at every forward, which
+        drifts the frozen base (no exact resume, no exact reference)."""
+        return ["linear1", "linear2"]
+
+    def lora_trained_modules(self) -> list[str]:
+        """The bin head and the critic train whole (small, and the critic may start fresh)."""
+        return [n for n in ("action_head", "value_head") if getattr(self, n) is not None]
+
     def act(self, inputs, deterministic=False) -> PolicyStep:
         logits, values = self._forward(inputs["obs"])
         dist = Categorical(logits=logits, validate_args=False)

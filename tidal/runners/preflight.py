@@ -18,7 +18,7 @@ import torch
 from tidal.algorithms import advantage_spec, list_advantages
 from tidal.algorithms.kl import KL_KINDS
 from tidal.algorithms.losses import AGGREGATIONS, LOGPROB_LEVELS, SURROGATES
-from tidal.checkpoint import checkpoint_argument
+from tidal.checkpoint import checkpoint_argument, read_meta
 from tidal.config import ConfigError
 from tidal.config.common import LOGGER_PACKAGES, ClusterConfig, one_of
 from tidal.config.embodied import (
@@ -38,7 +38,8 @@ from tidal.extras import MissingExtraError, missing_extra
 from tidal.memory import MemoryPlan
 from tidal.memory import plan as memory_plan
 from tidal.models.factory import build_from_config
-from tidal.models.policy import POLICIES, policy_arguments
+from tidal.models.lora import apply_lora, check_checkpoint_lora, check_lora, no_init
+from tidal.models.policy import POLICIES, build_policy, policy_arguments
 from tidal.models.saving import read_saved_config, space_from_json
 from tidal.runtime import ComponentPlacement, PlacementError
 from tidal.runtime.backends import backend_class, backend_names
@@ -250,7 +251,37 @@ def probe_env(cfg: EmbodiedConfig):
     if cfg.model.path is not None:
         check_saved_policy(cfg.model, env.num_action_chunks)
         _check_saved_spaces(cfg.model.path, *spaces)
+    check_policy_lora(cfg.model, *spaces, env.num_action_chunks)
     return spaces, probe.max_episode_steps
+
+
+def checkpoint_lora_argument(checkpoint: str | None, lora) -> Path | None:
+    """``--checkpoint``'s folder (None when not given), made with the config's ``model.lora``."""
+    folder = checkpoint_argument(checkpoint)
+    if folder is not None:
+        check_checkpoint_lora(read_meta(folder), lora, str(folder))
+    return folder
+
+
+def check_lora_extra(lora) -> None:
+    """``model.lora`` needs PEFT (the 'llm' extra)."""
+    if lora.rank > 0:
+        missing = missing_extra("llm", "LoRA adapters", "peft", "accelerate")
+        require(missing is None, "model.lora.rank", str(missing))
+
+
+def check_policy_lora(model: ModelConfig, observation_space, action_space, chunks: int) -> None:
+    """``model.lora`` on the policy, built as a skeleton (no weights) to find its layers."""
+    if model.lora.rank == 0:
+        return
+    check_lora_extra(model.lora)
+    name, kwargs = model.name, dict(model.kwargs)
+    if model.path is not None:
+        saved = saved_policy_config(model.path)
+        name, kwargs = saved["name"], saved["kwargs"]
+    with no_init():
+        policy = build_policy(name, observation_space, action_space, chunks, **kwargs)
+    check_lora(policy, model.lora, f"policy {name!r}")
 
 
 def _check_saved_spaces(path: str, observation_space, action_space) -> None:
@@ -283,7 +314,7 @@ def check_embodied_eval(cfg: EmbodiedConfig, checkpoint: str | None, episodes: i
         raise ConfigError(
             "model.path: tidal eval needs a saved policy (tidal sft writes one) or --checkpoint"
         )
-    folder = checkpoint_argument(checkpoint)
+    folder = checkpoint_lora_argument(checkpoint, cfg.model.lora)
     check_embodied(cfg)
     check_saved_policy(cfg.model, cfg.env.num_action_chunks)
     return folder
@@ -294,9 +325,11 @@ def meta_training_model(cfg: EmbodiedConfig, spaces) -> torch.nn.Module:
     read as saved): what ``tidal config --memory`` counts. Whatever freezes part of it for
     training freezes it here too."""
     if cfg.model.path is not None:
-        return build_from_config(cfg.model, *spaces, cfg.env.num_action_chunks)
-    with torch.device("meta"):
-        return build_from_config(cfg.model, *spaces, cfg.env.num_action_chunks)
+        policy = build_from_config(cfg.model, *spaces, cfg.env.num_action_chunks)
+    else:
+        with torch.device("meta"):
+            policy = build_from_config(cfg.model, *spaces, cfg.env.num_action_chunks)
+    return apply_lora(policy, cfg.model.lora, f"policy {cfg.model.name!r}")
 
 
 def actor_memory(cfg: EmbodiedConfig) -> MemoryPlan:

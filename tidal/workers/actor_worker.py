@@ -3,7 +3,6 @@ the policy with PPO (micro-batches, gradient accumulation, data parallel over ra
 
 from __future__ import annotations
 
-import copy
 import math
 
 import gymnasium as gym
@@ -15,6 +14,7 @@ from tidal.algorithms.objectives import drop_stale, make_objective, minibatch_de
 from tidal.data import Trajectory
 from tidal.data.records import flat_time_major, flatten_steps
 from tidal.engine import TrainEngine
+from tidal.models.lora import apply_lora, is_lora, lora_meta, reference_model, rollout_state_dict
 from tidal.runtime import Channel, CommMapper, ConfigSections, Worker, merge_batches
 from tidal.runtime.devices import to_device
 from tidal.runtime.weight_sync import WeightLinks
@@ -41,13 +41,12 @@ class ActorWorker(Worker, WeightLinks):
         torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.runner.seed)
         self.compute_device = self.torch_device(cfg.cluster.device)
-        self.policy = make_policy(cfg, observation_space, action_space).to(self.compute_device)
+        policy = make_policy(cfg, observation_space, action_space).to(self.compute_device)
+        self.policy = apply_lora(policy, cfg.model.lora, f"policy {cfg.model.name!r}")
         # a KL penalty keeps the policy near the one training started from (model.path, e.g.
-        # the behaviour-cloned policy): a frozen copy (made before the engine shards the policy),
-        # as the language half keeps its reference
-        self.ref = None
-        if cfg.algorithm.kl_coef > 0:
-            self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        # the behaviour-cloned policy), kept as the language half keeps its reference (made
+        # before the engine shards the policy)
+        self.ref = reference_model(self.policy, keep=cfg.algorithm.kl_coef > 0)
         if self.world_size > 1:
             self.init_distributed()
         self.engine = TrainEngine(
@@ -77,6 +76,8 @@ class ActorWorker(Worker, WeightLinks):
     def weight_tensors(self):
         """The ``(name, tensor)`` pairs a weight link sends, on rank 0 (None elsewhere): the
         whole model, gathered from the shards under a sharded strategy."""
+        if is_lora(self.policy):  # merged adapters (LoRA runs are refused under fsdp2)
+            return rollout_state_dict(self.policy).items() if self.rank == 0 else None
         state = self.engine.full_state_dict(self.rank)
         return None if state is None else state.items()
 
@@ -257,7 +258,7 @@ class ActorWorker(Worker, WeightLinks):
     def save(self, path: str, meta: dict, extra: dict | None = None) -> str | None:
         """The checkpoint (rank 0 writes all of it, or each rank its shards); ``extra``: other
         groups' state, saved alongside. Its path on rank 0."""
-        meta = {**meta, "version": self.engine.step}
+        meta = {**meta, "version": self.engine.step, "lora": lora_meta(self.cfg.model.lora)}
         saved = self.engine.save(path, meta, extra, rank=self.rank)
         return None if saved is None else str(saved)
 

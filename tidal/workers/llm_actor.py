@@ -3,7 +3,6 @@ decoupled or standard PPO over micro-batches packed by token budget."""
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import numpy as np
@@ -19,6 +18,14 @@ from tidal.algorithms.objectives import (
 from tidal.data import LLMBatch
 from tidal.engine import TrainEngine
 from tidal.models.llm import load_causal_lm
+from tidal.models.lora import (
+    apply_lora,
+    is_lora,
+    lora_meta,
+    reference_model,
+    rollout_state_dict,
+    save_pretrained_folder,
+)
 from tidal.runtime import ConfigSections, Worker
 from tidal.runtime.devices import to_device
 from tidal.runtime.weight_sync import WeightLinks
@@ -72,15 +79,10 @@ class LLMActor(Worker, WeightLinks):
         torch.manual_seed(cfg.runner.seed)
         m = cfg.model
         self.compute_device = self.torch_device(cfg.cluster.device)
-        self.model, _ = load_causal_lm(
-            m.path, m.dtype, m.attn_implementation, m.gradient_checkpointing
-        )
-        self.model.to(self.compute_device)
-        self.ref = (
-            copy.deepcopy(self.model).eval().requires_grad_(False)
-            if cfg.algorithm.kl_coef > 0
-            else None
-        )
+        model, _ = load_causal_lm(m.path, m.dtype, m.attn_implementation, m.gradient_checkpointing)
+        model.to(self.compute_device)
+        self.model = apply_lora(model, m.lora, repr(m.path))  # as is with model.lora.rank=0
+        self.ref = reference_model(self.model, keep=cfg.algorithm.kl_coef > 0)
         if self.world_size > 1:
             self.init_distributed()
         self.engine = TrainEngine(
@@ -100,12 +102,18 @@ class LLMActor(Worker, WeightLinks):
     def weight_tensors(self):
         """The ``(name, tensor)`` pairs a weight link sends, on rank 0 (None elsewhere): the
         whole model, gathered from the shards under a sharded strategy."""
+        if is_lora(self.model):  # merged adapters (LoRA runs are refused under fsdp2)
+            return rollout_state_dict(self.model).items() if self.rank == 0 else None
         state = self.engine.full_state_dict(self.rank)
         return None if state is None else state.items()
 
     def save_weights_folder(self, folder: str) -> int:
         """The weights as a ``save_pretrained`` safetensors folder (for servers that reload from
-        disk, e.g. vLLM); returns their version."""
+        disk, e.g. vLLM), merged under LoRA; returns their version."""
+        if is_lora(self.model):  # LoRA runs are refused under fsdp2
+            if self.rank == 0:
+                save_pretrained_folder(self.model, folder)
+            return self.version
         weights = self.engine.full_state_dict(self.rank)
         if self.rank == 0:
             self.model.save_pretrained(folder, state_dict=weights, safe_serialization=True)
@@ -240,7 +248,8 @@ class LLMActor(Worker, WeightLinks):
         return loss, {k: v.detach() if torch.is_tensor(v) else float(v) for k, v in info.items()}
 
     def save(self, path: str, meta: dict) -> str | None:
-        saved = self.engine.save(path, {**meta, "version": self.version}, rank=self.rank)
+        meta = {**meta, "version": self.version, "lora": lora_meta(self.cfg.model.lora)}
+        saved = self.engine.save(path, meta, rank=self.rank)
         return None if saved is None else str(saved)
 
     def load(self, path: str) -> dict:

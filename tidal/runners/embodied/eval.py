@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tidal.checkpoint import load_checkpoint
+from tidal.checkpoint import checkpoint_weights
 from tidal.config.embodied import EmbodiedConfig
 from tidal.envs import env_make_kwargs, make_env
 from tidal.envs.seeds import held_out_seeds
@@ -52,7 +52,8 @@ def _evaluate(cfg: EmbodiedConfig, folder: Path | None, episodes: int, sampled: 
             cfg.model, env.observation_space, env.action_space, cfg.env.num_action_chunks
         )
         if folder is not None:
-            policy.load_state_dict(load_checkpoint(folder)[0])
+            owner = f"policy {cfg.model.name!r}"
+            policy.load_state_dict(checkpoint_weights(policy, folder, cfg.model.lora, owner))
         seeds = held_out_seeds(cfg.runner.seed, episodes)
         start = time.perf_counter()
         summary = {

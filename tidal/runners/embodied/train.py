@@ -26,7 +26,6 @@ from tidal.runners.loop import RunLoop, fmt
 from tidal.runners.preflight import check_embodied, probe_env
 from tidal.runtime import Channel, wait_all
 from tidal.runtime.weight_sync import open_weight_link
-from tidal.strategies import check_resume
 from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker, Topology
 
 log = logging.getLogger("tidal.train")
@@ -66,9 +65,6 @@ class EmbodiedRunner(RunLoop):
         return self.cfg.model.path is not None
 
     # -- what the run loop asks of a runner ------------------------------------------------
-
-    def check_checkpoint(self, checkpoint: Path) -> None:
-        check_resume(self.cfg.actor.strategy, checkpoint)
 
     def build(self) -> None:
         cfg, spaces = self.cfg, self.spaces

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tidal.config.llm import LLMConfig
 from tidal.inference import GenerationEngine, InferenceClient, InferenceServer
-from tidal.models.llm import DTYPES, load_tokenizer
+from tidal.models.llm import DTYPES, load_causal_lm, load_tokenizer
 from tidal.rollout.evaluation import EvalResult
 from tidal.runners.llm.common import data_cache, eval_records, evaluator
 from tidal.runners.llm.preflight import check_llm_eval
@@ -31,9 +31,7 @@ def serve_and_evaluate(
         cfg.model.path, max_batch_size=cfg.rollout.max_batch_size, dtype=DTYPES[cfg.model.dtype]
     )
     if checkpoint is not None:
-        from tidal.checkpoint import load_checkpoint
-
-        weights, _, meta = load_checkpoint(checkpoint)
+        weights, meta = trained_llm_weights(cfg, checkpoint)
         engine.pause()
         engine.update_weights(weights, meta.get("version", meta["step"]))
         engine.resume()
@@ -54,6 +52,18 @@ def serve_and_evaluate(
         return asyncio.run(asyncio.wait_for(run(), cfg.runner.timeout_s))
     finally:
         server.stop()
+
+
+def trained_llm_weights(cfg: LLMConfig, checkpoint: Path) -> tuple[dict, dict]:
+    """A checkpoint's weights in the model's own names (merged under LoRA) and its meta."""
+    from tidal.checkpoint import checkpoint_weights, read_meta
+
+    model = None
+    if cfg.model.lora.rank > 0:  # the base the adapters were trained on
+        model, _ = load_causal_lm(cfg.model.path, cfg.model.dtype, cfg.model.attn_implementation)
+    return checkpoint_weights(model, checkpoint, cfg.model.lora, repr(cfg.model.path)), read_meta(
+        checkpoint
+    )
 
 
 def run_eval(cfg: LLMConfig, checkpoint: str | None = None, n: int = 1) -> dict:

@@ -11,7 +11,6 @@ from tidal.algorithms import list_advantages
 from tidal.algorithms.correction import ROLLOUT_CORRECTIONS
 from tidal.algorithms.kl import KL_KINDS
 from tidal.algorithms.losses import AGGREGATIONS, IMPORTANCE_LEVELS
-from tidal.checkpoint import checkpoint_argument
 from tidal.config import ConfigError
 from tidal.config.common import one_of
 from tidal.config.llm import (
@@ -34,10 +33,18 @@ from tidal.models.llm import (
     load_tokenizer,
     require_template,
 )
+from tidal.models.lora import apply_lora, check_lora, no_init
 from tidal.rollout.engines import ROLLOUT_ENGINES
 from tidal.rollout.rewards import Reward, resolve_reward
 from tidal.rollout.tasks import TASKS, is_multi_turn
-from tidal.runners.preflight import check_actor_ranks, check_common, import_object, world_sizes
+from tidal.runners.preflight import (
+    check_actor_ranks,
+    check_common,
+    check_lora_extra,
+    checkpoint_lora_argument,
+    import_object,
+    world_sizes,
+)
 from tidal.strategies import STRATEGIES
 
 
@@ -108,7 +115,7 @@ def check_llm_eval(cfg: LLMConfig, checkpoint: str | None, n: int) -> Path | Non
         raise ConfigError("data.eval_path: tidal eval needs held-out records (a dataset file)")
     if n < 0:
         raise ConfigError(f"--n: must be >= 0, got {n}")
-    return checkpoint_argument(checkpoint)
+    return checkpoint_lora_argument(checkpoint, cfg.model.lora)
 
 
 def data_kind(d: DataConfig) -> str:
@@ -184,6 +191,7 @@ def check_llm_model(cfg: LLMConfig) -> None:
     except ModelConfigError as exc:
         raise ConfigError(str(exc)) from None
     STRATEGIES.get(cfg.actor.strategy).check_model(lambda: meta_training_model(cfg, model_cfg))
+    check_llm_lora(cfg, model_cfg)
     context = getattr(model_cfg, "max_position_embeddings", None)
     require(
         context is None or cfg.rollout.max_new_tokens < context,
@@ -205,7 +213,8 @@ def meta_training_model(cfg: LLMConfig, model_cfg=None):
     if dtype == "auto":
         dtype = getattr(model_cfg, "dtype", None) or torch.float32
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_cfg, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(model_cfg, dtype=dtype)
+        return apply_lora(model, cfg.model.lora, repr(cfg.model.path))
 
 
 def actor_memory(cfg: LLMConfig) -> MemoryPlan:
@@ -214,3 +223,16 @@ def actor_memory(cfg: LLMConfig) -> MemoryPlan:
     check_llm_model(cfg)
     ranks = world_sizes(cfg.cluster, ["rollout", "actor"])["actor"]
     return memory_plan(meta_training_model(cfg), cfg.actor, ranks)
+
+
+def check_llm_lora(cfg: LLMConfig, model_cfg) -> None:
+    """``model.lora`` on the model, built as a skeleton from its config.json (no weights)."""
+    lora = cfg.model.lora
+    if lora.rank == 0:
+        return
+    check_lora_extra(lora)
+    from transformers import AutoModelForCausalLM
+
+    with no_init():
+        model = AutoModelForCausalLM.from_config(model_cfg)
+    check_lora(model, lora, repr(cfg.model.path))
