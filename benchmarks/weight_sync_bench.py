@@ -29,7 +29,9 @@ SIZES = {"10M": (1024, 10), "100M": (2048, 24), "400M": (4096, 24)}  # hidden, l
 TRANSPORTS = ("channel", "collective", "disk", "bare")
 
 
-def time_updates(cluster, sender, receivers, transport: str, updates: int, folder: str) -> dict:
+def time_updates(
+    cluster, sender, receivers, transport: str, updates: int, folder: str, bucket_mb: float
+) -> dict:
     link = open_weight_link(
         "collective" if transport == "bare" else transport,
         cluster,
@@ -38,6 +40,7 @@ def time_updates(cluster, sender, receivers, transport: str, updates: int, folde
         f"bench-{transport}",
         timeout_s=600,
         folder=folder,
+        bucket_mb=bucket_mb,
     )
     walls, sends, recvs = [], [], []
     for version in range(updates + 1):  # the first is a warm-up
@@ -65,6 +68,7 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["10M", "100M"], choices=list(SIZES))
     parser.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
     parser.add_argument("--updates", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=float, default=256.0)
     parser.add_argument("--out", default="weight_sync_bench.json")
     args = parser.parse_args()
     cluster = Cluster("ray", devices_per_node=3, ray_init_kwargs={"num_cpus": 2})
@@ -82,7 +86,15 @@ def main() -> None:
                     row = {"size": size, "params": params, "mb": params * 4 / 2**20}
                     row.update(transport=transport)
                     row.update(
-                        time_updates(cluster, sender, receivers, transport, args.updates, folder)
+                        time_updates(
+                            cluster,
+                            sender,
+                            receivers,
+                            transport,
+                            args.updates,
+                            folder,
+                            args.bucket_mb,
+                        )
                     )
                     if transport != "bare":
                         want = sender.checksum().wait(60)[0]

@@ -73,6 +73,7 @@ class CollectiveTransport(WeightTransport):
         # the next update goes into the other one.
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
         self._live_set: int | None = None
+        self._inflight = None  # the sender's bucket on the wire: (work, what)
         self._staging_set = 0
 
     def _join(self):
@@ -147,11 +148,22 @@ class CollectiveTransport(WeightTransport):
                 bucket.append((name, tensor))
                 size += tensor.nbytes
         except Exception as exc:  # the iterator failed (e.g. a gather): receivers stop too
+            self._finish_inflight()
             self._header({"abort": f"{type(exc).__name__}: {exc}"}, "an abort")
             raise
         if bucket:
             self._send_bucket(bucket, version, count)
+        self._finish_inflight()
         self._header({"end": True, "version": version}, "the end marker")
+
+    def _finish_inflight(self) -> None:
+        if self._inflight is not None:
+            work, what = self._inflight
+            self._inflight = None
+            try:
+                work.wait()
+            except Exception as exc:  # noqa: BLE001 (named and re-raised)
+                raise self.error(f"broadcast of {what}", exc) from exc
 
     def _send_bucket(self, bucket, version: int, index: int) -> None:
         names = [n for n, _ in bucket]
@@ -162,16 +174,20 @@ class CollectiveTransport(WeightTransport):
             "dtype": str(bucket[0][1].dtype),
         }
         what = f"bucket {index} ({names[0]} ...)"
-        self._header(header, what)
         numel = sum(t.numel() for _, t in bucket)
-        # one buffer per dtype, reused bucket after bucket (each broadcast is waited for): the
-        # sender holds at most a bucket's bytes beside its model, never a second copy of it
-        flat = self._send_buffer(numel, bucket[0][1].dtype)
+        # two buffers per dtype, taking turns: bucket i + 1 is packed while bucket i is on the
+        # wire; the sender holds at most two buckets' bytes beside its model
+        flat = self._send_buffer(index % 2, numel, bucket[0][1].dtype)
         if bucket[0][1].device == self.device:
             torch.cat([t.reshape(-1) for _, t in bucket], out=flat)
         else:
             flat.copy_(torch.cat([t.reshape(-1) for _, t in bucket]))
-        self._broadcast(flat, what)
+        self._finish_inflight()
+        self._header(header, what)
+        try:
+            self._inflight = (self.pg.broadcast(flat, 0), what)
+        except Exception as exc:  # noqa: BLE001 (named and re-raised)
+            raise self.error(f"broadcast of {what}", exc) from exc
 
     # -- receiving ---------------------------------------------------------------------------
 
@@ -200,8 +216,8 @@ class CollectiveTransport(WeightTransport):
     def adopted(self) -> None:
         self._live_set = self._staging_set
 
-    def _send_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        key = (-1, hash(dtype))
+    def _send_buffer(self, turn: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (-1 - turn, hash(dtype))
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel:
             buf = self._buffers[key] = torch.empty(numel, dtype=dtype, device=self.device)
