@@ -131,9 +131,9 @@ class LLMActor(Worker, WeightLinks):
         """The policy version: training steps applied to the weights."""
         return self.engine.step
 
-    def state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's weights on rank 0 (every rank calls it)."""
-        return self.engine.full_state_dict(self.rank)
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's own weights (under fsdp2: its shards; ``send_weights`` gathers)."""
+        return self.model.state_dict()
 
     def my_rows(self, minibatch: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous block of a global minibatch's rows."""
