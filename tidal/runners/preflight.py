@@ -45,7 +45,7 @@ from tidal.runtime import ComponentPlacement, PlacementError
 from tidal.runtime.backends import backend_class, backend_names
 from tidal.runtime.devices import DeviceError, check_device_setting
 from tidal.runtime.placement import _parse_spec_string
-from tidal.strategies import STRATEGIES
+from tidal.strategies import STRATEGIES, check_resume
 
 # -- both halves ---------------------------------------------------------------------------------
 
@@ -337,3 +337,10 @@ def actor_memory(cfg: EmbodiedConfig) -> MemoryPlan:
     worlds = check_embodied(cfg)
     spaces, _ = probe_env(cfg)
     return memory_plan(meta_training_model(cfg, spaces), cfg.actor, worlds["actor"])
+
+
+def check_trainer_checkpoint(cfg, checkpoint: Path) -> None:
+    """A checkpoint a trainer resumes, before any worker starts: written under the same
+    ``actor.strategy``, and LoRA adapters need the same ``model.lora`` (both halves)."""
+    check_resume(cfg.actor.strategy, checkpoint)
+    check_checkpoint_lora(read_meta(checkpoint), cfg.model.lora, str(checkpoint))

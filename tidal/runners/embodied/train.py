@@ -23,7 +23,7 @@ from tidal.envs import success_metrics
 from tidal.envs.video import write_video
 from tidal.runners.collection import Collection
 from tidal.runners.loop import RunLoop, fmt
-from tidal.runners.preflight import check_embodied, probe_env
+from tidal.runners.preflight import check_embodied, check_trainer_checkpoint, probe_env
 from tidal.runtime import Channel, wait_all
 from tidal.runtime.weight_sync import open_weight_link
 from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker, Topology
@@ -65,6 +65,9 @@ class EmbodiedRunner(RunLoop):
         return self.cfg.model.path is not None
 
     # -- what the run loop asks of a runner ------------------------------------------------
+
+    def check_checkpoint(self, checkpoint: Path) -> None:
+        check_trainer_checkpoint(self.cfg, checkpoint)
 
     def build(self) -> None:
         cfg, spaces = self.cfg, self.spaces

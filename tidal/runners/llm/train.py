@@ -40,7 +40,7 @@ from tidal.runners.llm.common import (
 )
 from tidal.runners.llm.preflight import check_llm, check_llm_model
 from tidal.runners.loop import RunLoop
-from tidal.runners.preflight import import_object
+from tidal.runners.preflight import check_trainer_checkpoint, import_object
 from tidal.workers.llm_actor import LLMActor
 
 log = logging.getLogger("tidal.train")
@@ -57,6 +57,9 @@ class LLMRunner(RunLoop):
         super().__init__(cfg, run_dir)
 
     # -- what the run loop asks of a runner ------------------------------------------------
+
+    def check_checkpoint(self, checkpoint: Path) -> None:
+        check_trainer_checkpoint(self.cfg, checkpoint)
 
     def build(self) -> None:
         cfg, r = self.cfg, self.cfg.rollout
