@@ -326,3 +326,9 @@ def test_sac_learns_pendulum_in_3k_env_steps(tmp_path):
     rows = read_metrics(summary["run_dir"])
     assert rows[-1]["eval/return_mean"] > -900, rows[-1]
     assert rows[-1]["updates"] >= 2400
+
+
+def test_keys_the_sac_policy_does_not_read_are_refused(tmp_path):
+    cfg = load(f"runner.run_dir={tmp_path}", "model.obs_norm=true")
+    with pytest.raises(ConfigError, match="model.obs_norm"):
+        OffPolicyRunner(cfg)

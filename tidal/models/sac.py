@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tidal.models.policy import EmbodiedPolicy, PolicyStep, RunningNorm, register_policy
+from tidal.models.policy import EmbodiedPolicy, PolicyStep, register_policy
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}
@@ -52,7 +52,6 @@ class SquashedGaussianPolicy(EmbodiedPolicy):
         num_action_chunks: int = 1,
         hidden_sizes: tuple[int, ...] = (256, 256),
         activation: str = "relu",
-        obs_norm: bool = False,
     ):
         super().__init__()
         if not isinstance(action_space, gym.spaces.Box) or len(action_space.shape) != 1:
@@ -70,7 +69,6 @@ class SquashedGaussianPolicy(EmbodiedPolicy):
         self.register_buffer("low", torch.as_tensor(action_space.low, dtype=torch.float32))
         self.register_buffer("high", torch.as_tensor(action_space.high, dtype=torch.float32))
         self.register_buffer("uniform", torch.tensor(True))
-        self.obs_norm = RunningNorm((self.obs_dim,)) if obs_norm else None
 
     @property
     def critic_action_dim(self) -> int:
