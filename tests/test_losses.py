@@ -357,8 +357,8 @@ def test_ppo_objective_while_the_critic_warms_up_trains_only_the_value():
 def test_an_unknown_objective_names_the_key():
     from tidal.algorithms.objectives import make_objective
 
-    with pytest.raises(ValueError, match=r"algorithm\.name: unknown objective 'sac'"):
-        make_objective(objective_settings(name="sac"))
+    with pytest.raises(ValueError, match=r"algorithm\.name: unknown objective 'td3'"):
+        make_objective(objective_settings(name="td3"))
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ class Half:
 HALVES = {
     "embodied": Half(
         config="tidal.config.embodied:EmbodiedConfig",
-        train="tidal.runners.embodied.train:EmbodiedRunner",
+        train="tidal.runners.embodied.select:make_runner",
         sft="tidal.runners.embodied.sft:run_sft",
         sft_check="tidal.runners.preflight:check_embodied_sft",
         eval="tidal.runners.embodied.eval:run_eval",

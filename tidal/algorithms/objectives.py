@@ -22,6 +22,7 @@ from tidal.algorithms.losses import (
     value_loss,
 )
 from tidal.algorithms.prox import loglinear_prox_logp, within_staleness
+from tidal.algorithms.sac import SACObjective
 from tidal.registry import Registry
 
 OBJECTIVES: Registry[type] = Registry("objective", "algorithm.name")
@@ -258,3 +259,6 @@ def drop_stale(
     kept = mask & keep.view(-1, *([1] * (mask.dim() - 1)))
     metrics = staleness_metrics(version - versions[keep])
     return kept, {"rollout/stale_dropped": float((~keep).sum()), **metrics}
+
+
+OBJECTIVES.register("sac")(SACObjective)

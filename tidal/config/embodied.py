@@ -19,6 +19,7 @@ from tidal.config.common import (
 )
 from tidal.config.loader import require
 from tidal.config.lora import LoRAConfig, validate_lora
+from tidal.config.offpolicy import ON_POLICY, ReplayConfig, SACAlgorithmFields, validate_offpolicy
 from tidal.config.schema import section, setting
 
 
@@ -119,6 +120,9 @@ class ModelConfig:
     obs_norm: bool = setting(False, "normalise observations with running statistics")
     init_log_std: float = setting(0.0, "initial log std of Gaussian policies")
     squash: bool = setting(False, "tanh-squash Gaussian actions into the action bounds")
+    critic_layer_norm: bool = setting(
+        False, "sac: LayerNorm after each hidden layer of the Q critics (RLPD)"
+    )
     kwargs: dict[str, Any] = setting(
         factory=dict, help="policy-specific constructor args (vla: hidden_size, num_layers, ...)"
     )
@@ -141,8 +145,9 @@ class SFTConfig:
 
 
 @dataclass
-class EmbodiedAlgorithmConfig(AlgorithmConfig):
-    """The advantage estimator and the PPO objective, with the embodied extras."""
+class EmbodiedAlgorithmConfig(AlgorithmConfig, SACAlgorithmFields):
+    """The algorithm (``name``): the advantage estimator and the PPO objective with the
+    embodied extras, or SAC's keys (tidal.config.offpolicy)."""
 
     gae_lambda: float = setting(0.95, "GAE lambda")
     normalize_advantages: bool = setting(
@@ -216,6 +221,7 @@ class EmbodiedConfig:
     actor: EmbodiedActorConfig = section(EmbodiedActorConfig)
     reward: RewardConfig = section(RewardConfig)
     sft: SFTConfig = section(SFTConfig)
+    replay: ReplayConfig = section(ReplayConfig)
 
     def __post_init__(self):
         resolve_algorithm(self.algorithm, self.rollout.max_staleness)
@@ -242,6 +248,7 @@ def validate_embodied(cfg: EmbodiedConfig) -> None:
     env, alg, act = cfg.env, cfg.algorithm, cfg.actor
     validate_common(cfg.cluster, cfg.runner, act, alg)
     validate_lora(cfg.model.lora, cfg.actor.strategy)
+    validate_offpolicy(cfg)
     one_of(cfg.model.activation, ("tanh", "relu", "gelu"), "model.activation")
     one_of(env.vectorization_mode, ("sync", "async"), "env.vectorization_mode")
     one_of(alg.reward_type, ("chunk", "action"), "algorithm.reward_type")
@@ -347,6 +354,8 @@ def validate_layout(cfg: EmbodiedConfig, worlds: dict[str, int]) -> None:
             "env.total_num_envs",
             f"each pipeline stage's {per_stage} envs must divide evenly over {worlds['reward']} reward ranks",
         )
+    if cfg.algorithm.name not in ON_POLICY:  # the PPO batch sizes below
+        return
     samples = env.total_num_envs * cfg.rollout.num_steps
     require(
         samples % act.global_batch_size == 0,

@@ -1,5 +1,5 @@
 """Policies behind one interface (``EmbodiedPolicy``), built by name from config: ``mlp``,
-``cnn`` (pixels), ``vla`` (token actions); saved and loaded as folders."""
+``cnn`` (pixels), ``vla`` (token actions), ``sac_mlp`` (SAC's squashed Gaussian); saved and loaded as folders."""
 
 from tidal.models.cnn import CNNActorCritic
 from tidal.models.policy import (
@@ -11,6 +11,7 @@ from tidal.models.policy import (
     build_policy,
     register_policy,
 )
+from tidal.models.sac import QEnsemble, SquashedGaussianPolicy
 from tidal.models.saving import load_policy, save_policy
 from tidal.models.vla import TokenActionPolicy
 
@@ -20,7 +21,9 @@ __all__ = [
     "LeadingNorm",
     "MLPActorCritic",
     "PolicyStep",
+    "QEnsemble",
     "RunningNorm",
+    "SquashedGaussianPolicy",
     "TokenActionPolicy",
     "build_policy",
     "load_policy",

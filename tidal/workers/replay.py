@@ -1,0 +1,132 @@
+"""The replay buffer of off-policy training: preallocated tensors on the actor rank, a ring of
+``replay.capacity`` transitions, sampled uniformly, with an optional fixed set of
+demonstrations sampled beside them (RLPD's symmetric sampling, ``replay.demo_fraction``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tidal.config import ConfigError
+
+# a transition: what the critic's target needs (``steps``: actions of the chunk taken)
+FIELDS = ("obs", "actions", "rewards", "terminations", "truncations", "next_obs", "steps")
+DEMO_FIELDS = ("obs", "actions", "rewards", "terminations", "next_obs")
+
+
+def buffer_layout(
+    obs_dim: int, action_shape: tuple[int, ...]
+) -> dict[str, tuple[tuple, torch.dtype]]:
+    return {
+        "obs": ((obs_dim,), torch.float32),
+        "actions": (tuple(action_shape), torch.float32),
+        "rewards": ((), torch.float32),
+        "terminations": ((), torch.bool),
+        "truncations": ((), torch.bool),
+        "next_obs": ((obs_dim,), torch.float32),
+        "steps": ((), torch.int64),
+    }
+
+
+class ReplayBuffer:
+    def __init__(self, capacity: int, obs_dim: int, action_shape: tuple[int, ...]):
+        self.capacity = capacity
+        self.layout = buffer_layout(obs_dim, action_shape)
+        self.data = {
+            k: torch.zeros((capacity, *shape), dtype=dtype)
+            for k, (shape, dtype) in self.layout.items()
+        }
+        self.pos = 0  # where the next transition goes
+        self.size = 0  # transitions held (<= capacity)
+        self.added = 0  # transitions ever added
+        self.demos: dict[str, torch.Tensor] | None = None
+
+    def add(self, batch: dict[str, torch.Tensor]) -> int:
+        """Write a batch of transitions (every field ``[N, ...]``), wrapping around."""
+        n = batch["rewards"].shape[0]
+        if n == 0:
+            return 0
+        if n > self.capacity:  # only the newest fit
+            batch = {k: v[-self.capacity :] for k, v in batch.items()}
+            self.added += n - self.capacity
+            n = self.capacity
+        idx = (self.pos + torch.arange(n)) % self.capacity
+        for key, (shape, dtype) in self.layout.items():
+            value = batch[key]
+            if tuple(value.shape[1:]) != shape:
+                raise ValueError(
+                    f"replay buffer: {key} of shape {tuple(value.shape[1:])}, expected {shape}"
+                )
+            self.data[key][idx] = value.to(dtype)
+        self.pos = (self.pos + n) % self.capacity
+        self.size = min(self.size + n, self.capacity)
+        self.added += n
+        return n
+
+    def sample(
+        self, batch_size: int, generator: torch.Generator, demo_fraction: float = 0.0
+    ) -> dict[str, torch.Tensor]:
+        """A uniform minibatch; with demonstrations, ``round(batch_size * demo_fraction)`` of it
+        drawn from them."""
+        demo_n = round(batch_size * demo_fraction) if self.demos is not None else 0
+        online = torch.randint(0, self.size, (batch_size - demo_n,), generator=generator)
+        out = {k: v[online] for k, v in self.data.items()}
+        if demo_n:
+            size = self.demos["rewards"].shape[0]
+            pick = torch.randint(0, size, (demo_n,), generator=generator)
+            out = {k: torch.cat([out[k], self.demos[k][pick]]) for k in out}
+        return out
+
+    def load_demos(self, path: str) -> int:
+        """Demonstration transitions from ``replay.demo_path`` (a ``.pt`` dict of tensors or an
+        ``.npz``: obs, actions, rewards, terminations, next_obs; optional truncations, steps)."""
+        self.demos = read_demos(path, self.layout)
+        return self.demos["rewards"].shape[0]
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def state_dict(self, with_data: bool) -> dict:
+        state = {"pos": self.pos, "size": self.size, "added": self.added}
+        if with_data:
+            state["data"] = {k: v[: self.size].clone() for k, v in self.data.items()}
+        return state
+
+    def load_state_dict(self, state: dict) -> bool:
+        """Restore the position (and the data, when saved); returns whether the data was."""
+        if "data" not in state:
+            return False
+        for k, v in state["data"].items():
+            self.data[k][: v.shape[0]] = v
+        self.pos, self.size, self.added = state["pos"], state["size"], state["added"]
+        return True
+
+
+def read_demos(path: str, layout: dict) -> dict[str, torch.Tensor]:
+    """The demo file as tensors in the buffer's layout, or a config error naming
+    ``replay.demo_path`` and what does not fit."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"replay.demo_path: no file {path!r}")
+    if file.suffix == ".npz":
+        with np.load(file) as z:
+            raw = {k: torch.from_numpy(z[k]) for k in z.files}
+    else:
+        raw = torch.load(file, weights_only=True)
+    missing = [k for k in DEMO_FIELDS if k not in raw]
+    if missing:
+        raise ConfigError(f"replay.demo_path: {path!r} lacks {', '.join(missing)}")
+    n = raw["rewards"].shape[0]
+    raw.setdefault("truncations", torch.zeros(n, dtype=torch.bool))
+    raw.setdefault("steps", torch.ones(n, dtype=torch.int64))
+    out = {}
+    for key, (shape, dtype) in layout.items():
+        value = torch.as_tensor(raw[key])
+        if tuple(value.shape) != (n, *shape):
+            raise ConfigError(
+                f"replay.demo_path: {key} has shape {tuple(value.shape)}; this env and policy "
+                f"need ({n}, {', '.join(map(str, shape))})"
+            )
+        out[key] = value.to(dtype)
+    return out

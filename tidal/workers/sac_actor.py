@@ -1,0 +1,248 @@
+"""The SAC actor: holds the replay buffer, fed by the env ranks over the actor channel, and
+updates the squashed-Gaussian actor, the Q ensemble, its targets and the temperature.
+
+``ingest`` (async: it only moves transitions from the channel into the buffer) and
+``update`` (a plain method: it runs on the rank's compute thread, so on the local backend the
+envs and the rollout keep stepping on the event loop meanwhile) are separate calls.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch import nn
+
+from tidal.algorithms.objectives import OBJECTIVES
+from tidal.algorithms.sac import polyak_update
+from tidal.checkpoint import (
+    load_checkpoint,
+    load_extra,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from tidal.config import ConfigError
+from tidal.engine import load_strict
+from tidal.models.sac import QEnsemble, SquashedGaussianPolicy
+from tidal.runtime import Channel, CommMapper, ConfigSections, Worker, send_weights
+from tidal.workers.replay import ReplayBuffer
+from tidal.workers.rollout_worker import make_policy
+from tidal.workers.routes import Topology
+from tidal.workers.sac_env import TRANSITION_TAG
+
+REPLAY_FILE = "replay.pt"  # the buffer's contents, with replay.save
+
+
+class SACAgent(nn.Module):
+    """Everything SAC learns, as one module (one ``model.safetensors`` in a checkpoint)."""
+
+    def __init__(self, policy: SquashedGaussianPolicy, critics: QEnsemble, log_alpha: float):
+        super().__init__()
+        self.policy, self.critics = policy, critics
+        self.targets = copy.deepcopy(critics).requires_grad_(False)
+        self.log_alpha = nn.Parameter(torch.tensor(float(log_alpha)))
+
+
+class SACActorWorker(Worker):
+    config_sections = (
+        "cluster",
+        "runner",
+        "env",
+        "rollout",
+        "model",
+        "actor",
+        "algorithm",
+        "replay",
+    )
+
+    def __init__(
+        self,
+        cfg: ConfigSections,
+        topology: Topology,
+        observation_space: gym.Space,
+        action_space: gym.Space,
+    ):
+        self.cfg, self.topo = cfg, topology
+        alg, act, model = cfg.algorithm, cfg.actor, cfg.model
+        torch.set_num_threads(cfg.cluster.torch_threads)
+        torch.manual_seed(cfg.runner.seed)
+        policy = make_policy(cfg, observation_space, action_space)
+        if not isinstance(policy, SquashedGaussianPolicy):
+            raise ConfigError(f"model.name: algorithm.name sac needs sac_mlp, got {model.name!r}")
+        critics = QEnsemble(
+            policy.obs_dim,
+            policy.critic_action_dim,
+            alg.num_critics,
+            model.hidden_sizes,
+            model.activation,
+            model.critic_layer_norm,
+        )
+        self.agent = SACAgent(policy, critics, math.log(alg.alpha or alg.init_alpha))
+        self.policy = policy
+        adam = lambda params, lr: torch.optim.Adam(params, lr=lr, eps=act.adam_eps, foreach=True)  # noqa: E731
+        self.optimizers = {
+            "actor": adam(policy.parameters(), act.lr),
+            "critic": adam(critics.parameters(), alg.critic_lr or act.lr),
+            "alpha": adam([self.agent.log_alpha], alg.alpha_lr or act.lr),
+        }
+        self.objective = OBJECTIVES.get("sac")(alg, action_dims=policy.critic_action_dim)
+        self.buffer = ReplayBuffer(
+            cfg.replay.capacity, policy.obs_dim, (policy.chunks, policy.action_dim)
+        )
+        self.demo_fraction = 0.0
+        if cfg.replay.demo_path is not None:
+            self.buffer.load_demos(cfg.replay.demo_path)
+            self.demo_fraction = cfg.replay.demo_fraction
+        self.generator = torch.Generator().manual_seed(cfg.runner.seed + 17)
+        self.sources = topology.env * topology.stages
+        self.received = [0] * self.sources  # segments taken from each (env rank, stage)
+        self.updates = 0
+        self.skipped = 0  # updates with a non-finite loss, not applied
+
+    # -- weights -------------------------------------------------------------------------
+
+    def send_weights(self, weights_ch: Channel) -> int:
+        """A copy of the actor's weights to every rollout rank (the update may wait in the
+        channel while training changes the weights in place); the version is the update count."""
+        if self.rank == 0:
+            weights = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+            send_weights(weights_ch, weights, self.updates, self.topo.rollout)
+        return self.updates
+
+    # -- data ----------------------------------------------------------------------------
+
+    async def ingest(self, actor_ch: Channel, segments: int, timeout: float = 600.0) -> int:
+        """Take every source's segments up to ``segments`` into the buffer (waiting for those
+        not yet arrived); returns the buffer's size."""
+        for src in range(self.sources):
+            key = CommMapper.build_channel_key(src, self.rank, TRANSITION_TAG)
+            while self.received[src] < segments:
+                batch = await actor_ch.get(key=key, async_op=True, timeout=timeout)
+                self.buffer.add(batch)
+                self.received[src] += 1
+        return self.buffer.size
+
+    # -- training ------------------------------------------------------------------------
+
+    def update(self, count: int, weights_ch: Channel | None = None) -> dict[str, float]:
+        """``count`` SAC updates on minibatches of the buffer; every
+        ``runner.weight_sync_interval`` updates the weights go to the rollout."""
+        if self.buffer.size == 0:
+            raise RuntimeError("sac actor: asked to update with an empty replay buffer")
+        self.policy.uniform.fill_(False)  # the warm-up is over: the rollout samples the policy
+        logs: dict[str, list[float]] = {}
+        interval = self.cfg.runner.weight_sync_interval
+        for _ in range(count):
+            for k, v in self._one_update().items():
+                logs.setdefault(k, []).append(v)
+            self.updates += 1
+            if weights_ch is not None and self.updates % interval == 0:
+                self.send_weights(weights_ch)
+        out = {f"train/{k}": float(np.mean(v)) for k, v in logs.items()}
+        out.update(
+            {
+                "train/alpha": float(self._alpha()),
+                "train/skipped_updates": float(self.skipped),
+                "replay/size": float(self.buffer.size),
+                "updates": self.updates,
+                "count": count,
+            }
+        )
+        return out
+
+    def _alpha(self) -> torch.Tensor:
+        fixed = self.objective.fixed_alpha
+        return torch.tensor(fixed) if fixed is not None else self.agent.log_alpha.detach().exp()
+
+    def _one_update(self) -> dict[str, float]:
+        cfg, obj, agent = self.cfg, self.objective, self.agent
+        batch = self.buffer.sample(cfg.replay.batch_size, self.generator, self.demo_fraction)
+        batch["rewards"] = batch["rewards"] * cfg.algorithm.reward_scale
+        alpha = self._alpha()
+        with torch.no_grad():
+            next_actions, next_logp = self.policy.sample(batch["next_obs"])
+            next_q = agent.targets(batch["next_obs"], next_actions)
+            target = obj.target(batch, next_q, next_logp, alpha, self.generator)
+        q = agent.critics(batch["obs"], batch["actions"])
+        loss, info = obj.critic(q, target)
+        if not self._step("critic", loss):
+            return {}
+        if self.updates % obj.policy_delay == 0:
+            actions, logp = self.policy.sample(batch["obs"])
+            loss, actor_info = obj.actor(logp, agent.critics(batch["obs"], actions), alpha)
+            if self._step("actor", loss):
+                info.update(actor_info)
+            if obj.tunes_alpha:
+                loss, alpha_info = obj.alpha(agent.log_alpha, logp)
+                if self._step("alpha", loss):
+                    info.update(alpha_info)
+        polyak_update(agent.targets, agent.critics, obj.tau)
+        return {k: float(v) for k, v in info.items()}
+
+    def _step(self, name: str, loss: torch.Tensor) -> bool:
+        """One optimizer step of ``name``'s parameters; a non-finite loss is skipped (counted,
+        ``train/skipped_updates``), never applied."""
+        opt = self.optimizers[name]
+        opt.zero_grad(set_to_none=True)
+        if not torch.isfinite(loss):
+            self.skipped += 1
+            return False
+        loss.backward()
+        clip = self.cfg.actor.max_grad_norm
+        if clip is not None:
+            params = [p for group in opt.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        return True
+
+    def replay_summary(self) -> dict:
+        """What the buffer holds: its size and whether every stored value is finite."""
+        held = {k: v[: self.buffer.size] for k, v in self.buffer.data.items()}
+        finite = all(bool(torch.isfinite(v).all()) for v in held.values() if v.is_floating_point())
+        return {"size": self.buffer.size, "added": self.buffer.added, "finite": finite}
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def save(self, path: str, meta: dict, extra: dict | None = None) -> str | None:
+        """Actor, critics, targets and alpha (``model.safetensors``); optimizers, RNGs, counters
+        and the buffer's position (``state.pt``); the buffer itself with ``replay.save``."""
+        if self.rank != 0:
+            return None
+        keep = self.cfg.replay.save
+        state = {
+            "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
+            "rng": rng_state(),
+            "generator": self.generator.get_state(),
+            "counters": {
+                "updates": self.updates,
+                "skipped": self.skipped,
+                "received": self.received,
+            },
+            "replay": self.buffer.state_dict(with_data=False),
+        }
+        extra = dict(extra or {})
+        if keep:
+            extra[REPLAY_FILE] = self.buffer.state_dict(with_data=True)
+        meta = {**meta, "version": self.updates, "replay_saved": keep}
+        return str(save_checkpoint(path, self.agent.state_dict(), state, meta, extra))
+
+    def load(self, path: str) -> dict:
+        """Everything ``save`` wrote; the buffer's contents when the checkpoint holds them
+        (``meta['replay_restored']``), else it stays empty and refills."""
+        model_state, state, meta = load_checkpoint(path)
+        load_strict(self.agent, model_state, str(path))
+        for k, opt in self.optimizers.items():
+            opt.load_state_dict(state["optimizers"][k])
+        set_rng_state(state["rng"])
+        self.generator.set_state(state["generator"])
+        counters = state["counters"]
+        self.updates, self.skipped = counters["updates"], counters["skipped"]
+        self.received = list(counters["received"])
+
+        saved = load_extra(path, REPLAY_FILE)
+        restored = saved is not None and self.buffer.load_state_dict(saved)
+        return {**meta, "replay_restored": restored}
