@@ -227,3 +227,44 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except FileNotFoundError:
         return True
+
+
+@pytest.mark.ray
+def test_an_agent_command_trains_a_step_on_ray(tool_model, tmp_path):
+    """The whole loop on Ray: a server process, a trainer process, the agents as commands
+    against the session proxy of the runner's process; their calls train one step."""
+    from tidal.config.llm import LLMConfig
+    from tidal.config.loader import load_config
+    from tidal.runners.llm.train import LLMRunner
+
+    data = tmp_path / "questions.jsonl"
+    data.write_text(json.dumps(RECORD) + "\n")
+    overrides = [
+        f"model.path={tool_model}",
+        f"data.path={data}",
+        f"data.eval_path={data}",
+        "data.eval_size=1",
+        f"runner.run_dir={tmp_path}",
+        "runner.progress=false",
+        "runner.max_steps=1",
+        "runner.eval_interval=1",
+        "rollout.batch_size=1",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=40",
+        "rollout.max_concurrent_rollouts=1",
+        f"rollout.agent.command=[{TOOL_AGENT[0]}, {TOOL_AGENT[1]}]",
+        "rollout.agent.timeout_s=60",
+        "cluster.backend=ray",
+        "cluster.devices_per_node=2",
+        "cluster.placement={rollout: '0', actor: '1'}",
+    ]
+    with LLMRunner(load_config(LLMConfig, None, overrides)) as runner:
+        summary = runner.run()
+    rows = [
+        json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    ]
+    step = [r for r in rows if r["step"] >= 0][-1]
+    assert step["version"] == 1 and step["rollout/agent_errors"] == 0
+    assert step["rollout/accepted"] == 1 and "rollout/tool_parse_errors" in step
+    # the greedy agent calls the tool and answers right (sampled ones may fumble the call)
+    assert step["eval/success_rate"] == 1.0 and "train/policy_loss" in step

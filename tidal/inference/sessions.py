@@ -126,7 +126,7 @@ class SessionProxy:
         client = RecordingOpenAI(
             self.inference,
             self.tokenizer,
-            self.gconfig,
+            self.gconfig if gconfig is None else gconfig,
             session_id=sid,
             tool_parser=self.tool_parser,
         )
