@@ -179,11 +179,12 @@ def test_an_in_process_agent_uses_tools_and_trains_on_one_sequence(server, tool_
         inference = InferenceClient([server.address])
         try:
             flow = AgentWorkflow(tool_agent, inference, tok, gconfig, mode="concat")
-            return await flow({"question": QUESTION, "answer": "7"})
+            return await flow({"question": QUESTION, "answer": "7"}), flow.metrics()
         finally:
             await inference.aclose()
 
-    episode = asyncio.run(main())
+    episode, metrics = asyncio.run(main())
+    assert metrics == {"rollout/tool_parse_errors": 0}
     assert episode.rewards.tolist() == [1.0] and episode.input_ids.shape[0] == 1
     n = int(episode.attention_mask[0].sum())
     ids, mask = episode.input_ids[0, :n], episode.loss_mask[0, :n]
