@@ -38,3 +38,11 @@ def pytest_terminal_summary(terminalreporter, config):
             f"{count} tests marked gpu deselected: this machine has no CUDA device "
             "(torch.cuda.is_available() is false); run benchmarks/gpu_check.py on a GPU machine"
         )
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory):
+    """A tiny chat model trained to play one tool loop (tests/agent_models.py)."""
+    from agent_models import save_tool_model
+
+    return save_tool_model(tmp_path_factory.mktemp("models") / "tools")

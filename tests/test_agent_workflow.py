@@ -139,11 +139,9 @@ def test_rewards_per_completion_and_unsupported_arguments(server, tok):
                 temperature=0,
             )
             client.set_reward(out.id, 0.7)
-            with pytest.raises(ValueError, match="tools"):
+            with pytest.raises(ValueError, match="frequency_penalty"):
                 await client.chat.completions.create(
-                    model="m",
-                    messages=[{"role": "user", "content": "x"}],
-                    tools=[{"type": "function", "function": {"name": "calc"}}],
+                    model="m", messages=[{"role": "user", "content": "x"}], frequency_penalty=1
                 )
             with pytest.raises(KeyError, match="completion_id"):
                 client.set_reward("chatcmpl-nope", 1.0)

@@ -235,10 +235,16 @@ def test_streaming_gives_the_same_text_as_it_is_generated(client):
         ({"n": 0}, "BadRequestError", "n"),
         ({"model": "gpt-9"}, "NotFoundError", "model"),
         (
-            {"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}},
+            {
+                "extra_body": {
+                    "tools": [{"type": "function", "function": {"name": "f"}}],
+                    "tool_choice": {"type": "function", "function": {"name": "g"}},
+                }
+            },
             "BadRequestError",
-            "tools",
+            "tool_choice",
         ),
+        ({"extra_body": {"tools": [{"type": "function"}]}}, "BadRequestError", "tools"),
     ],
 )
 def test_bad_requests_are_openai_errors_naming_the_field(client, kwargs, error, field):

@@ -120,6 +120,38 @@ class RewardConfig:
 
 
 @dataclass
+class AgentConfig:
+    """An agent in its own process (rollout.workflow: agent): a command per episode, or a
+    service, talking to a recording OpenAI session endpoint."""
+
+    command: Any = setting(
+        None,
+        "the agent's command (an argv list, or a string split like a shell's), started per "
+        "episode with OPENAI_BASE_URL / OPENAI_API_KEY of its session and the record as JSON on "
+        'stdin and in TIDAL_RECORD; its last stdout line is {"reward": r}',
+    )
+    url: str | None = setting(
+        None,
+        "instead of a command: an agent service; tidal POSTs {session_base_url, api_key, "
+        'record} and reads {"reward": r}',
+    )
+    cwd: str | None = setting(None, "the command's working folder; None: tidal's")
+    env: dict[str, str] = setting(factory=dict, help="extra environment variables of the command")
+    timeout_s: float = setting(300.0, "bound on one episode's agent run (its process is killed)")
+    reward: str = setting(
+        "stdout",
+        "stdout: the agent's own reward; config: reward.name scores the final assistant message "
+        "with the record",
+    )
+    max_errors: int = setting(
+        10, "agent failures in a row (exit, timeout, bad output) before the run stops"
+    )
+    host: str = setting(
+        "127.0.0.1", "where the session proxy listens (an agent service must reach it)"
+    )
+
+
+@dataclass
 class LLMRolloutConfig:
     """Inference servers, admission and sampling."""
 
@@ -137,7 +169,22 @@ class LLMRolloutConfig:
         "(rollout/filtered_groups)",
     )
     group_size: int = setting(8, "samples per prompt")
-    workflow: str = setting("auto", "auto (by data.task) | rlvr | multi_turn | module.path:factory")
+    workflow: str = setting(
+        "auto",
+        "auto (agent with rollout.agent.command or url, else by data.task) | rlvr | multi_turn | "
+        "agent | module.path:factory(runner)",
+    )
+    agent: AgentConfig = section(
+        AgentConfig, "an agent in its own process: a command per episode, or a service"
+    )
+    tool_parser: str = setting(
+        "hermes", "how agents' tool calls are parsed from the text (tidal.inference.tool_calls)"
+    )
+    agent_mode: str = setting(
+        "auto",
+        "agent: its calls as training sequences: concat (one per run) | individual (one per "
+        "call, rollout.turn_discount per later call) | auto",
+    )
     max_new_tokens: int = setting(6, "generated tokens per turn")
     temperature: float = setting(1.0, "sampling temperature (0: greedy)")
     top_p: float = setting(1.0, "nucleus sampling mass")
@@ -287,6 +334,13 @@ def validate_llm(cfg: LLMConfig) -> None:
             "needs the trainer's own log-probs: set algorithm.recompute_logprob=true",
         )
     one_of(r.pause_mode, ("abort", "keep", "in_place"), "rollout.pause_mode")
+    validate_agent(r.agent)
+    require(
+        r.workflow != "agent" or r.agent.command is not None or r.agent.url is not None,
+        "rollout.workflow",
+        "agent needs rollout.agent.command or rollout.agent.url",
+    )
+    one_of(r.agent_mode, ("concat", "individual", "auto"), "rollout.agent_mode")
     require(
         not (a.offload and r.max_staleness),
         "actor.offload",
@@ -327,6 +381,28 @@ def validate_llm(cfg: LLMConfig) -> None:
         r.batch_size % a.ppo_minibatches == 0,
         "actor.ppo_minibatches",
         f"{a.ppo_minibatches} must divide rollout.batch_size {r.batch_size}",
+    )
+
+
+def validate_agent(agent: AgentConfig) -> None:
+    c = agent.command
+    require(
+        c is None
+        or isinstance(c, str)
+        and c.strip()
+        or (isinstance(c, list) and c and all(isinstance(a, str) for a in c)),
+        "rollout.agent.command",
+        f"must be a non-empty argv list of strings or a command string, got {c!r}",
+    )
+    require(
+        c is None or agent.url is None,
+        "rollout.agent.url",
+        "give rollout.agent.command or rollout.agent.url, not both",
+    )
+    one_of(agent.reward, ("stdout", "config"), "rollout.agent.reward")
+    require(agent.timeout_s > 0, "rollout.agent.timeout_s", f"must be > 0, got {agent.timeout_s}")
+    require(
+        agent.max_errors >= 1, "rollout.agent.max_errors", f"must be >= 1, got {agent.max_errors}"
     )
 
 

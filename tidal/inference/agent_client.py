@@ -11,12 +11,15 @@ and ``tidal.rollout.agent_workflow`` turns them into training sequences. (AReaL'
 
 Supported arguments: ``messages``, ``model`` (ignored), ``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, ``logprobs``,
-``n=1``. Anything else that would change the answer (tools, penalties, streaming, ``n>1``)
-raises ``ValueError`` naming it: tool calls are run by the workflow from the text.
+``tools`` / ``tool_choice`` (rendered by the chat template; the answer parsed into
+``tool_calls`` by ``tool_parser``, see ``tool_calls``), ``n=1``. Anything else that would change
+the answer (penalties, streaming, ``n>1``) raises ``ValueError`` naming it. The session proxy
+(``sessions``) serves one of these per episode over HTTP.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -34,6 +37,7 @@ with needs_extra("agents", "agent workflows on the OpenAI SDK"):
 from tidal.inference.chat_template import chat_prompt, render_chat
 from tidal.inference.client import InferenceClient, ModelRequest, ModelResponse
 from tidal.inference.params import GenerationConfig
+from tidal.inference.tool_calls import check_tools, parse_tool_calls
 
 _ABSENT = (None, openai.NOT_GIVEN)
 # arguments accepted at these values only (anything else would change the answer)
@@ -42,14 +46,21 @@ _DEFAULT_ONLY = {
     "stream": (False,),
     "frequency_penalty": (0, 0.0),
     "presence_penalty": (0, 0.0),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "logit_bias": ({},),
     "top_logprobs": (0,),
     "response_format": ({"type": "text"},),
     "store": (True, False),
 }
-_IGNORED = {"model", "user", "metadata", "extra_headers", "extra_query", "timeout", "service_tier"}
+_IGNORED = {
+    "model",
+    "user",
+    "metadata",
+    "extra_headers",
+    "extra_query",
+    "timeout",
+    "service_tier",
+    "parallel_tool_calls",
+}
 
 
 @dataclass
@@ -60,8 +71,17 @@ class Completion:
     messages: list[dict]
     prompt_ids: list[int]
     response: ModelResponse  # output tokens, behaviour log-probs, per-token weight versions
-    text: str
+    text: str  # the answer's text (tool calls included)
     reward: float | None = None
+    tools: list[dict] | None = None
+    message: dict | None = None  # the assistant message returned (content, tool_calls)
+    finish_reason: str = "stop"
+
+    @property
+    def content(self) -> str:
+        """The answer's text without its tool calls (what a reward reads)."""
+        content = (self.message or {}).get("content", self.text)
+        return content or ""
 
     @property
     def output_ids(self) -> list[int]:
@@ -84,31 +104,18 @@ class RecordingChatCompletions(AsyncCompletions):
         stop: Any = None,
         seed: Any = None,
         logprobs: Any = None,
+        tools: Any = None,
+        tool_choice: Any = None,
         extra_body: dict | None = None,
         **kwargs: Any,
     ) -> ChatCompletion:
         _check_unsupported({**kwargs, **(extra_body or {})})
         owner = self.owner
         messages = [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in messages]
-        prompt = owner.prompt_ids(messages)
-        cfg = owner.gconfig
+        tools = check_tools(None if tools in _ABSENT else tools, _given(tool_choice))
         budget = max_completion_tokens if max_completion_tokens not in _ABSENT else max_tokens
-        overrides = {
-            "max_new_tokens": budget,
-            "temperature": temperature,
-            "top_p": top_p,
-            "seed": seed,
-            "stop": [stop] if isinstance(stop, str) else stop,
-        }
-        cfg = replace(cfg, **{k: v for k, v in overrides.items() if v not in _ABSENT}).validate(
-            "create"
-        )
-        response = await owner.inference.agenerate(
-            ModelRequest(prompt, cfg, session_id=owner.session_id)
-        )
-        text = _answer_text(owner.tokenizer, response, cfg.stop)
-        record = Completion(f"chatcmpl-{uuid.uuid4().hex}", messages, prompt, response, text)
-        owner.completions_made.append(record)
+        cfg = owner.config(budget, temperature, top_p, stop, seed)
+        record = await owner.record(owner.prompt_ids(messages, tools), cfg, messages, tools)
         return _chat_completion(record, owner.tokenizer, bool(logprobs not in _ABSENT and logprobs))
 
 
@@ -135,6 +142,7 @@ class RecordingOpenAI(openai.AsyncOpenAI):
         gconfig: GenerationConfig | None = None,
         session_id: str | None = None,
         extend_turns: bool = True,
+        tool_parser: str = "hermes",
     ):
         # nothing goes over OpenAI's HTTP: the base URL is never contacted
         super().__init__(api_key="tidal", base_url="http://tidal.invalid/v1", max_retries=0)
@@ -144,22 +152,70 @@ class RecordingOpenAI(openai.AsyncOpenAI):
         self.session_id = session_id or uuid.uuid4().hex  # one episode's calls share a server
         self.completions_made: list[Completion] = []
         self.extend_turns = extend_turns
+        self.tool_parser = tool_parser
+        self.tool_parse_errors = 0  # answers whose tool call did not parse (kept as content)
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
+    def config(self, max_tokens=None, temperature=None, top_p=None, stop=None, seed=None):
+        """The client's defaults with a call's sampling arguments over them."""
+        overrides = {
+            "max_new_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": seed,
+            "stop": [stop] if isinstance(stop, str) else stop,
+        }
+        given = {k: v for k, v in overrides.items() if v not in _ABSENT}
+        return replace(self.gconfig, **given).validate("create")
+
+    async def record(
+        self,
+        prompt: list[int],
+        cfg: GenerationConfig,
+        messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
+    ) -> Completion:
+        """Generate from ``prompt`` (resumed across weight updates) and record the completion;
+        with ``messages`` the answer is a chat message (tool calls parsed when ``tools``)."""
+        response = await self.inference.agenerate(
+            ModelRequest(prompt, cfg, session_id=self.session_id)
+        )
+        text = _answer_text(self.tokenizer, response, cfg.stop)
+        finish = "stop" if response.stop_reason == "stop" else "length"
+        parsed = parse_tool_calls(text, self.tool_parser, tools)
+        self.tool_parse_errors += parsed.error is not None
+        record = Completion(
+            f"chatcmpl-{uuid.uuid4().hex}",
+            messages or [],
+            prompt,
+            response,
+            text,
+            tools=tools,
+            message=parsed.message() if messages is not None else None,
+            finish_reason=parsed.finish_reason or ("stop" if parsed.error else finish),
+        )
+        self.completions_made.append(record)
+        return record
+
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The chat template's tokens for ``messages``. With ``extend_turns``, a conversation
         that continues the previous call (its messages, then its answer, then new messages)
         is the previous prompt and answer token for token, plus the template's rendering of
         what follows: the model sees its own sampled tokens, not a re-tokenisation of their
         text, and the calls concatenate into one training sequence."""
         prev = self.completions_made[-1] if self.completions_made else None
-        if self.extend_turns and prev is not None and _continues(messages, prev):
-            answered = prev.messages + [{"role": "assistant", "content": prev.text}]
-            head = render_chat(answered, self.tokenizer, add_generation_prompt=False)
-            full = render_chat(messages, self.tokenizer)
+        if (
+            self.extend_turns
+            and prev is not None
+            and prev.tools == tools
+            and _continues(messages, prev)
+        ):
+            answered = messages[: len(prev.messages) + 1]
+            head = render_chat(answered, self.tokenizer, add_generation_prompt=False, tools=tools)
+            full = render_chat(messages, self.tokenizer, tools=tools)
             if full.startswith(head):
                 tail = self.tokenizer(full[len(head) :], add_special_tokens=False).input_ids
                 return prev.prompt_ids + prev.output_ids + tail
-        return chat_prompt(messages, self.tokenizer)
+        return chat_prompt(messages, self.tokenizer, tools)
 
     @cached_property
     def chat(self) -> RecordingChat:  # type: ignore[override]
@@ -190,16 +246,36 @@ class RecordingOpenAI(openai.AsyncOpenAI):
 
 
 def _continues(messages: list[dict], prev: Completion) -> bool:
+    """Whether ``messages`` are the previous call's, then its answer, then more."""
     n = len(prev.messages)
-    if len(messages) <= n + 1 or [_turn(m) for m in messages[:n]] != [
-        _turn(m) for m in prev.messages
-    ]:
+    if prev.message is None or len(messages) <= n + 1:
         return False
-    return _turn(messages[n]) == ("assistant", prev.text)
+    if [_turn(m) for m in messages[:n]] != [_turn(m) for m in prev.messages]:
+        return False
+    return _turn(messages[n]) == _turn(prev.message)
 
 
-def _turn(message: dict) -> tuple[Any, Any]:
-    return message.get("role"), message.get("content")
+def _turn(message: dict) -> tuple[Any, ...]:
+    """What identifies a turn: role, text and tool calls (by name and parsed arguments; their
+    ids and the arguments' spelling may differ between the answer and the agent's copy)."""
+    calls = tuple(
+        (c.get("function", {}).get("name"), _arguments(c.get("function", {}).get("arguments")))
+        for c in message.get("tool_calls") or ()
+    )
+    return message.get("role"), message.get("content") or "", calls
+
+
+def _arguments(args: Any) -> str:
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return args
+    return json.dumps(args, sort_keys=True)
+
+
+def _given(value: Any) -> Any:
+    return None if value in _ABSENT else value
 
 
 def _check_unsupported(kwargs: dict) -> None:
@@ -208,10 +284,7 @@ def _check_unsupported(kwargs: dict) -> None:
             continue
         if key in _DEFAULT_ONLY and value in _DEFAULT_ONLY[key]:
             continue
-        raise ValueError(
-            f"{key}: not supported by tidal's recording client"
-            + (" (run tool calls in the workflow)" if key.startswith("tool") else "")
-        )
+        raise ValueError(f"{key}: not supported by tidal's recording client")
 
 
 def _answer_text(tokenizer, response: ModelResponse, stop: list[str]) -> str:
@@ -242,8 +315,8 @@ def _chat_completion(record: Completion, tokenizer, with_logprobs: bool) -> Chat
             "choices": [
                 {
                     "index": 0,
-                    "finish_reason": "stop" if r.stop_reason == "stop" else "length",
-                    "message": {"role": "assistant", "content": record.text},
+                    "finish_reason": record.finish_reason,
+                    "message": record.message,
                     "logprobs": logprobs,
                 }
             ],

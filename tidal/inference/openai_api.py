@@ -5,9 +5,10 @@ Supported: ``n``, ``max_tokens`` (``max_completion_tokens``), ``temperature``, `
 ``stop``, ``seed``, ``logprobs`` / ``top_logprobs``, ``usage``, finish reasons, streaming
 (server-sent events, text as it is generated; ``stream_options.include_usage``); vLLM's
 extensions ``top_k``, ``stop_token_ids``, ``ignore_eos`` and ``return_token_ids`` (the
-prompt's and each choice's token ids, and tidal's per-token weight versions). A field that
-would change the answer and is not implemented (``tools``, penalties, ...) is a
-400 naming it; errors have OpenAI's shape. A request interrupted by a weight update
+prompt's and each choice's token ids, and tidal's per-token weight versions); ``tools`` and
+``tool_choice`` (rendered by the chat template, the answer parsed into ``tool_calls`` by the
+server's tool parser, see ``tool_calls``; streamed as one chunk when tools are offered). A
+field that would change the answer and is not implemented (penalties, ...) is a 400 naming it; errors have OpenAI's shape. A request interrupted by a weight update
 (``pause_generation`` in abort mode) is resumed on the new weights, so the answer is never
 cut short by training.
 
@@ -44,6 +45,7 @@ from tidal.inference.openai_request import (
     wants_usage,
 )
 from tidal.inference.openai_response import (
+    chat_choice_message,
     chat_logprobs,
     choice_text,
     completion_logprobs,
@@ -51,14 +53,19 @@ from tidal.inference.openai_response import (
     finish_reason,
     server_sent_event,
     usage,
+    whole_stream,
     with_token_ids,
 )
 from tidal.inference.params import GenerationConfig
 from tidal.inference.protocol import generate_all, json_body, output_text
+from tidal.inference.tool_calls import check_tools
 
 
-def add_openai_routes(app: FastAPI, engine: GenerationEngine, model_name: str) -> None:
+def add_openai_routes(
+    app: FastAPI, engine: GenerationEngine, model_name: str, tool_parser: str = "hermes"
+) -> None:
     created = int(time.time())
+    app.state.tool_parse_errors = 0  # answers whose tool call did not parse (sent as content)
 
     @app.get("/v1/models")
     async def models():
@@ -119,7 +126,8 @@ def add_openai_routes(app: FastAPI, engine: GenerationEngine, model_name: str) -
         if (refused := check_model(body, model_name)) is not None:
             return refused
         check_fields(body, CHAT_FIELDS)
-        prompt = chat_prompt(body.get("messages"), engine.tokenizer)
+        tools = check_tools(body.get("tools"), body.get("tool_choice"))
+        prompt = chat_prompt(body.get("messages"), engine.tokenizer, tools)
         want_logprobs = body.get("logprobs") or False
         if not isinstance(want_logprobs, bool):
             raise ValueError(f"logprobs: must be true or false, got {want_logprobs!r}")
@@ -130,7 +138,8 @@ def add_openai_routes(app: FastAPI, engine: GenerationEngine, model_name: str) -
             body = {**body, "max_tokens": body["max_completion_tokens"]}
         cfg = sampling_config(body, engine, [prompt], default_max_tokens=None, top_logprobs=top)
         n = int_field(body, "n", 1, 1, 128)
-        if wants_stream(body, want_logprobs):
+        stream = wants_stream(body, want_logprobs)
+        if stream and not tools:
             return _event_stream(
                 engine,
                 [prompt],
@@ -145,14 +154,23 @@ def add_openai_routes(app: FastAPI, engine: GenerationEngine, model_name: str) -
         results = await _generate(engine, [prompt], cfg, n)
         choices = []
         for i, (_, result) in enumerate(results):
+            message, finish, parse_error = chat_choice_message(
+                choice_text(result, engine), finish_reason(result), tool_parser, tools
+            )
+            app.state.tool_parse_errors += parse_error
             choice = {
                 "index": i,
-                "message": {"role": "assistant", "content": choice_text(result, engine)},
-                "finish_reason": finish_reason(result),
+                "message": message,
+                "finish_reason": finish,
                 "logprobs": chat_logprobs(result, engine.tokenizer) if want_logprobs else None,
             }
             choices.append(with_token_ids(choice, body, prompt, result))
-        return envelope("chatcmpl", "chat.completion", model_name, choices, [prompt], results)
+        answer = envelope("chatcmpl", "chat.completion", model_name, choices, [prompt], results)
+        if stream:  # tool calls are known once the answer is whole
+            return StreamingResponse(
+                whole_stream(answer, wants_usage(body)), media_type="text/event-stream"
+            )
+        return answer
 
 
 def _event_stream(

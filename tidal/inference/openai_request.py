@@ -67,6 +67,8 @@ CHAT_FIELDS = COMMON | {
     "logprobs",
     "top_logprobs",
     "stream_options",
+    "tools",
+    "tool_choice",
 }
 
 

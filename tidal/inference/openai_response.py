@@ -9,6 +9,7 @@ import uuid
 
 from tidal.inference.engine import GenerationEngine, GenerationResult
 from tidal.inference.protocol import output_text
+from tidal.inference.tool_calls import parse_tool_calls
 
 
 def choice_text(result: GenerationResult, engine: GenerationEngine) -> str:
@@ -95,3 +96,36 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def server_sent_event(data: dict) -> str:
     """One event of a streamed response (``data: {json}`` and a blank line)."""
     return "data: " + json.dumps(data) + "\n\n"
+
+
+def chat_choice_message(
+    text: str, finish: str, tool_parser: str, tools: list | None
+) -> tuple[dict, str, bool]:
+    """A chat choice's assistant message from its text: tool calls parsed when tools were
+    offered (finish reason ``tool_calls``); a call that does not parse stays content (finish
+    ``stop``). Returns ``(message, finish_reason, whether a tool call failed to parse)``."""
+    parsed = parse_tool_calls(text, tool_parser, tools)
+    if parsed.error is not None:
+        finish = "stop"
+    return parsed.message(), parsed.finish_reason or finish, parsed.error is not None
+
+
+def whole_stream(answer: dict, include_usage: bool):
+    """A whole chat completion as server-sent events: per choice one chunk with its message
+    (tool calls indexed, as streamed deltas are) and its finish reason, the usage when asked,
+    then ``[DONE]``."""
+    head = {k: answer[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk"
+    for choice in answer["choices"]:
+        delta = dict(choice["message"])
+        if "tool_calls" in delta:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
+        fields = {"index": choice["index"], "delta": delta, "logprobs": None}
+        yield server_sent_event({**head, "choices": [{**fields, "finish_reason": None}]})
+        end = {"index": choice["index"], "delta": {}, "logprobs": None}
+        yield server_sent_event(
+            {**head, "choices": [{**end, "finish_reason": choice["finish_reason"]}]}
+        )
+    if include_usage:
+        yield server_sent_event({**head, "choices": [], "usage": answer["usage"]})
+    yield "data: [DONE]\n\n"

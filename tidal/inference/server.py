@@ -59,6 +59,7 @@ def build_app(
     api_key: str | None = None,
     allowed_dirs: list[str] | None = None,
     served_model_name: str | None = None,
+    tool_parser: str = "hermes",
 ) -> FastAPI:
     app = FastAPI(title="tidal inference server")
     allowed = [Path(d).resolve() for d in (allowed_dirs or [])]
@@ -175,7 +176,7 @@ def build_app(
     async def flush_cache():
         return {"success": True, "message": "no prefix cache is kept; nothing to flush"}
 
-    add_openai_routes(app, engine, served_model_name or Path(engine.model_dir).name)
+    add_openai_routes(app, engine, served_model_name or Path(engine.model_dir).name, tool_parser)
     return app
 
 
@@ -193,6 +194,7 @@ class InferenceServer:
         header_timeout_s: float = 10.0,
         body_timeout_s: float = 120.0,
         max_connections: int | None = None,
+        tool_parser: str = "hermes",
     ):
         self.engine = engine
         # bounded request read times and connections: idle or half-sent connections cannot
@@ -202,7 +204,7 @@ class InferenceServer:
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind((host, port))
         self.host, self.port = host, self.socket.getsockname()[1]
-        app = build_app(engine, api_key, allowed_dirs, served_model_name)
+        app = build_app(engine, api_key, allowed_dirs, served_model_name, tool_parser)
         self._server = uvicorn.Server(
             uvicorn.Config(
                 app,

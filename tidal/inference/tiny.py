@@ -87,6 +87,29 @@ CHATML_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+# ChatML with tools the way Qwen 2.5 lays them out (Hermes tool calls): the tools' schemas in a
+# system turn, each call as <tool_call>{json}</tool_call>, tool results as <tool_response> turns
+TOOLS_CHATML_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n' }}{%- endif %}"
+    "{{- '<tools>' }}{%- for t in tools %}{{- t['function'] | tojson }}{%- endfor %}"
+    "{{- '</tools><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'system' and loop.first %}"
+    "{%- elif m['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>' + m['content'] + '</tool_response><|im_end|>\\n' }}"
+    "{%- elif m['role'] == 'assistant' %}{{- '<|im_start|>assistant\\n' + m['content'] }}"
+    "{%- for c in m['tool_calls'] or [] %}"
+    "{{- '<tool_call>{\"name\": \"' + c['function']['name'] + '\", \"arguments\": ' }}"
+    "{{- c['function']['arguments'] | tojson }}{{- '}</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 CHAT_SPECIALS = {
     "pad_token": "<|endoftext|>",
     "bos_token": "<|startoftext|>",
@@ -140,12 +163,17 @@ def tiny_qwen2(
 
 
 def save_tiny_chat_model(
-    path: str | Path, corpus: Iterable[str] = (), vocab_size: int = 512, **kwargs
+    path: str | Path,
+    corpus: Iterable[str] = (),
+    vocab_size: int = 512,
+    chat_template: str = CHATML_TEMPLATE,
+    **kwargs,
 ) -> Path:
     """A Qwen2 folder with a chat tokenizer, loadable with ``AutoModelForCausalLM`` /
-    ``AutoTokenizer`` (``local_files_only=True``); ``kwargs`` go to :func:`tiny_qwen2`."""
+    ``AutoTokenizer`` (``local_files_only=True``); ``kwargs`` go to :func:`tiny_qwen2`.
+    ``TOOLS_CHATML_TEMPLATE`` renders tools and tool calls as Qwen does."""
     path = Path(path)
-    tokenizer = byte_level_tokenizer(corpus, vocab_size)
+    tokenizer = byte_level_tokenizer(corpus, vocab_size, chat_template)
     special_ids = {
         "pad_token_id": tokenizer.pad_token_id,
         "bos_token_id": tokenizer.bos_token_id,

@@ -105,12 +105,17 @@ class AgentWorkflow:
             mode,
             turn_discount,
         )
+        self.tool_parse_errors = 0  # answers whose tool call did not parse (sent as content)
+
+    def metrics(self) -> dict:
+        return {"rollout/tool_parse_errors": self.tool_parse_errors}
 
     async def run(self, data: dict[str, Any]) -> tuple[list[TokenSequence], list[float]] | None:
         client = RecordingOpenAI(self.inference, self.tokenizer, self.gconfig)
         try:
             reward = await self.agent(client, data)
         finally:
+            self.tool_parse_errors += client.tool_parse_errors
             await client.close()
         made = client.completions_made
         if reward is None:

@@ -16,6 +16,7 @@ from typing import Any
 from tidal.data import LLMBatch, TokenSequence
 from tidal.inference import GenerationConfig, InferenceClient, ModelRequest, ModelResponse
 from tidal.models.llm import render_prompt
+from tidal.registry import Registry
 from tidal.rollout.rewards import Reward
 
 log = logging.getLogger(__name__)
@@ -23,6 +24,11 @@ RewardFn = Callable[..., float]
 PromptRenderer = Callable[
     [Any], list[int]
 ]  # a record's prompt (text or chat messages) -> token ids
+
+
+# rollout.workflow: factory(runner) -> async episode function; the language runner registers the
+# built-in ones (tidal.runners.llm.workflows), which build from its config, client and tokenizer
+WORKFLOWS: Registry[Callable[[Any], Any]] = Registry("workflow", "rollout.workflow")
 
 
 def add_response(seq: TokenSequence, resp: ModelResponse) -> None:

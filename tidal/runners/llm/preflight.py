@@ -23,6 +23,7 @@ from tidal.config.llm import (
 )
 from tidal.config.loader import require
 from tidal.data.datasets import DataConfigError, load_conversations, load_prompts
+from tidal.inference.tool_calls import TOOL_PARSERS
 from tidal.memory import MemoryPlan
 from tidal.memory import plan as memory_plan
 from tidal.models.llm import (
@@ -63,11 +64,12 @@ def check_llm(cfg: LLMConfig) -> None:
     validate_llm(cfg)
     kind = data_kind(cfg.data)
     require(
-        r.workflow in ("auto", kind) or ":" in r.workflow,
+        r.workflow in ("auto", kind, "agent") or ":" in r.workflow,
         "rollout.workflow",
-        f"{_data_name(cfg.data)} runs the {kind!r} workflow (or 'auto', or module.path:factory), "
-        f"got {r.workflow!r}",
+        f"{_data_name(cfg.data)} runs the {kind!r} workflow (or 'auto', 'agent', or "
+        f"module.path:factory), got {r.workflow!r}",
     )
+    one_of(r.tool_parser, TOOL_PARSERS.names(), "rollout.tool_parser")
     if ":" in r.workflow:
         import_object(r.workflow, "rollout.workflow")
     require(

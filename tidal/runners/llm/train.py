@@ -8,7 +8,6 @@ With ``rollout.max_staleness = 0`` it is exactly synchronous RL.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from pathlib import Path
 
@@ -22,23 +21,17 @@ from tidal.models.llm import load_tokenizer
 from tidal.rollout.dispatcher import EpisodeError, RolloutDispatcher
 from tidal.rollout.engines import ROLLOUT_ENGINES
 from tidal.rollout.evaluation import greedy_config
-from tidal.rollout.tasks import TASKS, is_multi_turn
-from tidal.rollout.workflows import (
-    MultiTurnWorkflow,
-    RLVRWorkflow,
-    has_reward_spread,
-    overlong_penalty,
-)
+from tidal.rollout.tasks import is_multi_turn
+from tidal.rollout.workflows import WORKFLOWS, has_reward_spread
 from tidal.runners.llm.common import (
     data_cache,
     eval_records,
     evaluator,
     generation_config,
-    prompt_renderer,
     train_records,
-    warmed_reward,
 )
 from tidal.runners.llm.preflight import check_llm, check_llm_model
+from tidal.runners.llm.workflows import workflow_name
 from tidal.runners.loop import RunLoop
 from tidal.runners.preflight import check_trainer_checkpoint, import_object
 from tidal.workers.llm_actor import LLMActor
@@ -84,7 +77,7 @@ class LLMRunner(RunLoop):
         )
         self.evaluator = (
             None
-            if is_multi_turn(self.cfg.data)
+            if is_multi_turn(self.cfg.data) or hasattr(self.workflow, "evaluate")
             else evaluator(cfg, self.client, self.tokenizer, self.eval_data)
         )
 
@@ -108,41 +101,10 @@ class LLMRunner(RunLoop):
         )
 
     def _workflow(self):
-        r, d = self.cfg.rollout, self.cfg.data
-        if ":" in r.workflow:  # a user's workflow: module.path:factory(runner) -> async callable
-            return import_object(r.workflow, "rollout.workflow")(self)
-        if is_multi_turn(self.cfg.data):
-            return MultiTurnWorkflow(
-                self.client,
-                self.tokenizer,
-                TASKS.get(d.task).env,
-                self.gconfig,
-                max_turns=r.max_turns,
-                turn_discount=r.turn_discount,
-                group_size=r.group_size,
-            )
-        reward = warmed_reward(self.cfg, self.train_data.table[0])
-        return RLVRWorkflow(
-            self.client,
-            self.tokenizer,
-            reward,
-            self.gconfig,
-            r.group_size,
-            r.reward_timeout_s,
-            render=prompt_renderer(self.cfg, self.tokenizer),
-            length_penalty=self._overlong_penalty(),
-        )
-
-    def _overlong_penalty(self):
-        w, budget = self.cfg.reward, self.cfg.rollout.max_new_tokens
-        if not w.overlong_buffer:
-            return None
-        return functools.partial(
-            overlong_penalty,
-            max_tokens=budget,
-            buffer=w.overlong_buffer,
-            factor=w.overlong_penalty,
-        )
+        name = workflow_name(self.cfg)
+        if ":" in name:  # a user's workflow: module.path:factory(runner) -> async callable
+            return import_object(name, "rollout.workflow")(self)
+        return WORKFLOWS.get(name)(self)
 
     @property
     def version(self) -> int:
@@ -169,6 +131,8 @@ class LLMRunner(RunLoop):
         success rate of multi-turn episodes."""
         if not self.eval_data:
             return {}
+        if hasattr(self.workflow, "evaluate"):  # e.g. agents: their greedy success rate
+            return self._run(self.workflow.evaluate(self.eval_data, greedy_config(self.gconfig)))
         if is_multi_turn(self.cfg.data):
             greedy = greedy_config(self.gconfig)
 
@@ -200,6 +164,7 @@ class LLMRunner(RunLoop):
                 **{f"rollout/{k}": v for k, v in self.staleness.snapshot().items()},
                 "rollout/filtered_groups": self.dispatcher.filtered,
                 **self._reward_failures(),
+                **(self.workflow.metrics() if hasattr(self.workflow, "metrics") else {}),
                 "train/tokens_per_s": float(batch.attention_mask.sum()) / metrics["time/step"],
                 "rollout/generated_tokens_per_s": gen_tokens / metrics["time/step"],
             }
@@ -231,6 +196,8 @@ class LLMRunner(RunLoop):
 
     def cleanup_steps(self, graceful: bool) -> list:
         steps = []
+        if hasattr(getattr(self, "workflow", None), "aclose") and self.dispatcher is not None:
+            steps.append(("workflow", lambda: self._run(self.workflow.aclose(), 30)))
         if self.client is not None and self.dispatcher is not None:
             steps.append(("client", lambda: self._run(self.client.aclose(), 30)))
         if self.dispatcher is not None:

@@ -1,0 +1,43 @@
+"""A calculator agent written with the OpenAI Agents SDK, trained by tidal as it is.
+
+tidal starts it once per episode with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` of the episode's
+recording session and the record (``{"prompt": ..., "answer": ...}``) as JSON on stdin; it
+prints ``{"reward": r}`` last. Nothing in it knows about tidal: point ``OPENAI_BASE_URL`` at any
+OpenAI-compatible server and it runs the same.
+"""
+
+import asyncio
+import json
+import os
+import sys
+
+from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+from openai import AsyncOpenAI
+
+set_tracing_disabled(True)  # the SDK would upload traces to OpenAI otherwise
+
+
+@function_tool
+def add(a: int, b: int) -> int:
+    """a+b"""
+    return a + b
+
+
+async def main() -> None:
+    record = json.loads(sys.stdin.read())
+    client = AsyncOpenAI(max_retries=0)  # the session's URL and key, from the environment
+    model = OpenAIChatCompletionsModel(
+        model=os.environ.get("AGENT_MODEL", "tidal"), openai_client=client
+    )
+    agent = Agent(name="calculator", instructions=None, model=model, tools=[add])
+    try:
+        result = await Runner.run(agent, record["prompt"], max_turns=4)
+        answer = str(result.final_output).strip()
+    except Exception as exc:  # noqa: BLE001 - a fumbled episode scores 0, the run goes on
+        print(f"agent failed: {exc!r}", file=sys.stderr)
+        answer = ""
+    print(json.dumps({"reward": float(answer == str(record["answer"]))}))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,196 @@
+"""Tool calls: the Hermes/Qwen parser, tidal's OpenAI API with ``tools`` (the official client),
+and the in-process recording client in a multi-turn tool loop."""
+
+import asyncio
+import json
+
+import pytest
+from agent_models import ADD_TOOL, QUESTION
+from transformers import AutoTokenizer
+
+from tidal.inference import GenerationConfig, GenerationEngine, InferenceClient, InferenceServer
+from tidal.inference.chat_template import render_chat
+from tidal.inference.client import ModelResponse
+from tidal.inference.tool_calls import TOOL_PARSERS, check_tools, hermes_tool_calls
+
+openai = pytest.importorskip("openai")
+from tidal.inference.agent_client import RecordingOpenAI  # noqa: E402
+from tidal.rollout.agent_workflow import AgentWorkflow  # noqa: E402
+
+
+def test_hermes_parses_calls_and_keeps_a_malformed_one_as_content():
+    text = 'let me add<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "neg", "arguments": "{\\"x\\": 2}"}</tool_call>'
+    out = hermes_tool_calls(text)
+    assert out.content == "let me add" and out.error is None and out.finish_reason == "tool_calls"
+    assert [c["function"]["name"] for c in out.tool_calls] == ["add", "neg"]
+    assert [json.loads(c["function"]["arguments"]) for c in out.tool_calls] == [{"a": 1}, {"x": 2}]
+    assert len({c["id"] for c in out.tool_calls}) == 2
+    for bad, why in (
+        ("<tool_call>{not json}</tool_call>", "not JSON"),
+        ('<tool_call>{"name": "add"', "not closed"),
+        ('<tool_call>{"arguments": {}}</tool_call>', "name"),
+        ('<tool_call>{"name": "f", "arguments": 3}</tool_call>', "arguments"),
+    ):
+        out = hermes_tool_calls(bad)
+        assert out.content == bad and out.tool_calls == [] and why in out.error
+    assert hermes_tool_calls("plain").message() == {"role": "assistant", "content": "plain"}
+    assert TOOL_PARSERS.get("qwen") is hermes_tool_calls
+    with pytest.raises(ValueError, match="rollout.tool_parser: unknown tool parser 'x'"):
+        TOOL_PARSERS.get("x")
+    assert check_tools([ADD_TOOL], "none") is None
+    with pytest.raises(ValueError, match="tool_choice"):
+        check_tools([ADD_TOOL], {"type": "function", "function": {"name": "mul"}})
+    with pytest.raises(ValueError, match="tools"):
+        check_tools([{"type": "function"}], "auto")
+
+
+def test_tool_messages_and_calls_render_through_the_template(tool_model):
+    tok = AutoTokenizer.from_pretrained(tool_model)
+    messages = [
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 3}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+    ]
+    text = render_chat(messages, tok, tools=[ADD_TOOL])
+    assert '<tools>{"name": "add"' in text
+    assert '<tool_call>{"name": "add", "arguments": {"a": 3}}</tool_call>' in text
+    assert text.endswith("<tool_response>3</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def server(tool_model):
+    srv = InferenceServer(GenerationEngine(tool_model)).start()
+    yield srv
+    srv.stop()
+
+
+def test_the_openai_api_returns_tool_calls_and_reads_tool_results(server):
+    with openai.OpenAI(base_url=server.address + "/v1", api_key="x", max_retries=0) as client:
+        name = client.models.list().data[0].id
+        messages = [{"role": "user", "content": QUESTION}]
+        first = client.chat.completions.create(
+            model=name, messages=messages, tools=[ADD_TOOL], temperature=0, max_tokens=40
+        )
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "add" and json.loads(call.function.arguments) == {
+            "a": 3,
+            "b": 4,
+        }
+        messages += [
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "7"},
+        ]
+        second = client.chat.completions.create(
+            model=name, messages=messages, tools=[ADD_TOOL], temperature=0, max_tokens=8
+        )
+        assert second.choices[0].message.content == "7"
+        assert second.choices[0].finish_reason == "stop"
+        chunks = list(
+            client.chat.completions.create(
+                model=name,
+                messages=messages[:1],
+                tools=[ADD_TOOL],
+                temperature=0,
+                max_tokens=40,
+                stream=True,
+            )
+        )
+        streamed = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+        assert [d.function.name for d in streamed] == ["add"]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # tool_choice none: no tools rendered, nothing parsed
+        plain = client.chat.completions.create(
+            model=name,
+            messages=messages[:1],
+            tools=[ADD_TOOL],
+            tool_choice="none",
+            temperature=0,
+            max_tokens=40,
+        )
+        assert plain.choices[0].message.tool_calls is None
+
+
+class ScriptedInference:
+    """An InferenceClient whose answers are fixed texts (to test what the client does with
+    them)."""
+
+    def __init__(self, tok, texts):
+        self.tok, self.texts = tok, list(texts)
+
+    async def agenerate(self, req):
+        ids = self.tok(self.texts.pop(0), add_special_tokens=False).input_ids
+        return ModelResponse(list(req.input_ids), ids, [-1.0] * len(ids), [0] * len(ids))
+
+
+def test_a_malformed_tool_call_is_content_with_stop_and_counted(tool_model):
+    tok = AutoTokenizer.from_pretrained(tool_model)
+    bad = '<tool_call>{"name": add}</tool_call>'
+
+    async def main():
+        client = RecordingOpenAI(ScriptedInference(tok, [bad]), tok)
+        out = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "q"}], tools=[ADD_TOOL]
+        )
+        return out, client.tool_parse_errors
+
+    out, errors = asyncio.run(main())
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].message.content == bad
+    assert out.choices[0].message.tool_calls is None and errors == 1
+
+
+async def tool_agent(client, data):
+    """A plain OpenAI-SDK tool loop: call the model, run its tool calls, until it answers."""
+    messages = [{"role": "user", "content": data["question"]}]
+    for _ in range(4):
+        out = await client.chat.completions.create(
+            model="tidal", messages=messages, tools=[ADD_TOOL], max_tokens=40
+        )
+        message = out.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return float(message.content.strip() == data["answer"])
+        for call in message.tool_calls:
+            args = json.loads(call.function.arguments)
+            messages.append(
+                {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}
+            )
+    return 0.0
+
+
+def test_an_in_process_agent_uses_tools_and_trains_on_one_sequence(server, tool_model):
+    tok = AutoTokenizer.from_pretrained(tool_model)
+    gconfig = GenerationConfig(
+        max_new_tokens=40, temperature=1e-6, stop_token_ids=[tok.eos_token_id]
+    )
+
+    async def main():
+        inference = InferenceClient([server.address])
+        try:
+            flow = AgentWorkflow(tool_agent, inference, tok, gconfig, mode="concat")
+            return await flow({"question": QUESTION, "answer": "7"}), flow.metrics()
+        finally:
+            await inference.aclose()
+
+    episode, metrics = asyncio.run(main())
+    assert metrics == {"rollout/tool_parse_errors": 0}
+    assert episode.rewards.tolist() == [1.0] and episode.input_ids.shape[0] == 1
+    n = int(episode.attention_mask[0].sum())
+    ids, mask = episode.input_ids[0, :n], episode.loss_mask[0, :n]
+    trained = tok.decode(ids[mask])
+    assert (
+        trained
+        == '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call><|im_end|>7<|im_end|>'
+    )
+    assert "<tool_response>7</tool_response>" in tok.decode(ids[~mask])
