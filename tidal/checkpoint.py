@@ -258,6 +258,12 @@ def check_keys(expected: set[str], given: set[str], source: str) -> None:
         )
 
 
+def load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """``model.load_state_dict(state)`` with every missing and unexpected key named."""
+    check_keys(set(model.state_dict()), set(state), source)
+    model.load_state_dict(state, strict=True)
+
+
 def trained_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What a checkpoint holds of a model: its state without the frozen parameters (a LoRA run's
     base, which the run rebuilds from its config), buffers included."""

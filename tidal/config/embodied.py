@@ -226,7 +226,10 @@ class EmbodiedConfig:
     def __post_init__(self):
         resolve_algorithm(self.algorithm, self.rollout.max_staleness)
         if self.rollout.weight_sync == "auto":
-            self.rollout.weight_sync = "channel" if self.rollout.max_staleness else "collective"
+            # a rollout that takes updates between chunk steps (asynchronous PPO, off-policy
+            # algorithms) reads them from the channel
+            takes_between_steps = self.rollout.max_staleness or self.algorithm.name not in ON_POLICY
+            self.rollout.weight_sync = "channel" if takes_between_steps else "collective"
 
     MOVED_KEYS: ClassVar[dict[str, str]] = {
         "actor.seed": "runner.seed",
@@ -260,10 +263,12 @@ def validate_embodied(cfg: EmbodiedConfig) -> None:
     one_of(cfg.rollout.staleness_policy, ("wait", "drop"), "rollout.staleness_policy")
     one_of(cfg.rollout.weight_sync, WEIGHT_SYNCS, "rollout.weight_sync")
     require(
-        cfg.rollout.max_staleness == 0 or cfg.rollout.weight_sync == "channel",
+        (cfg.rollout.max_staleness == 0 and cfg.algorithm.name in ON_POLICY)
+        or cfg.rollout.weight_sync == "channel",
         "rollout.weight_sync",
-        "asynchronous runs (rollout.max_staleness > 0) need channel: the rollout takes a "
-        "waiting update between chunk steps, which a collective cannot wait for",
+        "asynchronous runs (rollout.max_staleness > 0, or an off-policy algorithm.name) need "
+        "channel: the rollout takes a waiting update between chunk steps, which a collective "
+        "cannot wait for",
     )
     require(
         not (cfg.actor.offload and cfg.rollout.max_staleness),

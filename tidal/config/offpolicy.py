@@ -94,6 +94,15 @@ def validate_offpolicy(cfg) -> None:
             f"algorithm.{key}",
             "only PPO reads it; algorithm.name is sac (remove the key)",
         )
+    # SAC's actor keeps its own optimizers on one rank, outside the train engine
+    for key, value, default in (
+        ("actor.strategy", cfg.actor.strategy, "ddp"),
+        ("actor.offload", cfg.actor.offload, False),
+        ("model.lora.rank", cfg.model.lora.rank, 0),
+    ):
+        require(
+            value == default, key, f"is not supported with algorithm.name=sac yet (got {value!r})"
+        )
     require(alg.utd_ratio > 0, "algorithm.utd_ratio", f"must be > 0, got {alg.utd_ratio}")
     require(0 < alg.tau <= 1, "algorithm.tau", f"must be in (0, 1], got {alg.tau}")
     require(alg.num_critics >= 1, "algorithm.num_critics", f"must be >= 1, got {alg.num_critics}")

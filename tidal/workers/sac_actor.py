@@ -21,12 +21,12 @@ from tidal.algorithms.sac import polyak_update
 from tidal.checkpoint import (
     load_checkpoint,
     load_extra,
+    load_strict,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
 from tidal.config import ConfigError
-from tidal.engine import load_strict
 from tidal.models.sac import QEnsemble, SquashedGaussianPolicy
 from tidal.runtime import Channel, CommMapper, ConfigSections, Worker, send_weights
 from tidal.workers.replay import ReplayBuffer

@@ -82,6 +82,7 @@ class OffPolicyRunner(EmbodiedRunner):
             name: Channel.create(f"{run_id}-{name}", self.cluster, consumer=reader)
             for name, reader in self.channel_readers().items()
         }
+        self.weights_link = self.channels["weights"]  # the rollout takes them between steps
         self.eval_horizon = self.env.execute_on(0).eval_horizon().wait(timeout)[0]
         self.segments = 0  # segments collected (and finished)
         self.reported = 0  # segments whose step has run (collection may be ahead)
