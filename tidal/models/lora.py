@@ -210,6 +210,16 @@ def rollout_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return merged_state_dict(model) if is_lora(model) else model.state_dict()
 
 
+def rollout_weights(model: nn.Module, engine, rank: int):
+    """The ``(name, tensor)`` pairs the rollout takes, on rank 0 (None elsewhere; every rank
+    calls it): merged adapters under LoRA (refused under fsdp2), else the engine's whole model,
+    gathered from the shards under a sharded strategy."""
+    if is_lora(model):
+        return rollout_state_dict(model).items() if rank == 0 else None
+    state = engine.full_state_dict(rank)
+    return None if state is None else state.items()
+
+
 def save_pretrained_folder(model: nn.Module, folder) -> None:
     """A ``save_pretrained`` safetensors folder of a causal LM's weights (merged under LoRA)."""
     if is_lora(model):

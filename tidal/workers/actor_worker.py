@@ -14,7 +14,7 @@ from tidal.algorithms.objectives import drop_stale, make_objective, minibatch_de
 from tidal.data import Trajectory
 from tidal.data.records import flat_time_major, flatten_steps
 from tidal.engine import TrainEngine
-from tidal.models.lora import apply_lora, is_lora, lora_meta, reference_model, rollout_state_dict
+from tidal.models.lora import apply_lora, lora_meta, reference_model, rollout_weights
 from tidal.runtime import Channel, CommMapper, ConfigSections, Worker, merge_batches
 from tidal.runtime.devices import to_device
 from tidal.runtime.weight_sync import WeightLinks
@@ -74,12 +74,8 @@ class ActorWorker(Worker, WeightLinks):
         return self.engine.step
 
     def weight_tensors(self):
-        """The ``(name, tensor)`` pairs a weight link sends, on rank 0 (None elsewhere): the
-        whole model, gathered from the shards under a sharded strategy."""
-        if is_lora(self.policy):  # merged adapters (LoRA runs are refused under fsdp2)
-            return rollout_state_dict(self.policy).items() if self.rank == 0 else None
-        state = self.engine.full_state_dict(self.rank)
-        return None if state is None else state.items()
+        """The ``(name, tensor)`` pairs a weight link sends, on rank 0 (None elsewhere)."""
+        return rollout_weights(self.policy, self.engine, self.rank)
 
     def offload_engine(self) -> int:
         """``actor.offload``: parameters, gradients and optimizer state to host memory."""

@@ -23,7 +23,7 @@ from tidal.models.lora import (
     is_lora,
     lora_meta,
     reference_model,
-    rollout_state_dict,
+    rollout_weights,
     save_pretrained_folder,
 )
 from tidal.runtime import ConfigSections, Worker
@@ -100,12 +100,8 @@ class LLMActor(Worker, WeightLinks):
         return self.version
 
     def weight_tensors(self):
-        """The ``(name, tensor)`` pairs a weight link sends, on rank 0 (None elsewhere): the
-        whole model, gathered from the shards under a sharded strategy."""
-        if is_lora(self.model):  # merged adapters (LoRA runs are refused under fsdp2)
-            return rollout_state_dict(self.model).items() if self.rank == 0 else None
-        state = self.engine.full_state_dict(self.rank)
-        return None if state is None else state.items()
+        """The ``(name, tensor)`` pairs a weight link sends, on rank 0 (None elsewhere)."""
+        return rollout_weights(self.model, self.engine, self.rank)
 
     def save_weights_folder(self, folder: str) -> int:
         """The weights as a ``save_pretrained`` safetensors folder (for servers that reload from
