@@ -204,6 +204,7 @@ def test_a_demo_file_of_the_wrong_shape_is_a_config_error(tmp_path):
         ("algorithm.critic_subset=3", "algorithm.critic_subset"),
         ("algorithm.name=td3", "algorithm.name"),
         ("rollout.max_staleness=1", "rollout.max_staleness"),
+        ("algorithm.name=ppo", "model.name"),  # sac_mlp has no value head for PPO
     ],
 )
 def test_bad_sac_configs_name_the_key(override, key):

@@ -85,6 +85,12 @@ def validate_offpolicy(cfg) -> None:
         "algorithm.name",
         f"expected one of {', '.join(ALGORITHM_NAMES)}, got {alg.name!r}",
     )
+    require(
+        cfg.model.name != "sac_mlp" or alg.name == "sac",
+        "model.name",
+        f"sac_mlp is trained by algorithm.name=sac only (it has no value head for PPO), "
+        f"got algorithm.name={alg.name!r}",
+    )
     if alg.name != "sac":
         return
     defaults = {f.name: f.default for f in fields(type(alg))}
