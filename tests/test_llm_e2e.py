@@ -217,3 +217,24 @@ def test_sft_on_conversations_learns_only_the_assistant_turns(demo, tmp_path):
         learned = tokenizer.decode([t for t, m in zip(ids, mask) if m])
         replies = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
         assert learned == "".join(f"{reply}<|im_end|>" for reply in replies)
+
+
+@pytest.mark.parametrize("objective", ["grpo", "dr_grpo", "dapo", "gspo", "cispo"])
+def test_the_gsm8k_recipe_applies_each_objective_preset_over_the_demo(objective):
+    import importlib.util
+
+    import yaml
+
+    spec = importlib.util.spec_from_file_location("recipe", DEMO.parent / "gsm8k_recipe.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    cfg = load_config(
+        LLMConfig, DEMO, [*recipe.COMMON, *recipe.SFT, *recipe.preset_overrides(objective)]
+    )
+    preset = yaml.safe_load((recipe.PRESETS / f"{objective}.yaml").read_text())
+    for section, keys in preset.items():
+        if section != "runner":
+            for key, value in keys.items():
+                assert getattr(getattr(cfg, section), key) == value, (section, key)
+    assert cfg.runner.experiment == "gsm8k_grpo" and cfg.sft.lr_schedule == "cosine"
+    assert cfg.rollout.max_new_tokens == 32 and cfg.data.system_prompt is None

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from tidal.config.common import (
+    LR_SCHEDULES,
     ActorConfig,
     AlgorithmConfig,
     ClusterConfig,
@@ -265,6 +266,8 @@ class SFTConfig:
     steps: int = setting(600, "optimizer steps")
     batch_size: int = setting(64, "sequences per step")
     lr: float = setting(1e-3, "learning rate")
+    lr_schedule: str = setting("constant", "constant | linear | cosine, over sft.steps")
+    warmup_steps: int = setting(0, "optimizer steps of linear warm-up")
     eval_size: int = setting(256, "held-out problems scored at the end")
 
 
@@ -412,6 +415,12 @@ def validate_llm_sft(cfg: LLMConfig) -> None:
     for key in ("steps", "batch_size", "eval_size"):
         require(getattr(s, key) >= 1, f"sft.{key}", f"must be >= 1, got {getattr(s, key)}")
     require(s.lr > 0, "sft.lr", f"must be > 0, got {s.lr}")
+    one_of(s.lr_schedule, LR_SCHEDULES, "sft.lr_schedule")
+    require(
+        0 <= s.warmup_steps < s.steps,
+        "sft.warmup_steps",
+        f"must be >= 0 and < sft.steps ({s.steps}), got {s.warmup_steps}",
+    )
 
 
 def validate_data(cfg: LLMConfig, sft: bool = False) -> None:

@@ -115,9 +115,17 @@ def _train(cfg: LLMConfig) -> dict:
         held_out = eval_records(cfg, cache, cfg.sft.eval_size)
     context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     # torch's AdamW defaults and no clipping: how the warm start has always trained
+    s = cfg.sft
     engine = TrainEngine(
         model,
-        ActorConfig(lr=cfg.sft.lr, optimizer="adamw", weight_decay=0.01, max_grad_norm=None),
+        ActorConfig(
+            lr=s.lr,
+            lr_schedule=s.lr_schedule,
+            warmup_steps=s.warmup_steps,
+            optimizer="adamw",
+            weight_decay=0.01,
+            max_grad_norm=None,
+        ),
         total_steps=cfg.sft.steps,
         name="sft",
     )

@@ -1,0 +1,167 @@
+"""The word-problem recipe as one command: data, a warm start per seed, RL per seed and objective.
+
+    python examples/llm/gsm8k_recipe.py --out runs/gsm8k                       # GRPO, seeds 1 2 3
+    python examples/llm/gsm8k_recipe.py --out runs/gsm8k --seeds 1 --objectives grpo dapo gspo
+
+1. ``make_word_problems.py`` writes the data once (generator seed 0: every seed trains and is
+   scored on the same problems).
+2. ``tidal sft`` per seed builds a fresh tiny Qwen2 and warm-starts it (``runner.seed`` draws the
+   model's initialisation and the order of the SFT examples; the byte-level BPE tokenizer is
+   trained on the data, the same for every seed), scored greedily on the dev split.
+3. ``tidal train`` per seed and objective continues from that warm start for
+   ``--minutes`` (``runner.seed`` also seeds the prompt order and sampling), scored greedily on
+   the test split every ``runner.eval_interval`` steps; an objective is a preset of
+   ``examples/llm/presets/`` (its keys except ``runner``, over ``gsm8k_grpo.yaml``).
+
+Each finished step is kept (a warm start or a run already in ``--out`` is read, not redone), so
+an interrupted recipe continues. ``--jobs 2`` runs two jobs side by side (each on one thread).
+Writes ``<out>/recipe.json`` (every run, then mean, min and max over the seeds) and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+CONFIG = HERE / "gsm8k_grpo.yaml"
+PRESETS = HERE / "presets"
+DATA_ARGS = "--train-size 4000 --eval-size 256 --max-operand 9 --two-step --terse --dev-size 128"
+COMMON = ["data.system_prompt=null", "rollout.max_new_tokens=32", "data.eval_size=128"]
+SFT = ["sft.lr=2e-3", "sft.lr_schedule=cosine", "sft.warmup_steps=30"]
+
+
+def tidal(*args: str, log: Path) -> dict:
+    """Run a ``tidal`` command (its output to ``log``) and return the JSON summary it prints."""
+    cmd = [sys.executable, "-m", "tidal.cli", *args, "runner.progress=false"]
+    with open(log, "w") as out:
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=out, text=True)
+    out_text = done.stdout
+    log.open("a").write(out_text)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[2:4])} failed ({done.returncode}): see {log}")
+    return json.loads(out_text[out_text.index("{") :])
+
+
+def preset_overrides(name: str) -> list[str]:
+    """The preset's keys as ``section.key=value`` overrides (its ``runner`` section left out)."""
+    sections = yaml.safe_load((PRESETS / f"{name}.yaml").read_text())
+    return [
+        f"{section}.{key}={json.dumps(value)}"
+        for section, keys in sections.items()
+        if section != "runner"
+        for key, value in keys.items()
+    ]
+
+
+def make_data(out: Path) -> Path:
+    data = out / "data"
+    if not (data / "test.parquet").exists():
+        script = HERE / "data" / "make_word_problems.py"
+        subprocess.run(
+            [sys.executable, str(script), *DATA_ARGS.split(), "--out", str(data)], check=True
+        )
+    return data
+
+
+def warm_start(out: Path, data: Path, seed: int, steps: int) -> dict:
+    """The seed's SFT model (built once; its summary kept beside it)."""
+    summary = out / f"sft_s{seed}.json"
+    if summary.exists():
+        return json.loads(summary.read_text())
+    result = tidal(
+        "sft", str(CONFIG), *COMMON, *SFT, f"sft.steps={steps}", f"runner.seed={seed}",
+        f"data.path={data / 'train.jsonl'}", f"data.eval_path={data / 'dev.parquet'}",
+        f"model.path={out / 'models' / f's{seed}'}", f"runner.run_dir={out / 'runs'}",
+        f"runner.experiment=s{seed}", "sft.eval_size=128",
+        log=out / f"sft_s{seed}.log",
+    )  # fmt: skip
+    summary.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def reinforce(out: Path, data: Path, seed: int, objective: str, minutes: float) -> dict:
+    """One RL run from the seed's warm start; its test accuracy at the start, best and last."""
+    name = f"{objective}_s{seed}"
+    summary = out / f"{name}.json"
+    if summary.exists():
+        return json.loads(summary.read_text())
+    run_dir = out / "runs"
+    tidal(
+        "train", str(CONFIG), *COMMON, *preset_overrides(objective), f"runner.seed={seed}",
+        f"data.path={data / 'train.jsonl'}", f"data.eval_path={data / 'test.parquet'}",
+        f"model.path={out / 'models' / f's{seed}'}", f"runner.run_dir={run_dir}",
+        f"runner.experiment={name}", f"runner.max_minutes={minutes}",
+        log=out / f"{name}.log",
+    )  # fmt: skip
+    evals = [
+        (row["step"], row["eval/accuracy"])
+        for row in map(json.loads, (run_dir / name / "metrics.jsonl").read_text().splitlines())
+        if "eval/accuracy" in row
+    ]
+    result = {
+        "seed": seed,
+        "objective": objective,
+        "steps": evals[-1][0],
+        "start": evals[0][1],
+        "best": max(acc for _, acc in evals),
+        "last": evals[-1][1],
+        "gain": evals[-1][1] - evals[0][1],
+        "evals": evals,
+    }
+    summary.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def spread(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("runs/gsm8k"))
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--objectives", nargs="+", default=["grpo"], help="presets/<name>.yaml")
+    p.add_argument("--minutes", type=float, default=20.0, help="wall-clock budget of each RL run")
+    p.add_argument("--sft-steps", type=int, default=900, help="optimizer steps of each warm start")
+    p.add_argument("--jobs", type=int, default=1, help="jobs side by side")
+    args = p.parse_args(argv)
+    for name in args.objectives:
+        if not (PRESETS / f"{name}.yaml").exists():
+            p.error(f"--objectives: no preset {PRESETS / name}.yaml")
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = make_data(args.out)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        sft = dict(
+            zip(
+                args.seeds,
+                pool.map(lambda s: warm_start(args.out, data, s, args.sft_steps), args.seeds),
+            )
+        )
+        plan = [(s, o) for o in args.objectives for s in args.seeds]
+        runs = list(pool.map(lambda so: reinforce(args.out, data, *so, args.minutes), plan))
+    report = {
+        "warm_start_dev": {s: r["held_out_accuracy"] for s, r in sft.items()},
+        "runs": runs,
+        "objectives": {
+            o: {
+                k: spread([r[k] for r in runs if r["objective"] == o])
+                for k in ("start", "best", "last", "gain", "steps")
+            }
+            for o in args.objectives
+        },
+    }
+    (args.out / "recipe.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
