@@ -88,36 +88,35 @@ def warm_start(out: Path, data: Path, seed: int, steps: int) -> dict:
 
 
 def reinforce(out: Path, data: Path, seed: int, objective: str, minutes: float) -> dict:
-    """One RL run from the seed's warm start; its test accuracy at the start, best and last."""
-    name = f"{objective}_s{seed}"
-    summary = out / f"{name}.json"
-    if summary.exists():
-        return json.loads(summary.read_text())
-    run_dir = out / "runs"
-    tidal(
-        "train", str(CONFIG), *COMMON, *preset_overrides(objective), f"runner.seed={seed}",
-        f"data.path={data / 'train.jsonl'}", f"data.eval_path={data / 'test.parquet'}",
-        f"model.path={out / 'models' / f's{seed}'}", f"runner.run_dir={run_dir}",
-        f"runner.experiment={name}", f"runner.max_minutes={minutes}",
-        log=out / f"{name}.log",
-    )  # fmt: skip
-    evals = [
-        (row["step"], row["eval/accuracy"])
-        for row in map(json.loads, (run_dir / name / "metrics.jsonl").read_text().splitlines())
-        if "eval/accuracy" in row
-    ]
-    result = {
-        "seed": seed,
-        "objective": objective,
-        "steps": evals[-1][0],
+    """One RL run from the seed's warm start (once: its printed summary marks it done), read
+    back from its metrics."""
+    name, run_dir = f"{objective}_s{seed}", out / "runs"
+    done = out / f"{name}.json"
+    if not done.exists():
+        summary = tidal(
+            "train", str(CONFIG), *COMMON, *preset_overrides(objective), f"runner.seed={seed}",
+            f"data.path={data / 'train.jsonl'}", f"data.eval_path={data / 'test.parquet'}",
+            f"model.path={out / 'models' / f's{seed}'}", f"runner.run_dir={run_dir}",
+            f"runner.experiment={name}", f"runner.max_minutes={minutes}",
+            log=out / f"{name}.log",
+        )  # fmt: skip
+        done.write_text(json.dumps(summary, indent=2))
+    return {"seed": seed, "objective": objective, **accuracy_curve(run_dir / name)}
+
+
+def accuracy_curve(run: Path) -> dict:
+    """The run's greedy test accuracy before RL, at its best and at its end, and its steps."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    # an evaluation is logged with the step it follows (-1: before any update)
+    evals = [(row["step"] + 1, row["eval/accuracy"]) for row in rows if "eval/accuracy" in row]
+    return {
+        "steps": max(row["step"] for row in rows) + 1,
         "start": evals[0][1],
         "best": max(acc for _, acc in evals),
         "last": evals[-1][1],
         "gain": evals[-1][1] - evals[0][1],
         "evals": evals,
     }
-    summary.write_text(json.dumps(result, indent=2))
-    return result
 
 
 def spread(values: list[float]) -> dict:
@@ -130,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--objectives", nargs="+", default=["grpo"], help="presets/<name>.yaml")
     p.add_argument("--minutes", type=float, default=20.0, help="wall-clock budget of each RL run")
-    p.add_argument("--sft-steps", type=int, default=900, help="optimizer steps of each warm start")
+    p.add_argument("--sft-steps", type=int, default=450, help="optimizer steps of each warm start")
     p.add_argument("--jobs", type=int, default=1, help="jobs side by side")
     args = p.parse_args(argv)
     for name in args.objectives:
