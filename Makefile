@@ -53,7 +53,7 @@ test: setup vllm lint
 train: setup
 	$(VENV)/bin/tidal train examples/embodied/cartpole_ppo.yaml
 
-# The word-problem recipe of BENCHMARKS.md: three warm starts and 20 minutes of GRPO each (~75 min).
+# The word-problem recipe of BENCHMARKS.md: three warm starts and 1000 GRPO steps each (~75 min idle).
 gsm8k: setup
 	$(PY) examples/llm/gsm8k_recipe.py --out runs/gsm8k
 

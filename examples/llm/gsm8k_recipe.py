@@ -8,10 +8,12 @@
 2. ``tidal sft`` per seed builds a fresh tiny Qwen2 and warm-starts it (``runner.seed`` draws the
    model's initialisation and the order of the SFT examples; the byte-level BPE tokenizer is
    trained on the data, the same for every seed), scored greedily on the dev split.
-3. ``tidal train`` per seed and objective continues from that warm start for
-   ``--minutes`` (``runner.seed`` also seeds the prompt order and sampling), scored greedily on
-   the test split every ``runner.eval_interval`` steps; an objective is a preset of
-   ``examples/llm/presets/`` (its keys except ``runner``, over ``gsm8k_grpo.yaml``).
+3. ``tidal train`` per seed and objective continues from that warm start for ``--steps``
+   (``runner.seed`` also seeds the prompt order and sampling), scored greedily on the test split
+   every ``runner.eval_interval`` steps; an objective is a preset of ``examples/llm/presets/``
+   (its keys except ``runner``, over ``gsm8k_grpo.yaml``). The budget is a step count, not a
+   clock, so that a loaded machine runs the same recipe (1000 steps took 20 minutes alone on an
+   idle 2-core machine); ``--minutes`` adds a clock.
 
 Each finished step is kept (a warm start or a run already in ``--out`` is read, not redone), so
 an interrupted recipe continues. ``--jobs 2`` runs two jobs side by side (each on one thread).
@@ -87,7 +89,7 @@ def warm_start(out: Path, data: Path, seed: int, steps: int) -> dict:
     return result
 
 
-def reinforce(out: Path, data: Path, seed: int, objective: str, minutes: float) -> dict:
+def reinforce(out: Path, data: Path, seed: int, objective: str, budget: list[str]) -> dict:
     """One RL run from the seed's warm start (once: its printed summary marks it done), read
     back from its metrics."""
     name, run_dir = f"{objective}_s{seed}", out / "runs"
@@ -97,7 +99,7 @@ def reinforce(out: Path, data: Path, seed: int, objective: str, minutes: float) 
             "train", str(CONFIG), *COMMON, *preset_overrides(objective), f"runner.seed={seed}",
             f"data.path={data / 'train.jsonl'}", f"data.eval_path={data / 'test.parquet'}",
             f"model.path={out / 'models' / f's{seed}'}", f"runner.run_dir={run_dir}",
-            f"runner.experiment={name}", f"runner.max_minutes={minutes}",
+            f"runner.experiment={name}", *budget,
             log=out / f"{name}.log",
         )  # fmt: skip
         done.write_text(json.dumps(summary, indent=2))
@@ -128,8 +130,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=Path("runs/gsm8k"))
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--objectives", nargs="+", default=["grpo"], help="presets/<name>.yaml")
-    p.add_argument("--minutes", type=float, default=20.0, help="wall-clock budget of each RL run")
+    p.add_argument("--steps", type=int, default=1000, help="training steps of each RL run")
+    p.add_argument("--minutes", type=float, default=None, help="also stop each RL run after this")
     p.add_argument("--sft-steps", type=int, default=450, help="optimizer steps of each warm start")
+    p.add_argument("--train-overrides", nargs="*", default=[], help="key=value for each RL run")
     p.add_argument("--jobs", type=int, default=1, help="jobs side by side")
     args = p.parse_args(argv)
     for name in args.objectives:
@@ -145,7 +149,9 @@ def main(argv: list[str] | None = None) -> dict:
             )
         )
         plan = [(s, o) for o in args.objectives for s in args.seeds]
-        runs = list(pool.map(lambda so: reinforce(args.out, data, *so, args.minutes), plan))
+        budget = [f"runner.max_steps={args.steps}", f"runner.max_minutes={args.minutes or 'null'}"]
+        budget += args.train_overrides
+        runs = list(pool.map(lambda so: reinforce(args.out, data, *so, budget), plan))
     report = {
         "warm_start_dev": {s: r["held_out_accuracy"] for s, r in sft.items()},
         "runs": runs,
