@@ -236,5 +236,9 @@ def test_the_gsm8k_recipe_applies_each_objective_preset_over_the_demo(objective)
         if section != "runner":
             for key, value in keys.items():
                 assert getattr(getattr(cfg, section), key) == value, (section, key)
-    assert cfg.runner.experiment == "gsm8k_grpo" and cfg.sft.lr_schedule == "cosine"
+    assert (
+        cfg.runner.experiment == "gsm8k_grpo"
+        and cfg.sft.lr_schedule == "constant"
+        and cfg.sft.lr == 2e-3
+    )
     assert cfg.rollout.max_new_tokens == 32 and cfg.data.system_prompt is None
