@@ -242,7 +242,12 @@ class EmbodiedRunner(RunLoop):
                 c["rollout"], c["env"], c["actor"], c["reward"] if self.reward else None, timeout
             ),
             self.rollout.generate(
-                c["rollout"], c["env"], "train", timeout=timeout, weights_ch=weights_ch
+                c["rollout"],
+                c["env"],
+                "train",
+                timeout=timeout,
+                weights_ch=weights_ch,
+                policy_record=True,
             ),
         ]
         if self.reward is not None:
