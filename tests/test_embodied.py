@@ -181,6 +181,17 @@ def test_truncated_episode_is_bootstrapped_not_terminal():
     assert rec.rewards[-1].tolist() == [[1.0, 6.0], [1.0, 1.0], [1.0, 1.0]]
 
 
+def test_no_reward_channel_without_a_reward_group(tmp_path):
+    # unbound, a channel is a channel actor's process on ray: none for a group that is not there
+    cfg = load_config(
+        EmbodiedConfig,
+        EXAMPLES / "cartpole_ppo.yaml",
+        [f"runner.run_dir={tmp_path}", "runner.progress=false"],
+    )
+    with EmbodiedRunner(cfg) as runner:
+        assert set(runner.channels) == {"env", "rollout", "actor", "weights"}
+
+
 def test_policy_half_of_the_record_stays_with_the_rollout_until_the_epoch_ends():
     from tidal.data import ChunkActions
     from tidal.envs.recorder import PolicyRecorder
