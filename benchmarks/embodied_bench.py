@@ -1,15 +1,24 @@
 """Embodied benchmarks, each measured side by side in one run:
 
-collection  env steps/s of tidal's rollout collection (local and ray; pipeline stages 1
-            and 2) against a hand-written loop (gymnasium's vector env and two MLPs in one
-            process), their rounds alternating; the ratio is the median of the pairs'.
+collection  env steps/s of tidal's rollout collection in isolation (``generate_rollouts``
+            alone; local and ray; pipeline stages 1 and 2) against a hand-written loop
+            (gymnasium's vector env and two MLPs in one process: benchmarks/hand_loop.py),
+            their rounds alternating; the ratio is the median of the pairs'.
+train       what a training run pays: real training steps (``tidal train``'s loop, run
+            folder, loggers), each step's ``time/generate_rollouts`` from metrics.jsonl
+            against a hand-loop round run just before it; median over the steps after the
+            first. Printed beside ``collection``'s ratios when both run.
+scaleout    HalfCheetah-v5, 32 envs: tidal on ray with 2 env ranks feeding one rollout
+            rank against the hand loop on SyncVectorEnv and on AsyncVectorEnv (a process
+            per env), the three alternating round by round.
 pipeline    an env that costs about as much per step as policy inference: 2 pipeline
             stages against 1, beside the ideal speedup.
 solve       wall time to solve CartPole-v1 (deterministic eval >= 475) with tidal's demo
             config against the single-file PPO with the published defaults.
 
-  python benchmarks/embodied_bench.py [collection pipeline solve] [--seeds 3] [--envs 32 128]
-      [--backends local ray] [--stages 1 2] [--rounds 20]
+  python benchmarks/embodied_bench.py [collection train scaleout pipeline solve] [--seeds 3]
+      [--envs 32 128] [--backends local ray] [--stages 1 2] [--rounds 20] [--steps 12]
+      [--no-channel-actor] [--scaleout-configs NAME ...]
 """
 
 from __future__ import annotations
