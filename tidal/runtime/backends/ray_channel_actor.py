@@ -157,7 +157,7 @@ class ChannelActor:
 
     def _put_frames(self, key, weight: float, frames: list) -> None:
         """Kept as the producer's frames: never unpickled here, sent on as they came."""
-        self.store.put(key, [getattr(f, "buffer", f) for f in frames], weight)
+        self.store.put(key, [f.buffer for f in frames], weight)
 
     def _ask(self, request_id: int, reply_to: str, op: str, key, target, limit, frames) -> None:
         asyncio.get_running_loop().create_task(

@@ -29,7 +29,6 @@ import functools
 import io
 import itertools
 import logging
-import os
 import pickle
 import threading
 from collections import ChainMap
@@ -44,7 +43,6 @@ from tidal.runtime.serialization import tensor_from_payload, tensor_to_payload
 
 log = logging.getLogger(__name__)
 
-_SOCKETS = os.environ.get("TIDAL_RAY_PIPE") == "tcp"
 COPY_LIMIT_BYTES = 64 * 1024  # ZeroMQ copies small frames faster than it tracks them
 LINGER_MS = 5000  # how long an ending process may take to hand over what it put
 
@@ -233,11 +231,6 @@ class Replies:
                 fut.set_exception(error)
 
     def _open(self) -> None:
-        if _SOCKETS:
-            from tidal.runtime.backends.ray_sockets import SocketReplies
-
-            self.address = SocketReplies().open(lambda frames: self._resolve(*frames_split(frames)))
-            return
         import zmq
 
         sock, self.address = pull_socket(zmq.Context.instance())
@@ -248,22 +241,15 @@ class Replies:
     def _serve(self, sock) -> None:
         while True:
             label, *frames = sock.recv_multipart(copy=False)
-            self._resolve(label.buffer, frames)
-
-    def _resolve(self, label, frames: list) -> None:
-        call_id, *meta = pickle.loads(label)
-        with self._lock:
-            fut, _, decode = self._pending.pop(call_id, (None, None, None))
-        if fut is None or fut.done():
-            return  # its peer was declared dead first, or the caller gave up
-        try:
-            fut.set_result(decode(meta, frames))
-        except Exception as exc:
-            fut.set_exception(exc)
-
-
-def frames_split(frames: list) -> tuple:
-    return frames[0], frames[1:]
+            call_id, *meta = pickle.loads(label.buffer)
+            with self._lock:
+                fut, _, decode = self._pending.pop(call_id, (None, None, None))
+            if fut is None or fut.done():
+                continue  # its peer was declared dead first, or the caller gave up
+            try:
+                fut.set_result(decode(meta, frames))
+            except Exception as exc:
+                fut.set_exception(exc)
 
 
 class DeathWatch:
@@ -282,11 +268,6 @@ class DeathWatch:
         REPLIES.fail(self._peer, self.error)
 
 
-if _SOCKETS:  # EXPERIMENT: plain sockets instead of ZeroMQ (ray_sockets)
-    from tidal.runtime.backends.ray_sockets import SocketInbox, SocketOutboxes
-
-    INBOX, OUTBOXES = SocketInbox(), SocketOutboxes()
-else:
-    INBOX = Inbox()
-    OUTBOXES = Outboxes()
+INBOX = Inbox()
+OUTBOXES = Outboxes()
 REPLIES = Replies()
