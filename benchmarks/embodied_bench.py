@@ -1,15 +1,24 @@
 """Embodied benchmarks, each measured side by side in one run:
 
-collection  env steps/s of tidal's rollout collection (local and ray; pipeline stages 1
-            and 2) against a hand-written loop (gymnasium's vector env and two MLPs in one
-            process), their rounds alternating; the ratio is the median of the pairs'.
+collection  env steps/s of tidal's rollout collection in isolation (``generate_rollouts``
+            alone; local and ray; pipeline stages 1 and 2) against a hand-written loop
+            (gymnasium's vector env and two MLPs in one process: benchmarks/hand_loop.py),
+            their rounds alternating; the ratio is the median of the pairs'.
+train       what a training run pays: real training steps (``tidal train``'s loop, run
+            folder, loggers), each step's ``time/generate_rollouts`` from metrics.jsonl
+            against a hand-loop round run just before it; median over the steps after the
+            first. Printed beside ``collection``'s ratios when both run.
+scaleout    HalfCheetah-v5, 32 envs: tidal on ray with 2 env ranks feeding one rollout
+            rank against the hand loop on SyncVectorEnv and on AsyncVectorEnv (a process
+            per env), the three alternating round by round.
 pipeline    an env that costs about as much per step as policy inference: 2 pipeline
             stages against 1, beside the ideal speedup.
 solve       wall time to solve CartPole-v1 (deterministic eval >= 475) with tidal's demo
             config against the single-file PPO with the published defaults.
 
-  python benchmarks/embodied_bench.py [collection pipeline solve] [--seeds 3] [--envs 32 128]
-      [--backends local ray] [--stages 1 2] [--rounds 20]
+  python benchmarks/embodied_bench.py [collection train scaleout pipeline solve] [--seeds 3]
+      [--envs 32 128] [--backends local ray] [--stages 1 2] [--rounds 20] [--steps 12]
+      [--no-channel-actor] [--scaleout-configs NAME ...]
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import single_file_ppo  # noqa: E402
+from hand_loop import HandLoop, make_hand_loop  # noqa: E402
 
 from tidal.config import EmbodiedConfig, load_config  # noqa: E402
 from tidal.envs import register_env  # noqa: E402
@@ -64,13 +74,18 @@ class ChannelActorRunner(EmbodiedRunner):
 
 
 @contextmanager
-def tidal_runner(overrides: list[str], via_channel_actor: bool = False, warmup_s: float = 0.0):
+def tidal_runner(
+    overrides: list[str],
+    via_channel_actor: bool = False,
+    warmup_s: float = 0.0,
+    config: str = "cartpole_ppo.yaml",
+):
     """A CartPole demo runner with these overrides, after one ``generate_rollouts`` and then
     ``warmup_s`` seconds more of them (a fresh Ray cluster spends its first seconds starting
     idle worker processes, which compete for this machine's two cores)."""
     cfg = load_config(
         EmbodiedConfig,
-        EXAMPLES / "cartpole_ppo.yaml",
+        EXAMPLES / config,
         [f"runner.run_dir={RUN_DIR}", "runner.progress=false", *overrides],
     )
     runner = (ChannelActorRunner if via_channel_actor else EmbodiedRunner)(cfg)
@@ -94,40 +109,6 @@ def tidal_collection(overrides: list[str], rounds: int) -> float:
         return (runner.env_steps - before) / (time.perf_counter() - start)
 
 
-def make_hand_loop(num_envs: int, num_steps: int, hidden=(64, 64)) -> Callable[[], dict]:
-    """The loop a user writes by hand, CleanRL style, with none of tidal's classes: gymnasium's
-    ``SyncVectorEnv`` (its own autoreset), an actor and a critic MLP, a categorical policy, the
-    samples kept per step and stacked per round. Returns one round (``num_steps`` steps)."""
-    env_fns = [lambda: gym.make("CartPole-v1") for _ in range(num_envs)]
-    envs = gym.vector.SyncVectorEnv(env_fns)
-
-    def mlp(out: int) -> torch.nn.Sequential:
-        sizes, layers = (4, *hidden), []
-        for a, b in zip(sizes[:-1], sizes[1:]):
-            layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
-        return torch.nn.Sequential(*layers, torch.nn.Linear(sizes[-1], out))
-
-    actor, critic = mlp(2), mlp(1)
-    obs = torch.as_tensor(envs.reset(seed=0)[0])
-
-    def one_round():
-        nonlocal obs
-        store = {k: [] for k in ("obs", "actions", "logprobs", "values", "rewards", "dones")}
-        for _ in range(num_steps):
-            with torch.no_grad():
-                dist = torch.distributions.Categorical(logits=actor(obs))
-                action = dist.sample()
-                logprob, value = dist.log_prob(action), critic(obs).squeeze(-1)
-            next_obs, reward, term, trunc, _ = envs.step(action.numpy())
-            for k, v in zip(store, (obs, action, logprob, value, reward, term | trunc)):
-                store[k].append(v)
-            obs = torch.as_tensor(next_obs)
-        return {k: torch.stack([torch.as_tensor(x) for x in v], 1) for k, v in store.items()}
-
-    one_round()
-    return one_round
-
-
 def paired_rounds(hand_round: Callable, tidal_round: Callable, pairs: int) -> dict:
     """Seconds per round of each, alternating round by round, and the median of the per-pair
     ratios (hand time / tidal time): this machine's speed drifts by tens of percent from one
@@ -142,36 +123,24 @@ def paired_rounds(hand_round: Callable, tidal_round: Callable, pairs: int) -> di
     return {"hand_s": hand, "tidal_s": tidal, "ratio": statistics.median(ratios)}
 
 
-def bench_collection(rounds: int, envs: int, backends=("local", "ray"), stages=(1, 2)) -> dict:
+def bench_collection(
+    rounds: int, envs: int, backends=("local", "ray"), stages=(1, 2), channel_actor: bool = True
+) -> dict:
     """For each configuration, ``rounds`` rounds of tidal's collection (one
     ``generate_rollouts``: every env ``4096 / envs`` chunk steps) alternate with rounds of the
     hand loop. On ray, ``ray_stages*`` is the runner as it is (bound channels: ZeroMQ point to
     point) and ``ray_channel_actor_stages*`` sends every item through the channel actor."""
     steps = 4096 // envs
-    base = [
-        f"env.total_num_envs={envs}",
-        f"rollout.num_steps={steps}",
-        "actor.global_batch_size=512",
-        "actor.micro_batch_size=512",
-        "env.eval_num_envs=8",
-    ]
-    ray_base = base + [
-        "cluster.backend=ray",
-        "cluster.devices_per_node=3",
-        "cluster.placement={env: '0', rollout: '1', actor: '2'}",
-    ]
     configs = {}  # name: (overrides, via the channel actor, warm-up seconds)
-    for n in stages:
-        if "local" in backends:
-            configs[f"local_stages{n}"] = (base + ["cluster.backend=local"], False, 0.0)
-        if "ray" in backends:
-            configs[f"ray_stages{n}"] = (ray_base, False, RAY_WARMUP_S)
-            configs[f"ray_channel_actor_stages{n}"] = (ray_base, True, RAY_WARMUP_S)
+    for name, overrides in collection_configs(envs, backends, stages).items():
+        ray = name.startswith("ray")
+        configs[name] = (overrides, False, RAY_WARMUP_S if ray else 0.0)
+        if ray and channel_actor:
+            configs[name.replace("ray", "ray_channel_actor")] = (overrides, True, RAY_WARMUP_S)
     hand_round = make_hand_loop(envs, steps)
     out = {}
     for name, (overrides, via_actor, warmup_s) in configs.items():
-        n = int(name[-1])
-        with tidal_runner([*overrides, f"env.pipeline_stage_num={n}"], via_actor, warmup_s) as r:
+        with tidal_runner(overrides, via_actor, warmup_s) as r:
             pair = paired_rounds(hand_round, r.generate_rollouts, rounds)
         rate = lambda seconds: envs * steps / statistics.median(seconds)  # noqa: E731
         out[name] = {
@@ -186,7 +155,195 @@ def bench_collection(rounds: int, envs: int, backends=("local", "ray"), stages=(
             ),
             "rounds_s": {"hand": pair["hand_s"], "tidal": pair["tidal_s"]},
         }
-        print(name, envs, {k: v for k, v in out[name].items() if k != "rounds_s"}, flush=True)
+        print("collection", name, envs, _brief(out[name]), flush=True)
+    return out
+
+
+def collection_configs(envs: int, backends, stages) -> dict[str, list[str]]:
+    """The overrides of each configuration both collection modes measure (4,096 env steps per
+    round, the ranks of ray in three processes)."""
+    base = [
+        f"env.total_num_envs={envs}",
+        f"rollout.num_steps={4096 // envs}",
+        "actor.global_batch_size=512",
+        "actor.micro_batch_size=512",
+        "env.eval_num_envs=8",
+    ]
+    ray = [
+        "cluster.backend=ray",
+        "cluster.devices_per_node=3",
+        "cluster.placement={env: '0', rollout: '1', actor: '2'}",
+    ]
+    return {
+        f"{backend}_stages{n}": [
+            *base,
+            *(ray if backend == "ray" else ["cluster.backend=local"]),
+            f"env.pipeline_stage_num={n}",
+        ]
+        for n in stages
+        for backend in backends
+    }
+
+
+class PairedTrainRunner(EmbodiedRunner):
+    """The runner ``tidal train`` runs, with one round of the hand loop before each training
+    step (outside the step's timers): each step's ``time/generate_rollouts`` pairs with the
+    hand loop's round just before it."""
+
+    hand_round: Callable[[], dict]
+    hand_s: list[float]
+
+    def train_step(self, step: int) -> dict:
+        start = time.perf_counter()
+        self.hand_round()
+        self.hand_s.append(time.perf_counter() - start)
+        return super().train_step(step)
+
+
+def train_run(overrides: list[str], hand_round: Callable, steps: int) -> dict:
+    """``steps`` training steps as ``tidal train`` runs them (``run_with_restarts``, the run
+    folder, its loggers); each step's ``time/generate_rollouts`` from ``metrics.jsonl``
+    beside the hand loop's round before it."""
+    from tidal.runners.loop import run_with_restarts
+
+    cfg = load_config(
+        EmbodiedConfig,
+        EXAMPLES / "cartpole_ppo.yaml",
+        [
+            f"runner.run_dir={RUN_DIR}",
+            "runner.progress=false",
+            f"runner.max_steps={steps}",
+            "runner.eval_interval=0",
+            "runner.save_interval=0",
+            "runner.target_value=null",
+            *overrides,
+        ],
+    )
+    hand_s: list[float] = []
+
+    def make_runner(cfg, run_dir=None):
+        runner = PairedTrainRunner(cfg, run_dir)
+        runner.hand_round, runner.hand_s = hand_round, hand_s
+        return runner
+
+    summary = run_with_restarts(make_runner, cfg)
+    rows = [json.loads(line) for line in open(Path(summary["run_dir"]) / "metrics.jsonl")]
+    tidal_s = [row["time/generate_rollouts"] for row in rows if "time/generate_rollouts" in row]
+    return {"hand_s": hand_s, "tidal_s": tidal_s, "run_dir": summary["run_dir"]}
+
+
+def bench_train(steps: int, envs: int, backends=("local", "ray"), stages=(1, 2)) -> dict:
+    """What a training run pays for collection: ``steps`` real training steps per
+    configuration, each step's ``time/generate_rollouts`` (the batch ready on the actor)
+    against a round of the hand loop run just before it; the median of the per-step ratios
+    over the steps after the first."""
+    num_steps = 4096 // envs
+    hand_round = make_hand_loop(envs, num_steps)
+    out = {}
+    for name, overrides in collection_configs(envs, backends, stages).items():
+        run = train_run(overrides, hand_round, steps)
+        hand, tidal = run["hand_s"][1:], run["tidal_s"][1:]
+        rate = lambda seconds: envs * num_steps / statistics.median(seconds)  # noqa: E731
+        out[name] = {
+            "steps_per_s": rate(tidal),
+            "hand_loop_steps_per_s": rate(hand),
+            "ratio": statistics.median(h / t for h, t in zip(hand, tidal)),
+            "first_step_s": run["tidal_s"][0],
+            "rounds_s": {"hand": run["hand_s"], "tidal": run["tidal_s"]},
+        }
+        print("train", name, envs, _brief(out[name]), flush=True)
+    return out
+
+
+def _brief(row: dict) -> dict:
+    return {
+        k: round(v, 3) if isinstance(v, float) else v for k, v in row.items() if k != "rounds_s"
+    }
+
+
+def side_by_side(result: dict) -> str:
+    """A table of the ratios of every configuration the modes measured, one row each."""
+    modes = [m for m in ("collection", "train") if m in result]
+    lines = ["config  envs  " + "  ".join(f"{m:>10}" for m in modes)]
+    keys = {(envs, name) for m in modes for envs, rows in result[m].items() for name in rows}
+    for envs, name in sorted(keys):
+        cells = [result[m].get(envs, {}).get(name, {}).get("ratio") for m in modes]
+        text = "  ".join(f"{c:10.2f}" if c is not None else f"{'-':>10}" for c in cells)
+        lines.append(f"{name:<28}{envs:>5}  {text}")
+    return "\n".join(lines)
+
+
+SCALEOUT_ENVS, SCALEOUT_STEPS = 32, 64  # HalfCheetah-v5: 2,048 env steps per round
+SCALEOUT_BASE = [
+    f"env.total_num_envs={SCALEOUT_ENVS}",
+    f"rollout.num_steps={SCALEOUT_STEPS}",
+    "model.obs_norm=false",  # the hand loop's network: a 64x64 actor and critic, nothing else
+    "actor.global_batch_size=2048",
+    "actor.micro_batch_size=2048",
+    "env.eval_num_envs=2",
+    "cluster.backend=ray",
+]
+# name: overrides. Two env ranks feed one rollout rank; the actor only waits meanwhile.
+SCALEOUT_CONFIGS = {
+    "ray_2env_pinned_stages2": [
+        "cluster.devices_per_node=2",
+        "cluster.pin_cpus=true",
+        "cluster.placement={env: '0-1', rollout: '0', actor: '1'}",
+        "env.pipeline_stage_num=2",
+    ],
+    "ray_2env_stages2": [
+        "cluster.devices_per_node=3",
+        "cluster.placement={env: '0-1', rollout: '2', actor: '2'}",
+        "env.pipeline_stage_num=2",
+    ],
+    "ray_2env_stages1": [
+        "cluster.devices_per_node=3",
+        "cluster.placement={env: '0-1', rollout: '2', actor: '2'}",
+        "env.pipeline_stage_num=1",
+    ],
+}
+
+
+def halfcheetah_runner(overrides: list[str]):
+    return tidal_runner(
+        [*SCALEOUT_BASE, *overrides], warmup_s=RAY_WARMUP_S, config="halfcheetah_ppo.yaml"
+    )
+
+
+def bench_scaleout(rounds: int, names: list[str] | None = None) -> dict:
+    """Env scale-out on HalfCheetah-v5, 32 envs: tidal on ray with 2 env ranks feeding one
+    rollout rank, against the hand loop in one process with ``SyncVectorEnv`` and with
+    ``AsyncVectorEnv`` (its default: a process per env), the three alternating round by round;
+    the ratios are medians of the per-round ratios."""
+    sync = HandLoop(SCALEOUT_ENVS, SCALEOUT_STEPS, "HalfCheetah-v5", "sync")
+    asyn = HandLoop(SCALEOUT_ENVS, SCALEOUT_STEPS, "HalfCheetah-v5", "async")
+    steps = SCALEOUT_ENVS * SCALEOUT_STEPS
+    out = {}
+    try:
+        for name in names or list(SCALEOUT_CONFIGS):
+            with halfcheetah_runner(SCALEOUT_CONFIGS[name]) as runner:
+                times = {"sync": [], "async": [], "tidal": []}
+                for _ in range(rounds):
+                    for key, fn in (
+                        ("sync", sync),
+                        ("tidal", runner.generate_rollouts),
+                        ("async", asyn),
+                    ):
+                        start = time.perf_counter()
+                        fn()
+                        times[key].append(time.perf_counter() - start)
+            out[name] = {
+                **{f"{k}_steps_per_s": steps / statistics.median(v) for k, v in times.items()},
+                "vs_sync": statistics.median(s / t for s, t in zip(times["sync"], times["tidal"])),
+                "vs_async": statistics.median(
+                    a / t for a, t in zip(times["async"], times["tidal"])
+                ),
+                "rounds_s": times,
+            }
+            print("scaleout", name, _brief(out[name]), flush=True)
+    finally:
+        sync.close()
+        asyn.close()
     return out
 
 
@@ -268,7 +425,12 @@ def bench_solve(seeds: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("which", nargs="*", default=["collection", "pipeline", "solve"])
+    parser.add_argument(
+        "which",
+        nargs="*",
+        default=["collection", "pipeline", "solve"],
+        help="collection (isolated), train (in training runs), scaleout, pipeline, solve",
+    )
     parser.add_argument(
         "--rounds", type=int, default=20, help="rounds per configuration (collection: pairs)"
     )
@@ -282,6 +444,20 @@ def main() -> None:
     parser.add_argument(
         "--stages", type=int, nargs="+", default=[1, 2], help="collection: pipeline stages"
     )
+    parser.add_argument(
+        "--steps", type=int, default=12, help="train: training steps per configuration"
+    )
+    parser.add_argument(
+        "--no-channel-actor",
+        action="store_true",
+        help="collection: skip the ray runs through the channel actor",
+    )
+    parser.add_argument(
+        "--scaleout-configs",
+        nargs="+",
+        choices=list(SCALEOUT_CONFIGS),
+        help="scaleout: the tidal layouts to run (default: all)",
+    )
     parser.add_argument("--out", default="benchmarks/results/embodied_bench.json")
     args = parser.parse_args()
     torch.set_num_threads(
@@ -290,10 +466,19 @@ def main() -> None:
     result = {}
     if "collection" in args.which:
         result["collection"] = {
-            envs: bench_collection(args.rounds, envs, args.backends, args.stages)
+            envs: bench_collection(
+                args.rounds, envs, args.backends, args.stages, not args.no_channel_actor
+            )
             for envs in args.envs
         }
-        print("collection (env steps/s):", json.dumps(result["collection"], indent=2), flush=True)
+    if "train" in args.which:
+        result["train"] = {
+            envs: bench_train(args.steps, envs, args.backends, args.stages) for envs in args.envs
+        }
+    if "collection" in args.which or "train" in args.which:
+        print("ratios to the hand loop, side by side:\n" + side_by_side(result), flush=True)
+    if "scaleout" in args.which:
+        result["scaleout"] = bench_scaleout(args.rounds, args.scaleout_configs)
     if "pipeline" in args.which:
         result["pipeline"] = bench_pipeline(args.rounds)
         print("pipeline:", json.dumps(result["pipeline"], indent=2), flush=True)

@@ -181,6 +181,46 @@ def test_truncated_episode_is_bootstrapped_not_terminal():
     assert rec.rewards[-1].tolist() == [[1.0, 6.0], [1.0, 1.0], [1.0, 1.0]]
 
 
+def test_no_reward_channel_without_a_reward_group(tmp_path):
+    # unbound, a channel is a channel actor's process on ray: none for a group that is not there
+    cfg = load_config(
+        EmbodiedConfig,
+        EXAMPLES / "cartpole_ppo.yaml",
+        [f"runner.run_dir={tmp_path}", "runner.progress=false"],
+    )
+    with EmbodiedRunner(cfg) as runner:
+        assert set(runner.channels) == {"env", "rollout", "actor", "weights"}
+
+
+def test_policy_half_of_the_record_stays_with_the_rollout_until_the_epoch_ends():
+    from tidal.data import ChunkActions
+    from tidal.envs.recorder import PolicyRecorder
+
+    rec, steps, envs = PolicyRecorder(), 3, 2
+    for t in range(steps + 1):  # the last answer is the bootstrap step's
+        answer = rec.add(
+            ChunkActions(
+                env_actions=torch.full((envs, 1), t),
+                actions=torch.full((envs, 1), t),
+                logprobs=torch.full((envs, 1, 1), -t / 10),
+                values=torch.full((envs,), 10.0 * t),
+                final_values=torch.full((envs,), 0.5 * t),
+                forward_inputs={"obs": torch.full((envs, 4), float(t))},
+                version=torch.full((envs,), 7),
+            )
+        )
+        # what travels to the env each chunk step: what it steps with, and the bootstrap values
+        assert answer.actions is None and answer.logprobs is None and not answer.forward_inputs
+        assert answer.env_actions.tolist() == [[t]] * envs
+        assert answer.final_values.tolist() == [0.5 * t] * envs
+    record = rec.record()
+    assert record.actions[:, :, 0].tolist() == [[0, 1, 2]] * envs  # [B, T, ...]
+    assert record.values.tolist() == [[0.0, 10.0, 20.0, 30.0]] * envs  # [B, T + 1]
+    assert record.forward_inputs["obs"].shape == (envs, steps, 4)
+    assert record.bootstrap_inputs["obs"].tolist() == [[3.0] * 4] * envs
+    assert record.versions.shape == (envs, steps) and record.logprobs.shape == (envs, steps, 1, 1)
+
+
 @pytest.mark.ray
 def test_ray_backend_disaggregated_with_data_parallel_actor(tmp_path):
     summary = run(

@@ -32,15 +32,35 @@ class EnvOutput:
 class ChunkActions:
     """The rollout's answer for a batch of envs: an action chunk per env and what the actor
     needs later. ``logprobs`` are per action dimension ``[B, C, A]``; ``values`` ``[B]``;
-    ``final_values`` ``[B]`` the value of ``final_obs`` where the env asked for a bootstrap."""
+    ``final_values`` ``[B]`` the value of ``final_obs`` where the env asked for a bootstrap.
 
-    actions: torch.Tensor  # in the policy's own space (what the actor re-evaluates)
+    When the rollout keeps the policy's half of the record (``RolloutWorker.generate`` with
+    ``policy_record``) an answer carries only ``env_actions`` and ``final_values``: the rest
+    comes once per epoch, batch-first, as a ``PolicyRecord``."""
+
     env_actions: torch.Tensor  # as the env takes them, [B, C, ...]
+    actions: torch.Tensor | None = None  # in the policy's own space (what the actor re-evaluates)
     logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None
     final_values: torch.Tensor | None = None
     forward_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     version: torch.Tensor | None = None  # [B] policy version that chose the actions
+
+
+@dataclass(kw_only=True)
+class PolicyRecord:
+    """The policy's half of an epoch's ``Trajectory``, batch-first, kept by the rollout and
+    sent once: ``forward_inputs`` ``{name: [B, T, ...]}``, ``actions`` ``[B, T, C, ...]``,
+    ``logprobs`` ``[B, T, C, A]``, ``values`` ``[B, T + 1]`` (the last column bootstraps),
+    ``versions`` ``[B, T]``, ``bootstrap_inputs`` ``{name: [B, ...]}`` (the forward inputs of
+    the bootstrap step)."""
+
+    forward_inputs: dict[str, torch.Tensor]
+    actions: torch.Tensor
+    logprobs: torch.Tensor
+    values: torch.Tensor | None
+    versions: torch.Tensor
+    bootstrap_inputs: dict[str, torch.Tensor]
 
 
 @dataclass(kw_only=True)

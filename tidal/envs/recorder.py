@@ -1,28 +1,28 @@
 """Recording one pipeline stage's chunk steps of an epoch as the ``Trajectory`` the actor
-trains on."""
+trains on: the env side records what it stepped (``StageRecorder``), the rollout side what the
+policy chose (``PolicyRecorder``), and the env joins the two halves once per epoch. The policy's
+half never rides on the per-step answers: they carry only what the env steps with."""
 
 from __future__ import annotations
 
 import torch
 
-from tidal.data import ChunkActions, EnvOutput, Trajectory
+from tidal.data import ChunkActions, EnvOutput, PolicyRecord, Trajectory
+
+
+def _stack(xs: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(xs, 1)  # [B, T, ...]
 
 
 class StageRecorder:
-    """Collects one stage's chunk steps of an epoch and stacks them batch-first."""
+    """Collects one stage's env side of an epoch and stacks it batch-first."""
 
     def __init__(self, first_dones: torch.Tensor):
-        self.inputs, self.actions, self.logprobs, self.values, self.versions = [], [], [], [], []
         self.raw_obs, self.rewards = [], []
         self.terms, self.truncs, self.dones = [first_dones], [first_dones], [first_dones]
         self.last_bad = torch.full((first_dones.shape[0],), -1)  # last step with a non-finite value
-        self.bootstrap_inputs: dict[str, torch.Tensor] | None = None
 
-    def add_policy(self, act: ChunkActions, raw_obs: torch.Tensor) -> None:
-        self.inputs.append(act.forward_inputs)
-        self.actions.append(act.actions)
-        self.logprobs.append(act.logprobs)
-        self.versions.append(act.version)
+    def add_obs(self, raw_obs: torch.Tensor) -> None:
         self.raw_obs.append(raw_obs)
 
     def add_env(self, out: EnvOutput) -> None:
@@ -43,21 +43,47 @@ class StageRecorder:
         """Mask these envs' samples up to ``step``: their advantages depend on the bad value."""
         self.last_bad[bad] = step
 
-    def trajectory(self) -> Trajectory:
-        stack = lambda xs: torch.stack(xs, 1)  # noqa: E731  [B, T, ...]
-        keys = self.inputs[0].keys()
+    def trajectory(self, policy: PolicyRecord) -> Trajectory:
+        """This half joined with the rollout's ``policy`` half of the same envs and steps."""
         valid = torch.arange(len(self.rewards))[None, :] > self.last_bad[:, None]
         return Trajectory(
-            forward_inputs={k: stack([i[k] for i in self.inputs]) for k in keys},
-            actions=stack(self.actions),
-            prev_logprobs=stack(self.logprobs),
-            prev_values=stack(self.values) if self.values and self.values[0] is not None else None,
-            rewards=stack(self.rewards),
-            terminations=stack(self.terms),
-            truncations=stack(self.truncs),
-            dones=stack(self.dones),
-            raw_obs=stack(self.raw_obs),
-            versions=stack(self.versions),
+            forward_inputs=policy.forward_inputs,
+            actions=policy.actions,
+            prev_logprobs=policy.logprobs,
+            prev_values=policy.values,
+            rewards=_stack(self.rewards),
+            terminations=_stack(self.terms),
+            truncations=_stack(self.truncs),
+            dones=_stack(self.dones),
+            raw_obs=_stack(self.raw_obs),
+            versions=policy.versions,
             valid=valid,
-            bootstrap_inputs=self.bootstrap_inputs,
+            bootstrap_inputs=policy.bootstrap_inputs,
+        )
+
+
+class PolicyRecorder:
+    """The rollout's side of one stage's epoch: every answer's actions, log-probs, values,
+    forward inputs and version. The last answer of an epoch (the bootstrap step) contributes
+    only its value and its forward inputs."""
+
+    def __init__(self):
+        self.answers: list[ChunkActions] = []
+
+    def add(self, answer: ChunkActions) -> ChunkActions:
+        """Keep ``answer``; returns what the env needs of it (env actions, final values)."""
+        self.answers.append(answer)
+        return ChunkActions(env_actions=answer.env_actions, final_values=answer.final_values)
+
+    def record(self) -> PolicyRecord:
+        *steps, last = self.answers
+        keys = steps[0].forward_inputs.keys()
+        values = [a.values for a in self.answers]
+        return PolicyRecord(
+            forward_inputs={k: _stack([a.forward_inputs[k] for a in steps]) for k in keys},
+            actions=_stack([a.actions for a in steps]),
+            logprobs=_stack([a.logprobs for a in steps]),
+            values=_stack(values) if values[0] is not None else None,
+            versions=_stack([a.version for a in steps]),
+            bootstrap_inputs=last.forward_inputs,
         )

@@ -8,13 +8,20 @@ import math
 import torch
 
 from tidal.algorithms import advantage_spec
-from tidal.data import ChunkActions, EnvOutput
+from tidal.data import ChunkActions, EnvOutput, PolicyRecord
 from tidal.envs import ChunkedEnv
 from tidal.envs.rank_envs import EvaluationEnvs, TrainingEnvs
 from tidal.envs.recorder import StageRecorder
 from tidal.envs.seeds import evaluation_offset
 from tidal.runtime import Channel, ConfigSections, Outbox, Worker, async_recv_batch
-from tidal.workers.routes import TRAJECTORY_TAG, Topology, action_tag, obs_tag, reward_tags
+from tidal.workers.routes import (
+    TRAJECTORY_TAG,
+    Topology,
+    action_tag,
+    obs_tag,
+    policy_tag,
+    reward_tags,
+)
 
 
 class EnvWorker(Worker):
@@ -45,7 +52,9 @@ class EnvWorker(Worker):
         reward_ch: Channel | None = None,
         timeout: float = 600.0,
     ) -> dict:
-        """Step ``rollout.num_steps`` chunks per env, then send the trajectories to the actor."""
+        """Step ``rollout.num_steps`` chunks per env, then send the trajectories to the actor:
+        this rank's record of each stage joined with the rollout's half (``PolicyRecord``; the
+        rollout's ``generate`` runs with ``policy_record``)."""
         steps = self.cfg.rollout.num_steps
         outbox = Outbox()
         train = self.train_envs
@@ -60,11 +69,9 @@ class EnvWorker(Worker):
                 rec = recorders[s]
                 if t > 0 and act.final_values is not None:
                     rec.add_bootstrap(needs[s], act.final_values, self.gamma)
-                rec.values.append(act.values)
                 if t == steps:
-                    rec.bootstrap_inputs = act.forward_inputs
                     continue
-                rec.add_policy(act, train.obs[s])
+                rec.add_obs(train.obs[s])
                 out = await self._step(train.envs[s], act.env_actions.numpy())
                 where = f"training step {self.epoch + 1}, chunk step {t}"
                 bad = train.guards[s].check(out, ("obs", "final_obs", "rewards"), "env", where)
@@ -92,9 +99,10 @@ class EnvWorker(Worker):
                 )
         for s, rec in enumerate(recorders):
             train.last_dones[s] = rec.dones[-1]
+            policy = await self._recv_policy_record(env_ch, s, timeout)
             await outbox.send(
                 actor_ch,
-                rec.trajectory(),
+                rec.trajectory(policy),
                 self.rank * self.stages + s,
                 self.world_size * self.stages,
                 self.topo.actor,
@@ -190,6 +198,21 @@ class EnvWorker(Worker):
             self.world_size,
             self.topo.stage_batch(mode),
             tag=action_tag(mode, stage),
+            timeout=timeout,
+        )
+
+    async def _recv_policy_record(
+        self, env_ch: Channel, stage: int, timeout: float
+    ) -> PolicyRecord:
+        """The rollout's half of this stage's epoch (``RolloutWorker.generate`` with
+        ``policy_record``): the envs of this rank, from every rollout rank that served them."""
+        return await async_recv_batch(
+            env_ch,
+            self.rank,
+            self.topo.rollout,
+            self.world_size,
+            self.topo.stage_batch("train"),
+            tag=policy_tag(stage),
             timeout=timeout,
         )
 

@@ -9,6 +9,7 @@ import torch
 from tidal.checkpoint import rng_state, set_rng_state
 from tidal.config import EmbodiedConfig
 from tidal.data import ChunkActions, EnvOutput
+from tidal.envs.recorder import PolicyRecorder
 from tidal.models.factory import build_from_config
 from tidal.runtime import (
     Channel,
@@ -20,7 +21,7 @@ from tidal.runtime import (
 )
 from tidal.runtime.devices import to_host
 from tidal.runtime.weight_sync import WeightLinks, load_checked
-from tidal.workers.routes import Topology, action_tag, obs_tag
+from tidal.workers.routes import Topology, action_tag, obs_tag, policy_tag
 
 
 def make_policy(
@@ -77,12 +78,16 @@ class RolloutWorker(Worker, WeightLinks):
         timeout: float = 600.0,
         weights_ch: Channel | None = None,
         deterministic: bool | None = None,
+        policy_record: bool = False,
     ) -> int:
         """Answer ``num_steps`` chunk steps of every pipeline stage (train: ``rollout.num_steps``
         plus one whose values bootstrap the last step). With ``weights_ch`` (asynchronous runs)
         newer weights are taken between chunk steps; every answer carries its version. Eval
         acts by the mode of the policy unless ``deterministic`` (default
-        ``rollout.eval_deterministic``) is false."""
+        ``rollout.eval_deterministic``) is false. With ``policy_record`` (a training epoch
+        the env records as a ``Trajectory``) the answers carry only what the env steps with,
+        and each stage's ``PolicyRecord`` follows the last answer (one message per epoch
+        instead of seven tensors a chunk step)."""
         stages = self.topo.stages if mode == "train" else 1
         steps = self.cfg.rollout.num_steps + 1 if mode == "train" else num_steps
         if deterministic is None:
@@ -90,6 +95,7 @@ class RolloutWorker(Worker, WeightLinks):
         deterministic = mode == "eval" and deterministic
         batch = self.topo.stage_batch(mode)
         outbox = Outbox()
+        recorders = [PolicyRecorder() for _ in range(stages)] if policy_record else None
         for _ in range(steps):
             if weights_ch is not None:
                 await self.take_weights(weights_ch)
@@ -104,6 +110,8 @@ class RolloutWorker(Worker, WeightLinks):
                     timeout=timeout,
                 )
                 answer = self._act(out, deterministic, with_values=mode == "train")
+                if recorders is not None:
+                    answer = recorders[s].add(answer)
                 await outbox.send(
                     env_ch,
                     answer,
@@ -112,6 +120,10 @@ class RolloutWorker(Worker, WeightLinks):
                     self.topo.env,
                     tag=action_tag(mode, s),
                 )
+        for s, rec in enumerate(recorders or []):
+            await outbox.send(
+                env_ch, rec.record(), self.rank, self.world_size, self.topo.env, tag=policy_tag(s)
+            )
         await outbox.flush()
         return steps
 

@@ -1,7 +1,8 @@
 """Channel tags and routing shared by the embodied workers.
 
 env → rollout: per pipeline stage, the stage's envs redistributed from E env ranks to R
-rollout ranks (tag ``obs:<mode>:<stage>``); rollout → env: the way back (``act:...``);
+rollout ranks (tag ``obs:<mode>:<stage>``); rollout → env: the way back (``act:...``), and once per training epoch the policy's half of the
+stage's record (``policy:<stage>``, batch-first: routed like the answers);
 env → reward → env (``rew_in/rew_out``); env → actor: every (env rank, stage) is one source of
 ``E * S``, redistributed to A actor ranks (``traj``).
 """
@@ -32,6 +33,10 @@ def obs_tag(mode: str, stage: int) -> str:
 
 def action_tag(mode: str, stage: int) -> str:
     return f"act:{mode}:{stage}"
+
+
+def policy_tag(stage: int) -> str:
+    return f"policy:{stage}"
 
 
 def reward_tags(stage: int) -> tuple[str, str]:

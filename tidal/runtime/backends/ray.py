@@ -144,6 +144,10 @@ class RayBackend(Backend):
                 # are the job here. (A cluster started with `ray start`: RAY_worker_niceness=0.)
                 system = init_kwargs.setdefault("_system_config", {})
                 system.setdefault("worker_niceness", 0)
+                # Ray starts a worker per CPU for tasks at the first driver; every tidal rank
+                # has a runtime env of its own and so a process of its own: those would only
+                # take CPU beside the first steps
+                system.setdefault("prestart_worker_first_driver", False)
             ray.init(**init_kwargs)
             self._started_ray = True
         register_tensor_serializer()

@@ -1,0 +1,77 @@
+"""The collection loop a user writes by hand, CleanRL style, with none of tidal's classes: the
+baseline tidal's collection is measured against (``embodied_bench.py``).
+
+gymnasium's vector env (``SyncVectorEnv``, or ``AsyncVectorEnv``: a process per env) with its
+own autoreset, an actor and a critic MLP (64x64 tanh), a categorical or diagonal-Gaussian
+policy, the samples kept per step and stacked per round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import gymnasium as gym
+import torch
+
+VECTOR_ENVS = {"sync": gym.vector.SyncVectorEnv, "async": gym.vector.AsyncVectorEnv}
+
+
+def mlp(n_in: int, n_out: int, hidden=(64, 64)) -> torch.nn.Sequential:
+    sizes, layers = (n_in, *hidden), []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(sizes[-1], n_out))
+
+
+class HandLoop:
+    """``num_steps`` vector steps of ``num_envs`` copies of ``env_id`` per call; ``close()``
+    ends the vector env (an async one's processes)."""
+
+    def __init__(
+        self,
+        num_envs: int,
+        num_steps: int,
+        env_id: str = "CartPole-v1",
+        vector: str = "sync",
+        hidden=(64, 64),
+    ):
+        self.num_envs, self.num_steps = num_envs, num_steps
+        self.envs = VECTOR_ENVS[vector]([lambda: gym.make(env_id) for _ in range(num_envs)])
+        obs_dim = self.envs.single_observation_space.shape[0]
+        space = self.envs.single_action_space
+        self.discrete = isinstance(space, gym.spaces.Discrete)
+        out = int(space.n) if self.discrete else space.shape[0]
+        self.actor, self.critic = mlp(obs_dim, out, hidden), mlp(obs_dim, 1, hidden)
+        self.log_std = torch.zeros(out)
+        self.obs = torch.as_tensor(self.envs.reset(seed=0)[0], dtype=torch.float32)
+        self()  # warm up: the first round pays for lazy initialisation
+
+    def _dist(self, obs: torch.Tensor):
+        head = self.actor(obs)
+        if self.discrete:
+            return torch.distributions.Categorical(logits=head)
+        return torch.distributions.Normal(head, self.log_std.exp())
+
+    def __call__(self) -> dict:
+        store = {k: [] for k in ("obs", "actions", "logprobs", "values", "rewards", "dones")}
+        for _ in range(self.num_steps):
+            with torch.no_grad():
+                dist = self._dist(self.obs)
+                action = dist.sample()
+                logprob = dist.log_prob(action)
+                if not self.discrete:
+                    logprob = logprob.sum(-1)
+                value = self.critic(self.obs).squeeze(-1)
+            next_obs, reward, term, trunc, _ = self.envs.step(action.numpy())
+            for k, v in zip(store, (self.obs, action, logprob, value, reward, term | trunc)):
+                store[k].append(v)
+            self.obs = torch.as_tensor(next_obs, dtype=torch.float32)
+        return {k: torch.stack([torch.as_tensor(x) for x in v], 1) for k, v in store.items()}
+
+    def close(self) -> None:
+        self.envs.close()
+
+
+def make_hand_loop(num_envs: int, num_steps: int, hidden=(64, 64)) -> Callable[[], dict]:
+    """One CartPole round of the hand loop (what the isolated collection mode pairs with)."""
+    return HandLoop(num_envs, num_steps, hidden=hidden)
