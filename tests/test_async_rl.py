@@ -511,21 +511,23 @@ def test_data_parallel_trainer_takes_the_same_step_as_one_rank(arith_model):
     batch = _synthetic_batch(16, 12, vocab)
     cluster = Cluster("ray", devices_per_node=3, ray_init_kwargs={"num_cpus": 2})
     try:
-        # and KL to a reference model shaping the reward, with groups that straddle the ranks
-        # (each case starts three processes: token-mean is covered by the two cases that use it)
+        # KL to a reference model shaping the reward, with groups that straddle the ranks
+        # (token-mean), and LoRA adapters under DDP with the KL reference (in the loss) the base
+        # with them disabled (seq-mean-token-mean: per-sequence global counts); each case starts
+        # three processes, so each covers one aggregation
         cases = {
-            "seq-mean-token-mean": [],
-            "kl-in-reward": [
-                "algorithm.kl_coef=0.5",
-                "algorithm.kl_in=reward",
-                "rollout.group_size=8",
-                "rollout.batch_size=2",
-            ],
-            # LoRA adapters under DDP, the KL reference (in the loss) the base with them disabled
-            "lora": ["model.lora.rank=4", "algorithm.kl_coef=0.5"],
+            "kl-in-reward": (
+                "token-mean",
+                [
+                    "algorithm.kl_coef=0.5",
+                    "algorithm.kl_in=reward",
+                    "rollout.group_size=8",
+                    "rollout.batch_size=2",
+                ],
+            ),
+            "lora": ("seq-mean-token-mean", ["model.lora.rank=4", "algorithm.kl_coef=0.5"]),
         }
-        for agg, extra in cases.items():
-            loss_agg = "token-mean" if agg in ("kl-in-reward", "lora") else agg
+        for agg, (loss_agg, extra) in cases.items():
             cfg = _trainer_config(arith_model, loss_agg, "actor.max_tokens_per_mb=40", *extra)
             one = LLMActor.create_group(cfg).launch(cluster, "0", name=f"one-{agg}")
             two = LLMActor.create_group(cfg).launch(cluster, "1-2", name=f"two-{agg}")
