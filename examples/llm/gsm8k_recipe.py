@@ -48,8 +48,8 @@ def tidal(*args: str, log: Path) -> dict:
     cmd = [sys.executable, "-m", "tidal.cli", *args, "runner.progress=false"]
     with open(log, "w") as out:
         done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=out, text=True)
+        out.write(done.stdout)
     out_text = done.stdout
-    log.open("a").write(out_text)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[2:4])} failed ({done.returncode}): see {log}")
     return json.loads(out_text[out_text.index("{") :])
@@ -98,20 +98,21 @@ def warm_start(out: Path, data: Path, seed: int, steps: int, stages: int) -> dic
 
 
 def reinforce(out: Path, data: Path, seed: int, objective: str, budget: list[str]) -> dict:
-    """One RL run from the seed's warm start (once: its printed summary marks it done), read
-    back from its metrics."""
-    name, run_dir = f"{objective}_s{seed}", out / "runs"
+    """One RL run from the seed's warm start (once: its printed summary marks it done; an
+    interrupted one resumes from its newest checkpoint), read back from its metrics."""
+    name = f"{objective}_s{seed}"
     done = out / f"{name}.json"
     if not done.exists():
         summary = tidal(
             "train", str(CONFIG), *COMMON, *preset_overrides(objective), f"runner.seed={seed}",
             f"data.path={data / 'train.jsonl'}", f"data.eval_path={data / 'test.parquet'}",
-            f"model.path={out / 'models' / f's{seed}'}", f"runner.run_dir={run_dir}",
-            f"runner.experiment={name}", *budget,
+            f"model.path={out / 'models' / f's{seed}'}", f"runner.run_dir={out / 'runs'}",
+            f"runner.experiment={name}", "runner.resume_from=auto", *budget,
             log=out / f"{name}.log",
         )  # fmt: skip
         done.write_text(json.dumps(summary, indent=2))
-    return {"seed": seed, "objective": objective, **accuracy_curve(run_dir / name)}
+    run = Path(json.loads(done.read_text())["run_dir"])
+    return {"seed": seed, "objective": objective, **accuracy_curve(run)}
 
 
 def accuracy_curve(run: Path) -> dict:
@@ -151,15 +152,11 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     data = make_data(args.out)
     with ThreadPoolExecutor(args.jobs) as pool:
-        sft = dict(
-            zip(
-                args.seeds,
-                pool.map(
-                    lambda s: warm_start(args.out, data, s, args.sft_steps, args.sft_stages),
-                    args.seeds,
-                ),
-            )
-        )
+
+        def warm(seed: int) -> dict:
+            return warm_start(args.out, data, seed, args.sft_steps, args.sft_stages)
+
+        sft = dict(zip(args.seeds, pool.map(warm, args.seeds)))
         plan = [(s, o) for o in args.objectives for s in args.seeds]
         budget = [f"runner.max_steps={args.steps}", f"runner.max_minutes={args.minutes or 'null'}"]
         budget += args.train_overrides
