@@ -192,6 +192,16 @@ def test_pixels_need_an_adapter_that_renders():
         ),
         ("metaworld_reach_vla.yaml", ["sft.demos=0"], "sft.demos: must be >= 1"),
         ("metaworld_reach_vla.yaml", ["sft.action_noise=-1"], "sft.action_noise: must be >= 0"),
+        (
+            "metaworld_reach_vla.yaml",
+            ["sft.lr_schedule=step"],
+            "sft.lr_schedule: expected one of constant, linear, cosine",
+        ),
+        (
+            "metaworld_reach_vla.yaml",
+            ["sft.steps=10", "sft.warmup_steps=10"],
+            "sft.warmup_steps: must be >= 0 and < sft.steps (10)",
+        ),
     ],
 )
 def test_bad_sft_values_name_their_key(config, overrides, message, capsys):

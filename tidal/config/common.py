@@ -222,6 +222,23 @@ def resolve_algorithm(algorithm: AlgorithmConfig, max_staleness: int) -> None:
         algorithm.clip_ratio_high = high
 
 
+@dataclass
+class SFTSchedule:
+    """The warm start's learning-rate schedule, the same keys in both halves' ``sft``."""
+
+    lr_schedule: str = setting("constant", "constant | linear | cosine, over sft.steps")
+    warmup_steps: int = setting(0, "optimizer steps of linear warm-up")
+
+
+def validate_sft_schedule(sft) -> None:
+    one_of(sft.lr_schedule, LR_SCHEDULES, "sft.lr_schedule")
+    require(
+        0 <= sft.warmup_steps < sft.steps,
+        "sft.warmup_steps",
+        f"must be >= 0 and < sft.steps ({sft.steps}), got {sft.warmup_steps}",
+    )
+
+
 def one_of(value, allowed, key: str) -> None:
     require(value in allowed, key, f"expected one of {', '.join(map(str, allowed))}, got {value!r}")
 

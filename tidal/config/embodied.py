@@ -13,9 +13,11 @@ from tidal.config.common import (
     AlgorithmConfig,
     ClusterConfig,
     RunnerConfig,
+    SFTSchedule,
     one_of,
     resolve_algorithm,
     validate_common,
+    validate_sft_schedule,
 )
 from tidal.config.loader import require
 from tidal.config.lora import LoRAConfig, validate_lora
@@ -133,7 +135,7 @@ class ModelConfig:
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(SFTSchedule):
     """Behaviour cloning on scripted demonstrations (``tidal sft``; metaworld envs)."""
 
     demos: int = setting(10, "demonstrations per task")
@@ -408,3 +410,4 @@ def validate_sft(cfg: EmbodiedConfig) -> None:
         require(getattr(s, key) >= 1, f"sft.{key}", f"must be >= 1, got {getattr(s, key)}")
     require(s.lr > 0, "sft.lr", f"must be > 0, got {s.lr}")
     require(s.action_noise >= 0, "sft.action_noise", f"must be >= 0, got {s.action_noise}")
+    validate_sft_schedule(s)

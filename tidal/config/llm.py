@@ -8,14 +8,15 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from tidal.config.common import (
-    LR_SCHEDULES,
     ActorConfig,
     AlgorithmConfig,
     ClusterConfig,
     RunnerConfig,
+    SFTSchedule,
     one_of,
     resolve_algorithm,
     validate_common,
+    validate_sft_schedule,
 )
 from tidal.config.loader import require
 from tidal.config.lora import LoRAConfig, validate_lora
@@ -260,14 +261,12 @@ class LLMActorConfig(ActorConfig):
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(SFTSchedule):
     """``tidal sft``: supervised warm start."""
 
     steps: int = setting(600, "optimizer steps")
     batch_size: int = setting(64, "sequences per step")
     lr: float = setting(1e-3, "learning rate")
-    lr_schedule: str = setting("constant", "constant | linear | cosine, over sft.steps")
-    warmup_steps: int = setting(0, "optimizer steps of linear warm-up")
     eval_size: int = setting(256, "held-out problems scored at the end")
 
 
@@ -415,12 +414,7 @@ def validate_llm_sft(cfg: LLMConfig) -> None:
     for key in ("steps", "batch_size", "eval_size"):
         require(getattr(s, key) >= 1, f"sft.{key}", f"must be >= 1, got {getattr(s, key)}")
     require(s.lr > 0, "sft.lr", f"must be > 0, got {s.lr}")
-    one_of(s.lr_schedule, LR_SCHEDULES, "sft.lr_schedule")
-    require(
-        0 <= s.warmup_steps < s.steps,
-        "sft.warmup_steps",
-        f"must be >= 0 and < sft.steps ({s.steps}), got {s.warmup_steps}",
-    )
+    validate_sft_schedule(s)
 
 
 def validate_data(cfg: LLMConfig, sft: bool = False) -> None:

@@ -101,9 +101,10 @@ def collect_demos(cfg: EmbodiedConfig):
 
 def behaviour_clone(cfg: EmbodiedConfig, policy, demos) -> list[dict]:
     """``sft.steps`` optimizer steps through the train engine (``actor``'s optimizer settings,
-    ``sft.lr``, a constant schedule)."""
+    ``sft.lr`` and its schedule)."""
+    s = cfg.sft
     engine_cfg = dataclasses.replace(
-        cfg.actor, lr=cfg.sft.lr, lr_schedule="constant", warmup_steps=0
+        cfg.actor, lr=s.lr, lr_schedule=s.lr_schedule, warmup_steps=s.warmup_steps
     )
     engine = TrainEngine(policy, engine_cfg, cfg.sft.steps, name="sft")
     return train_bc(
