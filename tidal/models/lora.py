@@ -3,10 +3,12 @@
 :func:`apply_lora` freezes the base and wraps the model (``peft.get_peft_model``): only the
 adapters (and a policy's fully trained heads) require gradients, so the train engine gives only
 them optimizer state and checkpoints only them. :func:`reference_model` is the KL reference:
-the same model with its adapters disabled, no second copy of the base. :func:`rollout_state_dict`
+the same model with its adapters disabled, no second copy of the base. :func:`rollout_weights`
 is what the rollout loads: the base model's own names with ``B·A·alpha/r`` added out of place
-(the training model is never merged); ``tidal.checkpoint.checkpoint_weights`` rebuilds them from
-a checkpoint (``tidal eval --checkpoint``, ``tidal export``).
+(the training model is never merged), from the model's own state or, under ``fsdp2``, from the
+full tensors gathered from its shards (:func:`merged_weights`, one merge for both strategies);
+``tidal.checkpoint.checkpoint_weights`` rebuilds them from a checkpoint (``tidal eval
+--checkpoint``, ``tidal export``).
 """
 
 from __future__ import annotations
