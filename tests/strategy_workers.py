@@ -1,22 +1,46 @@
 """Engines under each actor.strategy for tests/test_strategies.py (importable by Ray workers).
 
 Every rank builds the same tiny models from one seed; ``train`` takes the global batches of
-every step and trains on this rank's rows, two micro-batches per optimizer step."""
+every step and trains on this rank's rows, two micro-batches per optimizer step; ``lora``: with
+LoRA adapters (PEFT) on the model, wrapped before the engine shards it."""
 
 import gymnasium as gym
 import numpy as np
 import torch
 
 from tidal.config.common import ActorConfig
+from tidal.config.lora import LoRAConfig
 from tidal.engine import TrainEngine
 from tidal.memory import state_bytes_counted
+from tidal.models.lora import (
+    apply_lora,
+    lora_meta,
+    reference_model,
+    rollout_weights,
+    save_pretrained_folder,
+)
 from tidal.runtime import Worker
 
 VOCAB, OBS_DIM, ACT_DIM = 40, 6, 2
 POISON = -1  # a step whose loss is NaN: the non-finite guard skips it
+LORA = LoRAConfig(rank=4, alpha=8)
 
 
-def build_model(kind: str) -> torch.nn.Module:
+def build_model(kind: str, lora: bool = False) -> torch.nn.Module:
+    model = build_base(kind)
+    if not lora:
+        return model
+    model = apply_lora(model, LORA, kind)
+    # adapters that start non-zero: both A and B train from the first step, at a scale that a
+    # relative comparison can read (from B = 0 they hold a few steps' updates, mostly noise-free
+    # but as small as Adam's reduction-order noise allows)
+    for name, p in model.named_parameters():
+        if ".lora_B." in name:
+            torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
+def build_base(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "lm":
         from tidal.inference.tiny import tiny_llama
@@ -59,9 +83,10 @@ def micro_loss(kind: str, parts: int):
     return loss_fn
 
 
-def actor_config(strategy: str, **kw) -> ActorConfig:
-    # a linear schedule and clipping that bites (the norms here are ~1-5)
-    return ActorConfig(lr=3e-3, lr_schedule="linear", max_grad_norm=0.5, strategy=strategy, **kw)
+def actor_config(strategy: str, lora: bool = False, **kw) -> ActorConfig:
+    # a linear schedule and clipping that bites (the norms here are ~1-5, the adapters' ~0.1-1)
+    clip = 0.05 if lora else 0.5
+    return ActorConfig(lr=3e-3, lr_schedule="linear", max_grad_norm=clip, strategy=strategy, **kw)
 
 
 def train_steps(
@@ -91,17 +116,30 @@ class EngineWorker(Worker):
         torch.set_num_threads(1)
         self.init_distributed()
 
-    def train(self, kind: str, strategy: str, steps: int, rows: int, poison_step=None, save=None):
+    def train(
+        self,
+        kind: str,
+        strategy: str,
+        steps: int,
+        rows: int,
+        poison_step=None,
+        save=None,
+        lora=False,
+        weights_folder=None,
+    ):
         """A fresh engine trained ``steps`` steps: each step's (loss, grad norm), the value of
         the batch after training (policies: a forward method besides forward), the whole
-        updated weights (rank 0), and the bytes this rank holds. ``save``: (step, path), a
-        checkpoint after that step."""
-        engine = TrainEngine(build_model(kind), actor_config(strategy), 10, distributed=True)
+        updated weights and the rollout's (merged under LoRA) on rank 0, and the bytes this
+        rank holds. ``save``: (step, path), a checkpoint after that step; ``weights_folder``:
+        the rollout's weights as a ``save_pretrained`` folder (what vLLM reloads) at the end."""
+        model = build_model(kind, lora)
+        engine = TrainEngine(model, actor_config(strategy, lora), 10, distributed=True)
         batches = make_batches(kind, steps, rows)
 
         def after_step(step):
             if save is not None and step == save[0]:
-                engine.save(save[1], {"step": step}, rank=self.rank)
+                meta = {"step": step, "lora": lora_meta(LORA if lora else LoRAConfig())}
+                engine.save(save[1], meta, rank=self.rank)
 
         history = train_steps(
             engine, kind, batches, self.rank, self.world_size, 2, poison_step, after_step
@@ -115,10 +153,20 @@ class EngineWorker(Worker):
         if kind == "vla":
             with torch.no_grad():
                 value = engine.model.value({"obs": batches[0]["obs"]})
+        rollout = rollout_weights(model, engine, self.rank)
+        rollout = None if rollout is None else dict(rollout)
+        if weights_folder is not None and rollout is not None:
+            save_pretrained_folder(model, weights_folder, rollout)
+        ref_loss = None
+        if lora:  # the KL reference: the same (sharded) model with its adapters disabled
+            with torch.no_grad():
+                ref_loss = micro_loss(kind, 1)(reference_model(model, True), batches[0])[0]
         return {
             "history": history,
             "value": value,
             "weights": engine.full_state_dict(self.rank),
+            "rollout": rollout,
+            "ref_loss": ref_loss,
             "bytes": held,
             "skipped": engine.skipped_steps,
         }

@@ -217,3 +217,16 @@ def test_an_unreachable_ray_address_is_named_within_the_connect_timeout(tmp_path
     )
     assert code == 2 and time.perf_counter() - start < 20
     assert "cluster.address: cannot reach a Ray cluster at '127.0.0.1:9'" in capsys.readouterr().err
+
+
+def test_lora_under_fsdp2_is_valid_and_the_lora_rules_still_hold():
+    from tidal.config.embodied import validate_embodied
+    from tidal.config.llm import LLMConfig, validate_llm
+
+    for schema, validate in ((EmbodiedConfig, validate_embodied), (LLMConfig, validate_llm)):
+        both = ["model.lora.rank=4", "actor.strategy=fsdp2"]
+        validate(load_config(schema, None, both))
+        with pytest.raises(ConfigError, match=r"^model.lora.alpha: must be > 0, got 0"):
+            validate(load_config(schema, None, [*both, "model.lora.alpha=0"]))
+        with pytest.raises(ConfigError, match=r"^model.lora.rank: must be >= 0"):
+            validate(load_config(schema, None, [*both, "model.lora.rank=-1"]))

@@ -1,5 +1,5 @@
-"""actor.strategy: DDP and FSDP2 take the same steps on the same batches (2 ranks on ray), FSDP2's
-sharded checkpoints resume on another world size and survive a crash mid-save, the memory plan
+"""actor.strategy: DDP and FSDP2 take the same steps on the same batches (2 ranks on ray), with
+LoRA adapters too (the same merged rollout weights), FSDP2's sharded checkpoints resume on another world size and survive a crash mid-save, the memory plan
 matches the tensors, and bad input is a config error naming the key."""
 
 import json
@@ -8,38 +8,62 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from strategy_workers import EngineWorker, actor_config, build_model, make_batches, train_steps
+import torch.distributed.checkpoint as dcp
+from strategy_workers import (
+    LORA,
+    EngineWorker,
+    actor_config,
+    build_model,
+    make_batches,
+    micro_loss,
+    train_steps,
+)
 
-from tidal.checkpoint import load_checkpoint, resolve_checkpoint
+from tidal.checkpoint import (
+    checkpoint_weights,
+    load_checkpoint,
+    load_model_state,
+    resolve_checkpoint,
+)
 from tidal.config import ConfigError, EmbodiedConfig, load_config
 from tidal.engine import TrainEngine
 from tidal.memory import plan
+from tidal.models.lora import rollout_weights
 from tidal.runtime import Cluster
 from tidal.strategies import STRATEGIES
 
 STEPS, ROWS = 4, 8  # global rows per step: 4 per rank, 2 micro-batches of 2
+CASES = [("lm", False), ("vla", False), ("lm", True), ("vla", True)]  # (model, LoRA)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """One Ray session, one group of 2 ranks: every model under both strategies (a NaN loss at
-    step 1, skipped), and an FSDP2 checkpoint of the LM after step 2."""
+    """One Ray session, one group of 2 ranks: every model, with and without LoRA, under both
+    strategies (a NaN loss at step 1, skipped), and FSDP2 checkpoints of the LM (full, and its
+    adapters) after step 2."""
     folder = tmp_path_factory.mktemp("strategies")
     cluster = Cluster("ray", devices_per_node=2, ray_init_kwargs={"num_cpus": 2})
     try:
         group = EngineWorker.create_group().launch(cluster, 2, name="engines")
         out = {}
-        for kind in ("lm", "vla"):
+        for kind, lora in CASES:
             for strategy in ("ddp", "fsdp2"):
-                save = (
-                    (2, str(folder / "ck" / "step_000002"))
-                    if (kind, strategy) == ("lm", "fsdp2")
-                    else None
-                )
-                out[kind, strategy] = group.train(
-                    kind, strategy, STEPS, ROWS, poison_step=1, save=save
+                ck = folder / ("ck-lora" if lora else "ck")
+                lm_fsdp2 = (kind, strategy) == ("lm", "fsdp2")
+                save = (2, str(ck / "step_000002")) if lm_fsdp2 else None
+                weights = str(folder / "weights") if lm_fsdp2 and lora else None
+                out[kind, strategy, lora] = group.train(
+                    kind,
+                    strategy,
+                    STEPS,
+                    ROWS,
+                    poison_step=1,
+                    save=save,
+                    lora=lora,
+                    weights_folder=weights,
                 ).wait(120)
-        out["checkpoints"] = folder / "ck"
+        out["checkpoints"], out["checkpoints-lora"] = folder / "ck", folder / "ck-lora"
+        out["weights-folder"] = folder / "weights"
         yield out
     finally:
         cluster.shutdown()
@@ -58,9 +82,9 @@ def assert_close_relative(a: torch.Tensor, b: torch.Tensor, what: str, tol=1e-5)
     assert ((a - b).abs().max() / scale).item() <= tol, what
 
 
-@pytest.mark.parametrize("kind", ["lm", "vla"])
-def test_ddp_and_fsdp2_take_the_same_steps(results, kind):
-    ddp, fsdp = results[kind, "ddp"], results[kind, "fsdp2"]
+@pytest.mark.parametrize(("kind", "lora"), CASES)
+def test_ddp_and_fsdp2_take_the_same_steps(results, kind, lora):
+    ddp, fsdp = results[kind, "ddp", lora], results[kind, "fsdp2", lora]
     # every rank reports the same (reduced) losses and norms; the NaN step skipped on both
     for rank in (0, 1):
         assert fsdp[rank]["skipped"] == ddp[rank]["skipped"] == 1
@@ -68,25 +92,53 @@ def test_ddp_and_fsdp2_take_the_same_steps(results, kind):
             torch.testing.assert_close(
                 torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=0, equal_nan=True
             )
-    assert min(n for _, n in ddp[0]["history"] if n == n) > 0.5  # clipping was active
-    weights_ddp, weights_fsdp = ddp[0]["weights"], fsdp[0]["weights"]
-    assert fsdp[1]["weights"] is None and set(weights_ddp) == set(weights_fsdp)
-    for k in weights_ddp:
-        assert weights_fsdp[k].dtype == weights_ddp[k].dtype
-        assert_close_relative(weights_ddp[k], weights_fsdp[k], k)
+    clip = actor_config("ddp", lora).max_grad_norm
+    assert min(n for _, n in ddp[0]["history"] if n == n) > clip  # clipping was active
+    # the whole updated weights (under LoRA: the adapters and the frozen base) and the
+    # rollout's (merged under LoRA, in the base model's names)
+    for part in ("weights", "rollout"):
+        weights_ddp, weights_fsdp = ddp[0][part], fsdp[0][part]
+        assert fsdp[1][part] is None and set(weights_ddp) == set(weights_fsdp)
+        for k in weights_ddp:
+            assert weights_fsdp[k].dtype == weights_ddp[k].dtype
+            assert_close_relative(weights_ddp[k], weights_fsdp[k], f"{part}: {k}")
     if kind == "vla":  # a forward method besides forward gathers its parameters too
         assert_close_relative(ddp[0]["value"], fsdp[0]["value"], "value")
-    before = build_model(kind).state_dict()
-    assert any(not torch.equal(before[k], weights_ddp[k]) for k in before)
+    before = build_model(kind, lora).state_dict()
+    assert any(not torch.equal(before[k], ddp[0]["weights"][k]) for k in before)
+    base = build_model(kind)
+    assert set(ddp[0]["rollout"]) == set(base.state_dict())
+    if lora:
+        assert_lora_steps(kind, ddp, fsdp, base)
 
 
-@pytest.mark.parametrize("kind", ["lm", "vla"])
-def test_memory_plan_matches_the_tensors_and_fsdp2_halves_it(results, kind):
+def assert_lora_steps(kind, ddp, fsdp, base):
+    """Only the adapters (and a policy's heads) moved; the merged weights are PEFT's own merge;
+    the reference under both strategies is the base model."""
+    model = build_model(kind, lora=True)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    before = model.state_dict()
+    for k, v in ddp[0]["weights"].items():
+        assert k in trained or torch.equal(v, before[k]), k
+    model.load_state_dict(fsdp[0]["weights"])
+    merged = model.merge_and_unload().state_dict()
+    for k, v in fsdp[0]["rollout"].items():
+        assert_close_relative(merged[k], v, k, tol=1e-6)
+    assert any(not torch.equal(v, base.state_dict()[k]) for k, v in merged.items())
+    with torch.no_grad():
+        base_loss = micro_loss(kind, 1)(base, make_batches(kind, 1, ROWS)[0])[0]
+    for rank in (0, 1):
+        for out in (ddp, fsdp):
+            torch.testing.assert_close(out[rank]["ref_loss"], base_loss, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(("kind", "lora"), CASES)
+def test_memory_plan_matches_the_tensors_and_fsdp2_halves_it(results, kind, lora):
     with torch.device("meta"):
-        model = build_model(kind)
+        model = build_model(kind, lora)
     for strategy in ("ddp", "fsdp2"):
         expected = plan(model, actor_config(strategy), 2)
-        counted = [r["bytes"] for r in results[kind, strategy]]
+        counted = [r["bytes"] for r in results[kind, strategy, lora]]
         ranks = 1 if strategy == "ddp" else 2  # a DDP rank holds it all, FSDP2's hold halves
         for key, planned in (
             ("params", expected.param_bytes),
@@ -95,9 +147,9 @@ def test_memory_plan_matches_the_tensors_and_fsdp2_halves_it(results, kind):
         ):
             total = sum(c[key] for c in counted[:ranks])
             assert abs(total - planned * ranks) <= 4 * ranks, (strategy, key, total, planned)
-    ddp = sum(results[kind, "ddp"][0]["bytes"].values())
-    fsdp = max(sum(r["bytes"].values()) for r in results[kind, "fsdp2"])
-    assert fsdp <= 0.55 * ddp
+    ddp = sum(results[kind, "ddp", lora][0]["bytes"].values())
+    fsdp = max(sum(r["bytes"].values()) for r in results[kind, "fsdp2", lora])
+    assert fsdp <= 0.55 * ddp  # under LoRA too: the frozen base is sharded
 
 
 def test_fsdp2_checkpoint_resumes_on_one_rank(results, single_process_group):
@@ -114,9 +166,51 @@ def test_fsdp2_checkpoint_resumes_on_one_rank(results, single_process_group):
         assert torch.equal(full[k], v), k
     batches = make_batches("lm", STEPS, ROWS)[2:]
     train_steps(engine, "lm", batches, rank=0, world=1, micro_per_rank=4)
-    expected = results["lm", "fsdp2"][0]["weights"]
+    expected = results["lm", "fsdp2", False][0]["weights"]
     for k, v in engine.full_state_dict().items():
         assert_close_relative(expected[k], v, k)
+
+
+def test_the_reloaded_weights_folder_of_an_fsdp2_lora_run_is_merged(results):
+    """What the actor writes for vLLM to reload: a Hugging Face folder of the merged weights."""
+    from transformers import AutoModelForCausalLM
+
+    folder = results["weights-folder"]
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).state_dict()
+    rollout = results["lm", "fsdp2", True][0]["rollout"]
+    assert set(reloaded) == set(rollout)
+    for k, v in rollout.items():
+        assert torch.equal(reloaded[k], v), k
+
+
+def test_an_fsdp2_lora_checkpoint_holds_the_adapters_and_resumes_on_one_rank(
+    results, single_process_group
+):
+    """The 2-rank FSDP2 LoRA run's checkpoint after step 2: adapters and their Adam moments only;
+    resumed by 1 rank, steps 3 and 4 give the run's weights; tidal export's loader merges it."""
+    folder = resolve_checkpoint(results["checkpoints-lora"])
+    model = build_model("lm", lora=True)
+    adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters)
+    assert set(load_model_state(folder)) == adapters
+    saved = dcp.FileSystemReader(str(folder / "shards")).read_metadata().state_dict_metadata
+    moments = {k for k in saved if k.startswith("optimizer.state.")}
+    assert moments == {
+        f"optimizer.state.{n}.{m}" for n in adapters for m in ("exp_avg", "exp_avg_sq", "step")
+    }
+    engine = TrainEngine(model, actor_config("fsdp2", lora=True), 10)
+    assert engine.load(folder)["step"] == 2
+    exported = checkpoint_weights(build_model("lm"), folder, LORA)
+    for k, v in rollout_weights(model, engine, 0):
+        assert torch.equal(exported[k], v), k
+    train_steps(
+        engine, "lm", make_batches("lm", STEPS, ROWS)[2:], rank=0, world=1, micro_per_rank=4
+    )
+    expected = results["lm", "fsdp2", True][0]
+    for k, v in engine.full_state_dict().items():
+        assert_close_relative(expected["weights"][k], v, k)
+    for k, v in rollout_weights(model, engine, 0):
+        assert_close_relative(expected["rollout"][k], v, k)
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint(

@@ -186,9 +186,13 @@ class FSDP2Strategy(Strategy):
         return state if rank == 0 else None
 
     def checkpoint_state(self, model: nn.Module, optimizer) -> dict[str, Any]:
+        """The trained state only: frozen parameters (a LoRA run's base) are rebuilt from the
+        config, as under DDP."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = get_state_dict(
+            model, optimizer, options=_checkpoint_options(model)
+        )
         return {"model": model_state, "optimizer": optim_state}
 
     def save(self, model, optimizer, path: Path, state: dict, meta: dict, extra, rank: int):
@@ -227,8 +231,17 @@ class FSDP2Strategy(Strategy):
             optimizer,
             model_state_dict=current["model"],
             optim_state_dict=current["optimizer"],
+            options=_checkpoint_options(model),
         )
         return state, meta
+
+
+def _checkpoint_options(model: nn.Module):
+    """Frozen parameters left out; a load is strict unless some are (the keys were checked)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
 
 
 def make_strategy(cfg, distributed: bool) -> Strategy:

@@ -252,7 +252,7 @@ def validate_embodied(cfg: EmbodiedConfig) -> None:
     """The rules between keys of an embodied config (no registry, env or placement needed)."""
     env, alg, act = cfg.env, cfg.algorithm, cfg.actor
     validate_common(cfg.cluster, cfg.runner, act, alg)
-    validate_lora(cfg.model.lora, cfg.actor.strategy)
+    validate_lora(cfg.model.lora)
     validate_offpolicy(cfg)
     one_of(cfg.model.activation, ("tanh", "relu", "gelu"), "model.activation")
     one_of(env.vectorization_mode, ("sync", "async"), "env.vectorization_mode")

@@ -311,7 +311,7 @@ def validate_llm(cfg: LLMConfig) -> None:
     """The rules between keys of a language config (no registry, file or placement needed)."""
     a, alg, r = cfg.actor, cfg.algorithm, cfg.rollout
     validate_common(cfg.cluster, cfg.runner, a, alg)
-    validate_lora(cfg.model.lora, cfg.actor.strategy)
+    validate_lora(cfg.model.lora)
     one_of(
         alg.prox_logp_method, ("recompute", "loglinear", "metrics"), "algorithm.prox_logp_method"
     )

@@ -26,15 +26,8 @@ class LoRAConfig:
     )
 
 
-def validate_lora(lora: LoRAConfig, strategy: str = "ddp") -> None:
-    """The section's rules (which modules exist is the preflight's: it needs the model);
-    ``strategy``: the config's ``actor.strategy``."""
-    require(
-        lora.rank == 0 or strategy != "fsdp2",
-        "model.lora.rank",
-        "LoRA is not supported with actor.strategy=fsdp2 yet (its merged weights for the rollout "
-        "are taken from the unsharded model): use actor.strategy=ddp, or model.lora.rank=0",
-    )
+def validate_lora(lora: LoRAConfig) -> None:
+    """The section's rules (which modules exist is the preflight's: it needs the model)."""
     require(lora.rank >= 0, "model.lora.rank", f"must be >= 0 (0: off), got {lora.rank}")
     require(lora.alpha > 0, "model.lora.alpha", f"must be > 0, got {lora.alpha}")
     require(0 <= lora.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {lora.dropout}")

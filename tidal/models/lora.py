@@ -3,10 +3,12 @@
 :func:`apply_lora` freezes the base and wraps the model (``peft.get_peft_model``): only the
 adapters (and a policy's fully trained heads) require gradients, so the train engine gives only
 them optimizer state and checkpoints only them. :func:`reference_model` is the KL reference:
-the same model with its adapters disabled, no second copy of the base. :func:`rollout_state_dict`
+the same model with its adapters disabled, no second copy of the base. :func:`rollout_weights`
 is what the rollout loads: the base model's own names with ``B·A·alpha/r`` added out of place
-(the training model is never merged); ``tidal.checkpoint.checkpoint_weights`` rebuilds them from
-a checkpoint (``tidal eval --checkpoint``, ``tidal export``).
+(the training model is never merged), from the model's own state or, under ``fsdp2``, from the
+full tensors gathered from its shards (:func:`merged_weights`, one merge for both strategies);
+``tidal.checkpoint.checkpoint_weights`` rebuilds them from a checkpoint (``tidal eval
+--checkpoint``, ``tidal export``).
 """
 
 from __future__ import annotations
@@ -184,25 +186,40 @@ def _is_peft_only(key: str) -> bool:
 
 
 @torch.no_grad()
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The base model's state dict (its own names) with every adapter's ``B·A·alpha/r`` added,
-    computed out of place: the LoRA model keeps its separate adapters."""
+def merged_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base model's weights in its own names with every adapter's ``B·A·alpha/r`` added,
+    from ``state``: the LoRA ``model``'s whole state dict, its own tensors or full ones gathered
+    from FSDP2's shards (``model`` gives only each adapter's scaling). Computed out of place:
+    the LoRA model keeps its separate adapters. The product is taken in fp32, as PEFT's
+    ``get_delta_weight`` does on the CPU."""
     from peft.tuners.lora import LoraLayer
+    from peft.utils import transpose
 
     base = model.get_base_model()
-    deltas = {
-        f"{name}.base_layer.weight": module.get_delta_weight(ADAPTER)
+    prefix = next(name for name, m in model.named_modules() if m is base) + "."
+    adapted = {
+        f"{prefix}{name}": module
         for name, module in base.named_modules()
         if isinstance(module, LoraLayer) and ADAPTER in module.lora_A
     }
     out = {}
-    for key, value in base.state_dict().items():
+    for key, value in state.items():
         if _is_peft_only(key):
             continue
-        if key in deltas:
-            value = value + deltas[key].to(value.dtype)
-        out[base_name(key)] = value
+        layer = key.removesuffix(".base_layer.weight")
+        if layer in adapted:
+            lora_b = state[f"{layer}.lora_B.{ADAPTER}.weight"].float()
+            lora_a = state[f"{layer}.lora_A.{ADAPTER}.weight"].float()
+            module = adapted[layer]
+            delta = transpose(lora_b @ lora_a, module.fan_in_fan_out) * module.scaling[ADAPTER]
+            value = value + delta.to(value.dtype)
+        out[base_name(key.removeprefix(prefix))] = value
     return out
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The merged weights of an unsharded LoRA model (:func:`merged_weights` of its own state)."""
+    return merged_weights(model, model.state_dict())
 
 
 def rollout_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -212,22 +229,21 @@ def rollout_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def rollout_weights(model: nn.Module, engine, rank: int):
     """The ``(name, tensor)`` pairs the rollout takes, on rank 0 (None elsewhere; every rank
-    calls it): merged adapters under LoRA (refused under fsdp2), else the engine's whole model,
-    gathered from the shards under a sharded strategy."""
-    if is_lora(model):
-        return rollout_state_dict(model).items() if rank == 0 else None
+    calls it): the engine's whole model, gathered from the shards under a sharded strategy,
+    with the adapters merged under LoRA (in the base model's names, as for an unsharded one)."""
     state = engine.full_state_dict(rank)
-    return None if state is None else state.items()
+    if state is None:
+        return None
+    return (merged_weights(model, state) if is_lora(model) else state).items()
 
 
-def save_pretrained_folder(model: nn.Module, folder) -> None:
-    """A ``save_pretrained`` safetensors folder of a causal LM's weights (merged under LoRA)."""
-    if is_lora(model):
-        model.get_base_model().save_pretrained(
-            folder, state_dict=merged_state_dict(model), safe_serialization=True
-        )
-    else:
-        model.save_pretrained(folder, safe_serialization=True)
+def save_pretrained_folder(model: nn.Module, folder, weights=None) -> None:
+    """A ``save_pretrained`` safetensors folder of a causal LM's weights: ``weights`` (e.g. the
+    rollout's, gathered on rank 0), by default the model's own (merged under LoRA)."""
+    weights = rollout_state_dict(model) if weights is None else weights
+    base = model.get_base_model() if is_lora(model) else model
+    # a copy: save_pretrained empties the dict it is given
+    base.save_pretrained(folder, state_dict=dict(weights), safe_serialization=True)
 
 
 def lora_meta(lora: LoRAConfig) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from tidal.engine import TrainEngine
 from tidal.models.llm import load_causal_lm
 from tidal.models.lora import (
     apply_lora,
-    is_lora,
     lora_meta,
     reference_model,
     rollout_weights,
@@ -106,13 +105,9 @@ class LLMActor(Worker, WeightLinks):
     def save_weights_folder(self, folder: str) -> int:
         """The weights as a ``save_pretrained`` safetensors folder (for servers that reload from
         disk, e.g. vLLM), merged under LoRA; returns their version."""
-        if is_lora(self.model):  # LoRA runs are refused under fsdp2
-            if self.rank == 0:
-                save_pretrained_folder(self.model, folder)
-            return self.version
-        weights = self.engine.full_state_dict(self.rank)
+        weights = self.weight_tensors()  # gathered from the shards under fsdp2
         if self.rank == 0:
-            self.model.save_pretrained(folder, state_dict=weights, safe_serialization=True)
+            save_pretrained_folder(self.model, folder, dict(weights))
         return self.version
 
     def offload_engine(self) -> int:
