@@ -3,6 +3,15 @@ import pytest
 from tidal.runtime import Cluster
 
 
+@pytest.fixture(scope="module")
+def ray_session():
+    """One Ray session for a module's runs, started as tidal starts its own: tidal's runs and
+    clusters reuse a session they find (and leave it up), and starting one costs 7-15 s on two
+    cores. Module-scoped, so no later module finds a session it did not ask for."""
+    with Cluster("ray", ray_init_kwargs={"num_cpus": 2}):
+        yield
+
+
 @pytest.fixture(scope="module", params=["local", "ray"])
 def cluster(request):
     """One cluster per backend per module (one Ray session for the whole module)."""
@@ -17,11 +26,34 @@ def pytest_configure(config):
     )
 
 
+# The modules that start Ray clusters: under pytest-xdist (`make test` runs two workers) they
+# share one worker, one after the other, so that two Ray clusters never split two cores.
+RAY_MODULES = {
+    "test_agent_command",
+    "test_async_embodied",
+    "test_async_rl",
+    "test_embodied",
+    "test_gpu",
+    "test_runtime",
+    "test_runtime_ray",
+    "test_sac",
+    "test_strategies",
+}
+
+
+def _group(item) -> str:
+    module = item.module.__name__.rpartition(".")[2]
+    return "ray" if module in RAY_MODULES or item.get_closest_marker("ray") else module
+
+
 def pytest_collection_modifyitems(config, items):
-    """Without CUDA the ``gpu`` tests are deselected, and the summary says how many and why
-    (never a silent skip)."""
+    """Each module is one xdist group (its module fixtures are built once), the Ray modules one
+    group together. Without CUDA the ``gpu`` tests are deselected, and the summary says how
+    many and why (never a silent skip)."""
     import torch
 
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
     if torch.cuda.is_available():
         return
     gpu = [item for item in items if item.get_closest_marker("gpu")]
@@ -29,6 +61,14 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=gpu)
         items[:] = [item for item in items if not item.get_closest_marker("gpu")]
         config._tidal_gpu_deselected = len(gpu)
+        if hasattr(config, "workeroutput"):  # an xdist worker: tell the controller
+            config.workeroutput["gpu_deselected"] = len(gpu)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist's controller: the workers deselected the ``gpu`` tests (each the same count)."""
+    node.config._tidal_gpu_deselected = node.workeroutput.get("gpu_deselected", 0)
 
 
 def pytest_terminal_summary(terminalreporter, config):

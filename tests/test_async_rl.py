@@ -349,7 +349,9 @@ def test_the_same_experiment_twice_makes_two_run_folders(arith_model, tmp_path):
 
 
 @pytest.mark.ray
-def test_ray_servers_and_a_data_parallel_trainer_run_the_loop_and_resume(arith_model, tmp_path):
+def test_ray_servers_and_a_data_parallel_trainer_run_the_loop_and_resume(
+    ray_session, arith_model, tmp_path
+):
     """The whole loop on Ray: a server process and two DDP trainer ranks (rank 0 sends the
     weights and writes the checkpoint), in-place pauses, then a resume on the same layout."""
     from tidal.runners.llm.train import LLMRunner
@@ -501,7 +503,7 @@ def _trainer_config(model, loss_agg: str, *extra: str) -> LLMConfig:
 
 
 @pytest.mark.ray
-def test_data_parallel_trainer_takes_the_same_step_as_one_rank(arith_model):
+def test_data_parallel_trainer_takes_the_same_step_as_one_rank(ray_session, arith_model):
     """Two DDP ranks, each on its half of every minibatch, end a PPO step with the weights a
     single rank reaches on the whole batch: losses are weighted by global counts."""
     from tidal.runtime import Cluster
@@ -549,7 +551,7 @@ def test_data_parallel_trainer_takes_the_same_step_as_one_rank(arith_model):
 
 
 @pytest.mark.ray
-def test_a_killed_inference_server_restarts_the_llm_run(arith_model, tmp_path):
+def test_a_killed_inference_server_restarts_the_llm_run(ray_session, arith_model, tmp_path):
     """The inference server's Ray actor killed after the first checkpoint: the run restarts its
     groups, resumes from the newest checkpoint and finishes, each step logged once."""
     import time

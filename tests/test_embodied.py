@@ -222,7 +222,7 @@ def test_policy_half_of_the_record_stays_with_the_rollout_until_the_epoch_ends()
 
 
 @pytest.mark.ray
-def test_ray_backend_disaggregated_with_data_parallel_actor(tmp_path):
+def test_ray_backend_disaggregated_with_data_parallel_actor(ray_session, tmp_path):
     summary = run(
         EXAMPLES / "cartpole_ppo.yaml",
         tmp_path,
@@ -298,7 +298,7 @@ def test_the_same_experiment_twice_makes_two_run_folders(tmp_path):
 
 
 @pytest.mark.ray
-def test_ray_run_restarts_after_a_killed_actor_and_resumes(tmp_path):
+def test_ray_run_restarts_after_a_killed_actor_and_resumes(ray_session, tmp_path):
     """A Ray actor killed in the middle of a run (after its first checkpoint): the run restarts
     its groups, resumes from the newest checkpoint and finishes, each step logged once."""
     import threading
@@ -442,28 +442,22 @@ def test_resume_continues_exactly_as_the_uninterrupted_mujoco_run(tmp_path):
 
 
 @pytest.mark.ray
-def test_resume_on_ray_continues_exactly_as_the_uninterrupted_run(tmp_path):
+def test_resume_on_ray_continues_exactly_as_the_uninterrupted_run(ray_session, tmp_path):
     """On ray the rollout samples in its own process: its RNG travels in the checkpoint."""
-    import ray
-
-    # one session of its own for both runs (they reuse it), never another process's cluster
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
-    try:
-        ray_overrides = [
-            "cluster.backend=ray",
-            "cluster.devices_per_node=2",
-            "runner.timeout_s=60",
-            "cluster.placement={env: '0', 'rollout,actor': '1'}",
-        ]
-        assert_resume_is_exact(
-            tmp_path,
-            EXAMPLES / "cartpole_ppo.yaml",
-            [*TINY, "env.pipeline_stage_num=1", *ray_overrides],
-            resume_at=1,
-            max_steps=3,
-        )
-    finally:
-        ray.shutdown()
+    # both runs in the module's Ray session (conftest.py): each reuses it and leaves it up
+    ray_overrides = [
+        "cluster.backend=ray",
+        "cluster.devices_per_node=2",
+        "runner.timeout_s=60",
+        "cluster.placement={env: '0', 'rollout,actor': '1'}",
+    ]
+    assert_resume_is_exact(
+        tmp_path,
+        EXAMPLES / "cartpole_ppo.yaml",
+        [*TINY, "env.pipeline_stage_num=1", *ray_overrides],
+        resume_at=1,
+        max_steps=3,
+    )
 
 
 # -- non-finite values from envs and reward models ---------------------------------------
