@@ -4,8 +4,8 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # The CPU build of PyTorch; on a GPU machine run `make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" setup` instead.
 TORCH_SPEC ?= torch==2.13.0
-# Two pytest-xdist workers (tests/conftest.py keeps each module, and all Ray modules, on one).
-PYTEST_ARGS ?= -n 2 --dist loadgroup
+# Two pytest-xdist workers (tests/conftest.py: each module one unit of work, the Ray modules one).
+PYTEST_ARGS ?= -n 2
 # Two jobs: tidal's virtualenv and vLLM's (`make vllm`) are built side by side by `make test`.
 MAKEFLAGS += --jobs=2
 

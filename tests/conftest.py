@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from tidal.runtime import Cluster
@@ -27,7 +29,8 @@ def pytest_configure(config):
 
 
 # The modules that start Ray clusters: under pytest-xdist (`make test` runs two workers) they
-# share one worker, one after the other, so that two Ray clusters never split two cores.
+# are one unit of work, run one after another on one worker, so that two Ray clusters never
+# split two cores (and no run joins the other worker's cluster).
 RAY_MODULES = {
     "test_agent_command",
     "test_async_embodied",
@@ -41,19 +44,26 @@ RAY_MODULES = {
 }
 
 
-def _group(item) -> str:
-    module = item.module.__name__.rpartition(".")[2]
-    return "ray" if module in RAY_MODULES or item.get_closest_marker("ray") else module
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's work units: each module one (its module fixtures are built once), the Ray
+    modules one together. (``--dist loadgroup`` cannot do it: its group suffix on node ids is
+    lost under pytest 9.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "ray" if Path(module).stem in RAY_MODULES else module
+
+    return ModuleScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Each module is one xdist group (its module fixtures are built once), the Ray modules one
-    group together. Without CUDA the ``gpu`` tests are deselected, and the summary says how
-    many and why (never a silent skip)."""
+    """Without CUDA the ``gpu`` tests are deselected, and the summary says how many and why
+    (never a silent skip)."""
     import torch
 
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
     if torch.cuda.is_available():
         return
     gpu = [item for item in items if item.get_closest_marker("gpu")]

@@ -46,6 +46,21 @@ def test_ranks_land_on_the_nodes_asked_for(two_nodes):
         group.shutdown()
 
 
+def test_an_address_other_than_the_processs_ray_session_is_refused(two_nodes):
+    """ray.init runs once per process: a cluster named beside the session in use is a config
+    error naming both (it used to train on the session's cluster); the session's own address,
+    by any host of its port, or ``auto`` is taken."""
+    from tidal.runtime.errors import ClusterUnreachable
+
+    session = ray.get_runtime_context().gcs_address
+    with pytest.raises(ClusterUnreachable) as error:
+        Cluster("ray", address="127.0.0.1:9")
+    assert f"already in a Ray session at {session!r}" in str(error.value)
+    assert str(error.value).startswith("cluster.address:") and "'127.0.0.1:9'" in str(error.value)
+    for address in (session, f"127.0.0.1:{session.rpartition(':')[2]}", "auto"):
+        assert len(Cluster("ray", address=address).nodes) == 2
+
+
 def test_pinned_ranks_run_on_the_core_of_their_cpu_slot(two_nodes):
     """``pin_cpus``: slot s of a node runs on the (s mod n)-th allowed core, in every thread
     (those started later too); a group launched without it keeps every core."""

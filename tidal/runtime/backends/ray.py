@@ -130,7 +130,9 @@ class RayBackend(Backend):
 
         from tidal.runtime.serialization import register_tensor_serializer
 
-        if not ray.is_initialized():
+        if ray.is_initialized():
+            _check_same_session(self.options.address)
+        else:
             init_kwargs = dict(self.options.ray_init_kwargs)
             init_kwargs.setdefault("namespace", self.options.namespace)
             init_kwargs.setdefault("log_to_driver", True)
@@ -139,6 +141,9 @@ class RayBackend(Backend):
                 _check_reachable(self.options.address, self.options.connect_timeout_s)
                 init_kwargs["address"] = self.options.address
             elif "RAY_ADDRESS" not in os.environ:  # a cluster of its own: tidal sets it up
+                # "local", not None: None joins the newest cluster `ray start` (or Ray's test
+                # cluster) left on this machine, which refuses the system config below
+                init_kwargs.setdefault("address", "local")
                 # Ray runs workers at nice 15, so a rank loses its core to any ordinary process
                 # (measured at load 11-18: a chunk step 21 ms at nice 15, 11 ms at 0); the ranks
                 # are the job here. (A cluster started with `ray start`: RAY_worker_niceness=0.)
@@ -235,6 +240,30 @@ def _kill_all(actors) -> None:
 
     for a in actors:
         ray.kill(a, no_restart=True)
+
+
+def _check_same_session(address: str | None) -> None:
+    """A process already in a Ray session stays in it (``ray.init`` runs once per process), so
+    an address naming another cluster is refused rather than silently trained on the session's."""
+    import ray
+
+    # a Ray Client's address (ray://) names its server's port, not the GCS's: not comparable
+    if address in (None, "auto") or address.startswith("ray://"):
+        return
+    session = ray.get_runtime_context().gcs_address
+    if not _same_address(address, session):
+        raise ClusterUnreachable(
+            f"cluster.address: this process is already in a Ray session at {session!r} "
+            f"(ray.init runs once per process), not {address!r}: call ray.shutdown() first, "
+            f"or set cluster.address to {session!r} or null"
+        )
+
+
+def _same_address(a: str, b: str) -> bool:
+    """host:port pairs naming one endpoint (a loopback host matches any host of that port)."""
+    (host_a, _, port_a), (host_b, _, port_b) = a.rpartition(":"), b.rpartition(":")
+    loopback = {"127.0.0.1", "localhost", ""}
+    return port_a == port_b and (host_a == host_b or bool({host_a, host_b} & loopback))
 
 
 def _check_reachable(address: str, timeout: float) -> None:
