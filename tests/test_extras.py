@@ -24,7 +24,11 @@ CARTPOLE = REPO / "examples" / "embodied" / "cartpole_ppo.yaml"
 
 
 def hide(monkeypatch, *packages):
+    """Each package unimportable, as if not installed: its loaded submodules too (an import of
+    ``package.sub`` already in ``sys.modules`` never looks at ``package``)."""
     for package in packages:
+        for name in [n for n in sys.modules if n.startswith(f"{package}.")]:
+            monkeypatch.setitem(sys.modules, name, None)
         monkeypatch.setitem(sys.modules, package, None)
 
 
