@@ -19,6 +19,7 @@ from tidal.algorithms.sac import (
 from tidal.config import ConfigError, EmbodiedConfig, load_config, validate_embodied
 from tidal.data import EnvOutput
 from tidal.models.sac import QEnsemble, SquashedGaussianPolicy
+from tidal.runners.embodied.eval import run_eval
 from tidal.runners.embodied.offpolicy import OffPolicyRunner
 from tidal.runners.embodied.select import runner_class
 from tidal.workers.replay import ReplayBuffer, buffer_layout
@@ -327,6 +328,10 @@ def test_sac_learns_pendulum_in_3k_env_steps(tmp_path):
     rows = read_metrics(summary["run_dir"])
     assert rows[-1]["eval/return_mean"] > -900, rows[-1]
     assert rows[-1]["updates"] >= 2400
+    # tidal eval reads the policy out of the SAC checkpoint (actor, critics, targets, alpha)
+    cfg = load(f"runner.run_dir={tmp_path}", "model.hidden_sizes=[64,64]")
+    held_out = run_eval(cfg, checkpoint=summary["checkpoint"], episodes=4)
+    assert held_out["eval/return"] > -900, held_out
 
 
 def test_keys_the_sac_policy_does_not_read_are_refused(tmp_path):

@@ -288,6 +288,9 @@ def checkpoint_weights(model: torch.nn.Module, path: str | Path, lora, owner: st
 
     path = resolve_checkpoint(path)
     state, _, meta = load_checkpoint(path)
+    prefix = meta.get("policy_prefix")  # a checkpoint of more than the policy (SAC's critics)
+    if prefix:
+        state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     check_checkpoint_lora(meta, lora, str(path))
     if lora.rank == 0:
         return state

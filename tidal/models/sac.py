@@ -95,7 +95,9 @@ class SquashedGaussianPolicy(EmbodiedPolicy):
             actions = torch.tanh(self._head(obs)[0])
             logp = torch.zeros_like(actions)
         elif bool(self.uniform):
-            actions = torch.rand(obs.shape[0], self.chunks, self.action_dim) * 2 - 1
+            actions = (
+                torch.rand(obs.shape[0], self.chunks, self.action_dim, device=obs.device) * 2 - 1
+            )
             logp = torch.full_like(actions, -math.log(2.0))
         else:
             actions, total = self.sample(obs)
@@ -109,7 +111,8 @@ class SquashedGaussianPolicy(EmbodiedPolicy):
         raise ValueError("sac_mlp has no value head (its critics are Q critics)")
 
     def env_actions(self, actions: torch.Tensor) -> np.ndarray:
-        return (self.low + (actions.clamp(-1, 1) + 1.0) * 0.5 * (self.high - self.low)).numpy()
+        unit = actions.clamp(-1, 1)
+        return (self.low + (unit + 1.0) * 0.5 * (self.high - self.low)).numpy(force=True)
 
     def policy_actions(self, env_actions: torch.Tensor) -> torch.Tensor:
         return (2.0 * (env_actions - self.low) / (self.high - self.low) - 1.0).clamp(-1, 1)

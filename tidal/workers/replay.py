@@ -31,11 +31,17 @@ def buffer_layout(
 
 
 class ReplayBuffer:
-    def __init__(self, capacity: int, obs_dim: int, action_shape: tuple[int, ...]):
-        self.capacity = capacity
+    def __init__(
+        self,
+        capacity: int,
+        obs_dim: int,
+        action_shape: tuple[int, ...],
+        device: torch.device | str = "cpu",
+    ):
+        self.capacity, self.device = capacity, torch.device(device)
         self.layout = buffer_layout(obs_dim, action_shape)
         self.data = {
-            k: torch.zeros((capacity, *shape), dtype=dtype)
+            k: torch.zeros((capacity, *shape), dtype=dtype, device=self.device)
             for k, (shape, dtype) in self.layout.items()
         }
         self.pos = 0  # where the next transition goes
@@ -52,14 +58,14 @@ class ReplayBuffer:
             batch = {k: v[-self.capacity :] for k, v in batch.items()}
             self.added += n - self.capacity
             n = self.capacity
-        idx = (self.pos + torch.arange(n)) % self.capacity
+        idx = (self.pos + torch.arange(n, device=self.device)) % self.capacity
         for key, (shape, dtype) in self.layout.items():
             value = batch[key]
             if tuple(value.shape[1:]) != shape:
                 raise ValueError(
                     f"replay buffer: {key} of shape {tuple(value.shape[1:])}, expected {shape}"
                 )
-            self.data[key][idx] = value.to(dtype)
+            self.data[key][idx] = value.to(self.device, dtype)
         self.pos = (self.pos + n) % self.capacity
         self.size = min(self.size + n, self.capacity)
         self.added += n
@@ -71,18 +77,19 @@ class ReplayBuffer:
         """A uniform minibatch; with demonstrations, ``round(batch_size * demo_fraction)`` of it
         drawn from them."""
         demo_n = round(batch_size * demo_fraction) if self.demos is not None else 0
+        # indices drawn by the (CPU) generator, so a run samples the same rows on any device
         online = torch.randint(0, self.size, (batch_size - demo_n,), generator=generator)
-        out = {k: v[online] for k, v in self.data.items()}
+        out = {k: v[online.to(self.device)] for k, v in self.data.items()}
         if demo_n:
             size = self.demos["rewards"].shape[0]
-            pick = torch.randint(0, size, (demo_n,), generator=generator)
+            pick = torch.randint(0, size, (demo_n,), generator=generator).to(self.device)
             out = {k: torch.cat([out[k], self.demos[k][pick]]) for k in out}
         return out
 
     def load_demos(self, path: str) -> int:
         """Demonstration transitions from ``replay.demo_path`` (a ``.pt`` dict of tensors or an
         ``.npz``: obs, actions, rewards, terminations, next_obs; optional truncations, steps)."""
-        self.demos = read_demos(path, self.layout)
+        self.demos = {k: v.to(self.device) for k, v in read_demos(path, self.layout).items()}
         return self.demos["rewards"].shape[0]
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -90,7 +97,7 @@ class ReplayBuffer:
     def state_dict(self, with_data: bool) -> dict:
         state = {"pos": self.pos, "size": self.size, "added": self.added}
         if with_data:
-            state["data"] = {k: v[: self.size].clone() for k, v in self.data.items()}
+            state["data"] = {k: v[: self.size].cpu().clone() for k, v in self.data.items()}
         return state
 
     def load_state_dict(self, state: dict) -> bool:
@@ -98,7 +105,7 @@ class ReplayBuffer:
         if "data" not in state:
             return False
         for k, v in state["data"].items():
-            self.data[k][: v.shape[0]] = v
+            self.data[k][: v.shape[0]] = v.to(self.device)
         self.pos, self.size, self.added = state["pos"], state["size"], state["added"]
         return True
 

@@ -12,7 +12,6 @@ import copy
 import math
 
 import gymnasium as gym
-import numpy as np
 import torch
 from torch import nn
 
@@ -29,6 +28,7 @@ from tidal.checkpoint import (
 from tidal.config import ConfigError
 from tidal.models.sac import QEnsemble, SquashedGaussianPolicy
 from tidal.runtime import Channel, CommMapper, ConfigSections, Worker, send_weights
+from tidal.runtime.devices import to_host
 from tidal.workers.replay import ReplayBuffer
 from tidal.workers.rollout_worker import make_policy
 from tidal.workers.routes import Topology
@@ -70,6 +70,7 @@ class SACActorWorker(Worker):
         alg, act, model = cfg.algorithm, cfg.actor, cfg.model
         torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.runner.seed)
+        self.compute_device = self.torch_device(cfg.cluster.device)
         policy = make_policy(cfg, observation_space, action_space)
         if not isinstance(policy, SquashedGaussianPolicy):
             raise ConfigError(f"model.name: algorithm.name sac needs sac_mlp, got {model.name!r}")
@@ -81,7 +82,8 @@ class SACActorWorker(Worker):
             model.activation,
             model.critic_layer_norm,
         )
-        self.agent = SACAgent(policy, critics, math.log(alg.alpha or alg.init_alpha))
+        log_alpha = math.log(alg.alpha or alg.init_alpha)
+        self.agent = SACAgent(policy, critics, log_alpha).to(self.compute_device)
         self.policy = policy
         adam = lambda params, lr: torch.optim.Adam(params, lr=lr, eps=act.adam_eps, foreach=True)  # noqa: E731
         self.optimizers = {
@@ -91,7 +93,10 @@ class SACActorWorker(Worker):
         }
         self.objective = OBJECTIVES.get("sac")(alg, action_dims=policy.critic_action_dim)
         self.buffer = ReplayBuffer(
-            cfg.replay.capacity, policy.obs_dim, (policy.chunks, policy.action_dim)
+            cfg.replay.capacity,
+            policy.obs_dim,
+            (policy.chunks, policy.action_dim),
+            device=self.compute_device,
         )
         self.demo_fraction = 0.0
         if cfg.replay.demo_path is not None:
@@ -109,7 +114,7 @@ class SACActorWorker(Worker):
         """A copy of the actor's weights to every rollout rank (the update may wait in the
         channel while training changes the weights in place); the version is the update count."""
         if self.rank == 0:
-            weights = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+            weights = to_host({k: v.detach().clone() for k, v in self.policy.state_dict().items()})
             send_weights(weights_ch, weights, self.updates, self.topo.rollout)
         return self.updates
 
@@ -142,7 +147,8 @@ class SACActorWorker(Worker):
             self.updates += 1
             if weights_ch is not None and self.updates % interval == 0:
                 self.send_weights(weights_ch)
-        out = {f"train/{k}": float(np.mean(v)) for k, v in logs.items()}
+        means = torch.stack([torch.stack(v).float().mean() for v in logs.values()]) if logs else []
+        out = {f"train/{k}": m for k, m in zip(logs, to_host(means).tolist(), strict=True)}
         out.update(
             {
                 "train/alpha": float(self._alpha()),
@@ -156,9 +162,11 @@ class SACActorWorker(Worker):
 
     def _alpha(self) -> torch.Tensor:
         fixed = self.objective.fixed_alpha
-        return torch.tensor(fixed) if fixed is not None else self.agent.log_alpha.detach().exp()
+        if fixed is not None:
+            return torch.tensor(fixed, device=self.compute_device)
+        return self.agent.log_alpha.detach().exp()
 
-    def _one_update(self) -> dict[str, float]:
+    def _one_update(self) -> dict[str, torch.Tensor]:
         cfg, obj, agent = self.cfg, self.objective, self.agent
         batch = self.buffer.sample(cfg.replay.batch_size, self.generator, self.demo_fraction)
         batch["rewards"] = batch["rewards"] * cfg.algorithm.reward_scale
@@ -173,7 +181,7 @@ class SACActorWorker(Worker):
             return {}
         if self.updates % obj.policy_delay == 0:
             actions, logp = self.policy.sample(batch["obs"])
-            loss, actor_info = obj.actor(logp, agent.critics(batch["obs"], actions), alpha)
+            loss, actor_info = obj.actor(logp, self._frozen_critics(batch["obs"], actions), alpha)
             if self._step("actor", loss):
                 info.update(actor_info)
             if obj.tunes_alpha:
@@ -181,7 +189,18 @@ class SACActorWorker(Worker):
                 if self._step("alpha", loss):
                     info.update(alpha_info)
         polyak_update(agent.targets, agent.critics, obj.tau)
-        return {k: float(v) for k, v in info.items()}
+        return info  # tensors: read once per call, not once per update
+
+    def _frozen_critics(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """The critics at the actor's actions with their weights frozen: the actor's loss
+        needs the gradient through the actions only, and the critics' weight gradients would
+        cost a third of its backward pass (the next critic step clears them anyway)."""
+        critics = self.agent.critics
+        critics.requires_grad_(False)
+        try:
+            return critics(obs, actions)
+        finally:
+            critics.requires_grad_(True)
 
     def _step(self, name: str, loss: torch.Tensor) -> bool:
         """One optimizer step of ``name``'s parameters; a non-finite loss is skipped (counted,
@@ -227,7 +246,8 @@ class SACActorWorker(Worker):
         extra = dict(extra or {})
         if keep:
             extra[REPLAY_FILE] = self.buffer.state_dict(with_data=True)
-        meta = {**meta, "version": self.updates, "replay_saved": keep}
+        # the policy's weights under "policy." (tidal eval and export read them alone)
+        meta = {**meta, "version": self.updates, "replay_saved": keep, "policy_prefix": "policy."}
         return str(save_checkpoint(path, self.agent.state_dict(), state, meta, extra))
 
     def load(self, path: str) -> dict:
