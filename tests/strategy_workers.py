@@ -153,6 +153,7 @@ class EngineWorker(Worker):
         return {
             "rollout": None if rollout is None else dict(rollout),
             "built_on_meta": built_on_meta,
+            "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
         }
 
     def train(
