@@ -70,9 +70,11 @@ class Strategy:
         """The model (``build_meta()``: on the meta device, no weights) can be wrapped."""
 
     @classmethod
-    def builds_whole(cls, rank: int, world_size: int) -> bool:
-        """Whether this rank builds the whole model (else a meta skeleton the wrap fills)."""
-        return True
+    def builds_on(cls, rank: int) -> str:
+        """Where a rank of several builds the model: ``device`` (its own), ``cpu`` (the wrap
+        moves it to the device, one shard unit at a time) or ``meta`` (a skeleton the wrap
+        fills)."""
+        return "device"
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The module the loss calls (may be ``model`` itself, changed in place)."""
@@ -150,8 +152,10 @@ class FSDP2Strategy(Strategy):
             raise ConfigError(str(exc)) from None
 
     @classmethod
-    def builds_whole(cls, rank: int, world_size: int) -> bool:
-        return rank == 0
+    def builds_on(cls, rank: int) -> str:
+        # rank 0's full tensors stay on the host: its device only ever holds its shards and
+        # one unit being sharded, and each tensor is copied there once to be broadcast
+        return "cpu" if rank == 0 else "meta"
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import (
@@ -307,13 +311,15 @@ def build_model(
     whole: bool = False,
 ) -> nn.Module:
     """This rank's model for the train engine under ``cfg.strategy`` (``actor.*``): ``make()``
-    on ``device``, or on ranks the strategy fills from rank 0 (fsdp2's), ``skeleton()`` (by
-    default ``make()``) on the meta device: the same model with no weights allocated nor read.
-    ``whole``: every rank builds it (e.g. a full copy of it is kept as the KL reference)."""
-    if whole or world_size == 1 or STRATEGIES.get(cfg.strategy).builds_whole(rank, world_size):
-        return make().to(device)
-    with torch.device("meta"):
-        return (skeleton or make)()
+    on ``device`` (or on the host, for the wrap to move), or on ranks the strategy fills from
+    rank 0 (fsdp2's), ``skeleton()`` (by default ``make()``) on the meta device: the same model
+    with no weights allocated nor read. ``whole``: every rank builds it on ``device`` (e.g. a
+    full copy of it is kept as the KL reference)."""
+    where = "device" if whole or world_size == 1 else STRATEGIES.get(cfg.strategy).builds_on(rank)
+    if where == "meta":
+        with torch.device("meta"):
+            return (skeleton or make)()
+    return make().to(device if where == "device" else "cpu")
 
 
 def _is_meta(model: nn.Module) -> bool:
