@@ -101,6 +101,13 @@ def summary(row: dict) -> dict:
         "peak_rss_gib": [round(r["peak_rss_bytes"] / gib, 2) for r in ranks],
         "rss_after_gib": [round(r["rss_after_bytes"] / gib, 2) for r in ranks],
         "tokens_per_s": round(sum(r["tokens_per_s"] for r in ranks), 1),
+        "rss_phases_gib": [
+            {
+                k: [round(v["rss"] / gib, 2), round(v["peak"] / gib, 2)]
+                for k, v in r["rss_phases"].items()
+            }
+            for r in ranks
+        ],
     }
 
 

@@ -20,6 +20,7 @@ from tidal.models.lora import (
     save_pretrained_folder,
 )
 from tidal.runtime import Worker
+from tidal.strategies import build_model as build_for_rank
 
 VOCAB, OBS_DIM, ACT_DIM = 40, 6, 2
 POISON = -1  # a step whose loss is NaN: the non-finite guard skips it
@@ -116,6 +117,45 @@ class EngineWorker(Worker):
         torch.set_num_threads(1)
         self.init_distributed()
 
+    def resume(self, kind: str, checkpoint: str, steps: int, rows: int, lora: bool) -> dict:
+        """A fresh fsdp2 engine resumed from ``checkpoint`` and trained to step ``steps`` on
+        the same batches as ``train``: each step's (loss, grad norm) and the whole weights."""
+        cfg = actor_config("fsdp2", lora)
+        model = build_for_rank(
+            cfg, lambda: build_model(kind, lora), self.rank, self.world_size, "cpu"
+        )
+        engine = TrainEngine(model, cfg, 10, distributed=True)
+        engine.load(checkpoint)
+        batches = make_batches(kind, steps, rows)[engine.step :]
+        history = train_steps(engine, kind, batches, self.rank, self.world_size, 2)
+        return {"history": history, "weights": engine.full_state_dict(self.rank)}
+
+    def load(self, folder: str, lora: bool) -> dict:
+        """The language actor's model from a Hugging Face folder under fsdp2 (rank 0 reads
+        the weights, rank 1 builds from config.json on the meta device): the rollout's
+        weights on rank 0 (merged under LoRA) and whether this rank built a skeleton."""
+        from tidal.config.llm import LLMModelConfig
+        from tidal.workers.llm_actor import trained_model
+
+        m = LLMModelConfig(path=folder, lora=LORA if lora else LoRAConfig())
+        cfg = actor_config("fsdp2", lora)
+        model = build_for_rank(
+            cfg,
+            lambda: trained_model(m),
+            self.rank,
+            self.world_size,
+            "cpu",
+            skeleton=lambda: trained_model(m, weights=False),
+        )
+        built_on_meta = any(p.is_meta for p in model.parameters())
+        engine = TrainEngine(model, cfg, 10, distributed=True)
+        rollout = rollout_weights(model, engine, self.rank)
+        return {
+            "rollout": None if rollout is None else dict(rollout),
+            "built_on_meta": built_on_meta,
+            "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+        }
+
     def train(
         self,
         kind: str,
@@ -132,8 +172,12 @@ class EngineWorker(Worker):
         updated weights and the rollout's (merged under LoRA) on rank 0, and the bytes this
         rank holds. ``save``: (step, path), a checkpoint after that step; ``weights_folder``:
         the rollout's weights as a ``save_pretrained`` folder (what vLLM reloads) at the end."""
-        model = build_model(kind, lora)
-        engine = TrainEngine(model, actor_config(strategy, lora), 10, distributed=True)
+        cfg = actor_config(strategy, lora)
+        model = build_for_rank(
+            cfg, lambda: build_model(kind, lora), self.rank, self.world_size, "cpu"
+        )
+        built_on_meta = any(p.is_meta for p in model.parameters())
+        engine = TrainEngine(model, cfg, 10, distributed=True)
         batches = make_batches(kind, steps, rows)
 
         def after_step(step):
@@ -169,4 +213,5 @@ class EngineWorker(Worker):
             "ref_loss": ref_loss,
             "bytes": held,
             "skipped": engine.skipped_steps,
+            "built_on_meta": built_on_meta,
         }

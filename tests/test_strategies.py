@@ -27,6 +27,7 @@ from tidal.checkpoint import (
 )
 from tidal.config import ConfigError, EmbodiedConfig, load_config
 from tidal.engine import TrainEngine
+from tidal.inference.tiny import char_tokenizer
 from tidal.memory import plan
 from tidal.models.lora import rollout_weights
 from tidal.runtime import Cluster
@@ -62,11 +63,39 @@ def results(tmp_path_factory):
                     lora=lora,
                     weights_folder=weights,
                 ).wait(120)
+        lm_folder = save_tied_lm(folder / "lm")
+        for lora in (False, True):
+            out["folder", lora] = group.load(str(lm_folder), lora).wait(60)
+        out["lm-folder"] = lm_folder
+        # resumed by 2 ranks from the LoRA checkpoint after step 2
+        ck = str(resolve_checkpoint(folder / "ck-lora"))
+        out["resumed"] = group.resume("lm", ck, STEPS, ROWS, lora=True).wait(60)
         out["checkpoints"], out["checkpoints-lora"] = folder / "ck", folder / "ck-lora"
         out["weights-folder"] = folder / "weights"
         yield out
     finally:
         cluster.shutdown()
+
+
+def save_tied_lm(folder: Path) -> Path:
+    """A tiny Hugging Face folder whose output head is its input embedding (as Qwen's small
+    models): a shared parameter must stay shared through the meta build and the sharding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = char_tokenizer("0123456789+=")
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture
@@ -85,6 +114,9 @@ def assert_close_relative(a: torch.Tensor, b: torch.Tensor, what: str, tol=1e-5)
 @pytest.mark.parametrize(("kind", "lora"), CASES)
 def test_ddp_and_fsdp2_take_the_same_steps(results, kind, lora):
     ddp, fsdp = results[kind, "ddp", lora], results[kind, "fsdp2", lora]
+    # under fsdp2 rank 1 built a meta skeleton, its shards filled from rank 0's model
+    assert [r["built_on_meta"] for r in fsdp] == [False, True]
+    assert not any(r["built_on_meta"] for r in ddp)
     # every rank reports the same (reduced) losses and norms; the NaN step skipped on both
     for rank in (0, 1):
         assert fsdp[rank]["skipped"] == ddp[rank]["skipped"] == 1
@@ -118,8 +150,9 @@ def assert_lora_steps(kind, ddp, fsdp, base):
     model = build_model(kind, lora=True)
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     before = model.state_dict()
-    for k, v in ddp[0]["weights"].items():
-        assert k in trained or torch.equal(v, before[k]), k
+    for out in (ddp, fsdp):  # the frozen base, bit for bit (fsdp2's rank 1 from rank 0's)
+        for k, v in out[0]["weights"].items():
+            assert k in trained or torch.equal(v, before[k]), k
     model.load_state_dict(fsdp[0]["weights"])
     merged = model.merge_and_unload().state_dict()
     for k, v in fsdp[0]["rollout"].items():
@@ -150,6 +183,37 @@ def test_memory_plan_matches_the_tensors_and_fsdp2_halves_it(results, kind, lora
     ddp = sum(results[kind, "ddp", lora][0]["bytes"].values())
     fsdp = max(sum(r["bytes"].values()) for r in results[kind, "fsdp2", lora])
     assert fsdp <= 0.55 * ddp  # under LoRA too: the frozen base is sharded
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_fsdp2_loads_a_model_folder_on_rank_0_only(results, lora):
+    """The language actor's model.path under fsdp2: rank 1 builds it from config.json on the
+    meta device and gets its shards from rank 0; gathered, the folder's weights bit for bit
+    (under LoRA merged, with B = 0 at the start), its tied embeddings still one parameter."""
+    from transformers import AutoModelForCausalLM
+
+    folder = results["lm-folder"]
+    saved = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).state_dict()
+    out = results["folder", lora]
+    assert [r["built_on_meta"] for r in out] == [False, True]
+    assert all(r["tied"] for r in out)
+    assert out[1]["rollout"] is None and set(out[0]["rollout"]) == set(saved)
+    for k, v in out[0]["rollout"].items():
+        assert torch.equal(v, saved[k]), k
+
+
+def test_an_fsdp2_lora_checkpoint_resumes_exactly_on_two_ranks(results):
+    """Saved by 2 ranks after step 2, resumed by 2 (rank 1 built on the meta device again):
+    steps 3 and 4 are the uninterrupted run's bit for bit (the same ranks reduce in the same
+    order), losses, norms and the whole weights, adapters and frozen base."""
+    run, resumed = results["lm", "fsdp2", True], results["resumed"]
+    for rank in (0, 1):
+        assert resumed[rank]["history"] == run[rank]["history"][2:]
+    assert resumed[1]["weights"] is None
+    expected = run[0]["weights"]
+    assert set(resumed[0]["weights"]) == set(expected)
+    for k, v in resumed[0]["weights"].items():
+        assert torch.equal(v, expected[k]), k
 
 
 def test_fsdp2_checkpoint_resumes_on_one_rank(results, single_process_group):

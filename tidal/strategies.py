@@ -6,6 +6,12 @@ decoder layers, the classes its ``_no_split_modules`` names; an embodied policy'
 ``shard_units()``, e.g. the VLA's transformer blocks) and then the root, so each rank holds
 1/world of the parameters, gradients and optimizer state, gathered layer by layer for compute.
 
+A strategy also says how each rank builds its model (:func:`build_model`): under ``fsdp2`` only
+rank 0 builds (or loads) the whole model; the others build it on the meta device, and the wrap
+shards it and fills each rank's shards from rank 0's full tensors, one tensor at a time
+(``set_model_state_dict(..., broadcast_from_rank0=True)``): the same initial weights as DDP's,
+bit for bit, with no full copy on the other ranks.
+
 A strategy says what differs: wrapping, skipping the gradient sync on all but the last
 micro-batch, the full weights for the rollout, and the checkpoint's model and optimizer state
 (one safetensors file, or ``torch.distributed.checkpoint`` shards). The engine asks it; it never
@@ -62,6 +68,13 @@ class Strategy:
     @classmethod
     def check_model(cls, build_meta: Callable[[], nn.Module]) -> None:
         """The model (``build_meta()``: on the meta device, no weights) can be wrapped."""
+
+    @classmethod
+    def builds_on(cls, rank: int) -> str:
+        """Where a rank of several builds the model: ``device`` (its own), ``cpu`` (the wrap
+        moves it to the device, one shard unit at a time) or ``meta`` (a skeleton the wrap
+        fills)."""
+        return "device"
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The module the loss calls (may be ``model`` itself, changed in place)."""
@@ -138,6 +151,12 @@ class FSDP2Strategy(Strategy):
         except ShardingError as exc:
             raise ConfigError(str(exc)) from None
 
+    @classmethod
+    def builds_on(cls, rank: int) -> str:
+        # rank 0's full tensors stay on the host: its device only ever holds its shards and
+        # one unit being sharded, and each tensor is copied there once to be broadcast
+        return "cpu" if rank == 0 else "meta"
+
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
@@ -147,6 +166,11 @@ class FSDP2Strategy(Strategy):
         )
 
         ensure_process_group()
+        skeleton = _is_meta(model)
+        skeletons = [False] * dist.get_world_size()
+        dist.all_gather_object(skeletons, skeleton)
+        # rank 0's full tensors, kept past the sharding (which copies each rank's slice out)
+        full = model.state_dict() if any(skeletons) and dist.get_rank() == 0 else {}
         options: dict[str, Any] = {
             "reshard_after_forward": self.cfg.fsdp.reshard_after_forward is not False
         }
@@ -159,10 +183,39 @@ class FSDP2Strategy(Strategy):
         for unit in shard_units(model):
             fully_shard(unit, **options)
         fully_shard(model, **options)
+        if any(skeletons):
+            self._fill_from_rank0(model, full, skeleton)
         # methods the trainer calls besides forward gather their parameters like forward
         for method in getattr(model, "sharded_forward_methods", ()):
             register_fsdp_forward_method(model, method)
         return model
+
+    def _fill_from_rank0(self, model: nn.Module, full: dict, skeleton: bool) -> None:
+        """Allocate a skeleton's shards (only them), then every rank's shards and buffers
+        from rank 0's full tensors; the torch RNG continues as rank 0's, which built the model."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        compute = _process_group_device()
+        if skeleton:
+            model.to_empty(device="cpu" if self.cfg.fsdp.cpu_offload else compute)
+            for module in model.modules():  # buffers are not offloaded
+                for name, buffer in module._buffers.items():
+                    if buffer is not None:
+                        module._buffers[name] = buffer.to(compute)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full, options=options)
+        full.clear()
+        for buffer in model.buffers():  # those outside the state dict too (e.g. RoPE's)
+            dist.broadcast(buffer.data, 0)
+        rng = [
+            torch.get_rng_state(),
+            torch.cuda.get_rng_state() if compute.type == "cuda" else None,
+        ]
+        dist.broadcast_object_list(rng, 0)
+        if skeleton:
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state(rng[1])
 
     def accumulate(self, module: nn.Module, sync: bool):
         module.set_requires_gradient_sync(sync)
@@ -246,6 +299,38 @@ def _checkpoint_options(model: nn.Module):
 
 def make_strategy(cfg, distributed: bool) -> Strategy:
     return STRATEGIES.get(cfg.strategy)(cfg, distributed)
+
+
+def build_model(
+    cfg,
+    make: Callable[[], nn.Module],
+    rank: int,
+    world_size: int,
+    device,
+    skeleton: Callable[[], nn.Module] | None = None,
+    whole: bool = False,
+) -> nn.Module:
+    """This rank's model for the train engine under ``cfg.strategy`` (``actor.*``): ``make()``
+    on ``device`` (or on the host, for the wrap to move), or on ranks the strategy fills from
+    rank 0 (fsdp2's), ``skeleton()`` (by default ``make()``) on the meta device: the same model
+    with no weights allocated nor read. ``whole``: every rank builds it on ``device`` (e.g. a
+    full copy of it is kept as the KL reference)."""
+    where = "device" if whole or world_size == 1 else STRATEGIES.get(cfg.strategy).builds_on(rank)
+    if where == "meta":
+        with torch.device("meta"):
+            return (skeleton or make)()
+    return make().to(device if where == "device" else "cpu")
+
+
+def _is_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def _process_group_device() -> torch.device:
+    """Where this rank computes: its current GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def ensure_process_group() -> None:

@@ -10,12 +10,16 @@ from tidal.models.saving import load_policy
 
 
 def build_from_config(
-    model, observation_space: gym.Space, action_space: gym.Space, num_action_chunks: int
+    model,
+    observation_space: gym.Space,
+    action_space: gym.Space,
+    num_action_chunks: int,
+    weights: bool = True,
 ) -> EmbodiedPolicy:
-    """Loaded from ``model.path`` when set, else built by name with the shared fields it takes
-    and ``model.kwargs``."""
+    """Loaded from ``model.path`` when set (``weights=False``: without reading its weights),
+    else built by name with the shared fields it takes and ``model.kwargs``."""
     if model.path is not None:
-        policy = load_policy(model.path)
+        policy = load_policy(model.path, weights)
         spec = policy.build_spec
         if (spec["observation_space"], spec["action_space"]) != (observation_space, action_space):
             raise ValueError(

@@ -125,21 +125,29 @@ def load_causal_lm(
     attn_implementation: str | None = None,
     gradient_checkpointing: bool = False,
     key: str = "model.path",
+    weights: bool = True,
 ):
-    """``(model, tokenizer)`` from a local folder; options go to ``from_pretrained``."""
+    """``(model, tokenizer)`` from a local folder; options go to ``from_pretrained``.
+    ``weights=False``: the same model from the folder's config.json, its weights not read
+    (a skeleton to build on the meta device, e.g. the ranks fsdp2 fills from rank 0)."""
     with needs_extra("llm", "Hugging Face causal LMs"):
         from transformers import AutoModelForCausalLM
 
     check_load_options(dtype, attn_implementation)
-    check_causal_lm(path, key)
+    config = check_causal_lm(path, key)
     tokenizer = load_tokenizer(path, key)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            local_files_only=True,
-            dtype=DTYPES[dtype],
-            attn_implementation=attn_implementation,
-        )
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(
+                path,
+                local_files_only=True,
+                dtype=DTYPES[dtype],
+                attn_implementation=attn_implementation,
+            )
+        else:
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=config_dtype(config, dtype), attn_implementation=attn_implementation
+            )
     except Exception as exc:
         raise ModelConfigError(
             f"{key}: cannot load a causal language model from {str(path)!r} (model.dtype={dtype}, "
@@ -148,6 +156,13 @@ def load_causal_lm(
     if gradient_checkpointing:
         enable_checkpointing(model)
     return model, tokenizer
+
+
+def config_dtype(config, dtype: str) -> torch.dtype:
+    """``model.dtype`` as a torch dtype; ``auto``: the one config.json records (else fp32)."""
+    if DTYPES[dtype] == "auto":
+        return getattr(config, "dtype", None) or torch.float32
+    return DTYPES[dtype]
 
 
 def enable_checkpointing(model) -> None:

@@ -84,7 +84,9 @@ def read_saved_config(folder: str | os.PathLike) -> dict:
     return json.loads((folder / CONFIG).read_text())
 
 
-def load_policy(folder: str | os.PathLike) -> EmbodiedPolicy:
+def load_policy(folder: str | os.PathLike, weights: bool = True) -> EmbodiedPolicy:
+    """The saved policy; ``weights=False``: its skeleton, the weights not read (built on the
+    meta device, e.g. by the ranks fsdp2 fills from rank 0)."""
     folder = Path(folder)
     config = read_saved_config(folder)
     policy = build_policy(
@@ -94,5 +96,6 @@ def load_policy(folder: str | os.PathLike) -> EmbodiedPolicy:
         config["num_action_chunks"],
         **config["kwargs"],
     )
-    policy.load_state_dict(load_file(str(folder / WEIGHTS)))
+    if weights:
+        policy.load_state_dict(load_file(str(folder / WEIGHTS)))
     return policy

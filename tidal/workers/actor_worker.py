@@ -14,11 +14,12 @@ from tidal.algorithms.objectives import drop_stale, make_objective, minibatch_de
 from tidal.data import Trajectory
 from tidal.data.records import flat_time_major, flatten_steps
 from tidal.engine import TrainEngine
+from tidal.models.factory import build_from_config
 from tidal.models.lora import apply_lora, lora_meta, reference_model, rollout_weights
 from tidal.runtime import Channel, CommMapper, ConfigSections, Worker, merge_batches
 from tidal.runtime.devices import to_device
 from tidal.runtime.weight_sync import WeightLinks
-from tidal.workers.rollout_worker import make_policy
+from tidal.strategies import build_model
 from tidal.workers.routes import TRAJECTORY_TAG, Topology
 
 
@@ -41,12 +42,27 @@ class ActorWorker(Worker, WeightLinks):
         torch.set_num_threads(cfg.cluster.torch_threads)
         torch.manual_seed(cfg.runner.seed)
         self.compute_device = self.torch_device(cfg.cluster.device)
-        policy = make_policy(cfg, observation_space, action_space).to(self.compute_device)
-        self.policy = apply_lora(policy, cfg.model.lora, f"policy {cfg.model.name!r}")
+
+        def build(weights: bool = True):
+            spaces = (observation_space, action_space, cfg.env.num_action_chunks)
+            policy = build_from_config(cfg.model, *spaces, weights=weights)
+            return apply_lora(policy, cfg.model.lora, f"policy {cfg.model.name!r}")
+
         # a KL penalty keeps the policy near the one training started from (model.path, e.g.
         # the behaviour-cloned policy), kept as the language half keeps its reference (made
-        # before the engine shards the policy)
-        self.ref = reference_model(self.policy, keep=cfg.algorithm.kl_coef > 0)
+        # before the engine shards the policy; without LoRA a full copy, so every rank builds
+        # the whole policy; else under fsdp2 the ranks but 0 build a skeleton on the meta device)
+        keep_ref = cfg.algorithm.kl_coef > 0
+        self.policy = build_model(
+            cfg.actor,
+            build,
+            self.rank,
+            self.world_size,
+            self.compute_device,
+            skeleton=lambda: build(weights=False),
+            whole=keep_ref and cfg.model.lora.rank == 0,
+        )
+        self.ref = reference_model(self.policy, keep=keep_ref)
         if self.world_size > 1:
             self.init_distributed()
         self.engine = TrainEngine(

@@ -28,6 +28,7 @@ from tidal.models.lora import (
 from tidal.runtime import ConfigSections, Worker
 from tidal.runtime.devices import to_device
 from tidal.runtime.weight_sync import WeightLinks
+from tidal.strategies import build_model
 
 
 def token_logprobs(
@@ -69,6 +70,15 @@ def length_grouped_micro_batches(
     ]
 
 
+def trained_model(m, weights: bool = True) -> torch.nn.Module:
+    """The model ``model.*`` (``m``) describes, as the actor trains it: loaded from
+    ``model.path`` (``weights=False``: from its config.json only), with LoRA adapters when
+    ``model.lora.rank`` > 0."""
+    options = (m.dtype, m.attn_implementation, m.gradient_checkpointing)
+    model, _ = load_causal_lm(m.path, *options, weights=weights)
+    return apply_lora(model, m.lora, repr(m.path))
+
+
 class LLMActor(Worker, WeightLinks):
     config_sections = ("cluster", "runner", "rollout", "model", "actor", "algorithm")
 
@@ -78,10 +88,19 @@ class LLMActor(Worker, WeightLinks):
         torch.manual_seed(cfg.runner.seed)
         m = cfg.model
         self.compute_device = self.torch_device(cfg.cluster.device)
-        model, _ = load_causal_lm(m.path, m.dtype, m.attn_implementation, m.gradient_checkpointing)
-        model.to(self.compute_device)
-        self.model = apply_lora(model, m.lora, repr(m.path))  # as is with model.lora.rank=0
-        self.ref = reference_model(self.model, keep=cfg.algorithm.kl_coef > 0)
+        # fsdp2: only rank 0 reads the weights; the others fill their shards from it. A KL
+        # reference without LoRA is a full copy of the model: then every rank loads it
+        keep_ref = cfg.algorithm.kl_coef > 0
+        self.model = build_model(
+            cfg.actor,
+            lambda: trained_model(m),
+            self.rank,
+            self.world_size,
+            self.compute_device,
+            skeleton=lambda: trained_model(m, weights=False),
+            whole=keep_ref and m.lora.rank == 0,
+        )
+        self.ref = reference_model(self.model, keep=keep_ref)
         if self.world_size > 1:
             self.init_distributed()
         self.engine = TrainEngine(
