@@ -13,8 +13,10 @@ networks; the actor and the temperature are updated at every critic update (Clea
 them twice every second step: the same work). The rate is the env steps between the first
 record after ``--warmup + 200`` steps and the last, over the wall time between them, so start-up
 and the fast random warm-up are left out. CleanRL runs on the CPU with torch's default thread
-count, tidal with its default ``cluster.torch_threads`` (1); a mode ``local@2`` or ``ray@2`` runs
-tidal with 2 threads per process.
+count, tidal with its default ``cluster.torch_threads`` (1); a mode ``NAME@T`` runs with T torch
+threads per process (``cleanrl@1``: ``OMP_NUM_THREADS=1``, CleanRL's script unchanged). On a
+loaded machine two OpenMP threads per process lose more to each other than they gain: compare
+equal thread counts there.
 
   python benchmarks/sac_bench.py --cleanrl-dir DIR --cleanrl-python PY [--env HalfCheetah-v4]
       [--steps 4000] [--warmup 1000] [--rounds 2] [--modes cleanrl local local@2 ray] [--out FILE]
@@ -52,7 +54,7 @@ def rate(points: list[tuple[int, float]], after: int) -> float:
     return (s1 - s0) / (t1 - t0)
 
 
-def run_cleanrl(args, workdir: Path) -> list[tuple[int, float]]:
+def run_cleanrl(args, workdir: Path, threads: int | None) -> list[tuple[int, float]]:
     cmd = [
         args.cleanrl_python,
         str(Path(args.cleanrl_dir) / "sac_continuous_action.py"),
@@ -63,6 +65,8 @@ def run_cleanrl(args, workdir: Path) -> list[tuple[int, float]]:
         "--no-cuda",
     ]
     env = {**os.environ, "PYTHONPATH": str(args.cleanrl_dir)}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     subprocess.run(cmd, cwd=workdir, env=env, check=True, capture_output=True, timeout=3600)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -107,16 +111,19 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["cleanrl", "local", "ray"])
     ap.add_argument("--out", default="benchmarks/results/sac_bench.json")
     args = ap.parse_args()
-    if "cleanrl" in args.modes and not args.cleanrl_dir:
+    if any(m.startswith("cleanrl") for m in args.modes) and not args.cleanrl_dir:
         ap.error("--cleanrl-dir is needed for the cleanrl mode")
 
     def runner(mode: str):
-        if mode == "cleanrl":
-            return lambda d: run_cleanrl(args, d)
-        backend, _, threads = mode.partition("@")
-        if backend not in ("local", "ray"):
-            ap.error(f"--modes: {mode!r} is not cleanrl, local[@THREADS] or ray[@THREADS]")
-        return lambda d: run_tidal(args, d, backend == "ray", int(threads) if threads else None)
+        name, _, threads = mode.partition("@")
+        count = int(threads) if threads else None
+        if name == "cleanrl":
+            return lambda d: run_cleanrl(args, d, count)
+        if name not in ("local", "ray"):
+            ap.error(
+                f"--modes: {mode!r} is not cleanrl, local or ray (each with an optional @THREADS)"
+            )
+        return lambda d: run_tidal(args, d, name == "ray", count)
 
     runners = {mode: runner(mode) for mode in args.modes}
     rates: dict[str, list[float]] = {m: [] for m in args.modes}
@@ -139,10 +146,11 @@ def main() -> None:
         "rates": rates,
         "median": {m: statistics.median(v) for m, v in rates.items()},
     }
-    if "cleanrl" in rates:
-        base = result["median"]["cleanrl"]
+    base_mode = next((m for m in rates if m.startswith("cleanrl")), None)
+    if base_mode:
+        base = result["median"][base_mode]
         result["vs_cleanrl"] = {m: v / base for m, v in result["median"].items()}
-        print("vs CleanRL:", {m: round(v, 2) for m, v in result["vs_cleanrl"].items()})
+        print(f"vs {base_mode}:", {m: round(v, 2) for m, v in result["vs_cleanrl"].items()})
     if "local" in rates and "ray" in rates:
         result["ray_vs_local"] = result["median"]["ray"] / result["median"]["local"]
         print(f"ray / local: {result['ray_vs_local']:.2f}")
