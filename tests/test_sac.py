@@ -18,6 +18,7 @@ from tidal.algorithms.sac import (
 )
 from tidal.config import ConfigError, EmbodiedConfig, load_config, validate_embodied
 from tidal.data import EnvOutput
+from tidal.envs.demos import collect_metaworld_demos
 from tidal.models.sac import QEnsemble, SquashedGaussianPolicy
 from tidal.runners.embodied.eval import run_eval
 from tidal.runners.embodied.offpolicy import OffPolicyRunner
@@ -183,7 +184,7 @@ def test_a_demo_file_of_the_wrong_shape_is_a_config_error(tmp_path):
     demos = _transitions(4)
     demos["obs"] = torch.zeros(4, 5)
     torch.save(demos, tmp_path / "demos.pt")
-    with pytest.raises(ConfigError, match=r"replay.demo_path: obs has shape \(4, 5\)"):
+    with pytest.raises(ConfigError, match=r"replay.demo_path: .*: obs has shape \(4, 5\)"):
         ReplayBuffer(8, 3, (1, 1)).load_demos(str(tmp_path / "demos.pt"))
     cfg = load(f"runner.run_dir={tmp_path}", f"replay.demo_path={tmp_path / 'demos.pt'}")
     with pytest.raises(ConfigError, match="replay.demo_path"):
@@ -206,6 +207,7 @@ def test_a_demo_file_of_the_wrong_shape_is_a_config_error(tmp_path):
         ("algorithm.name=td3", "algorithm.name"),
         ("rollout.max_staleness=1", "rollout.max_staleness"),
         ("algorithm.name=ppo", "model.name"),  # sac_mlp has no value head for PPO
+        ("replay.sft_demos=true", "replay.sft_demos"),  # Pendulum has no scripted expert
     ],
 )
 def test_bad_sac_configs_name_the_key(override, key):
@@ -273,7 +275,9 @@ def test_collection_and_updates_are_paced_and_logged(tmp_path):
     assert max(r["replay/lead"] for r in rows) <= 32 + 1
 
 
-@pytest.mark.parametrize("name", ["halfcheetah_sac.yaml", "hopper_sac.yaml"])
+@pytest.mark.parametrize(
+    "name", ["halfcheetah_sac.yaml", "hopper_sac.yaml", "metaworld_mt10_rlpd.yaml"]
+)
 def test_the_mujoco_examples_are_valid(name):
     validate_embodied(load(path=EXAMPLES / name))
 
@@ -338,3 +342,33 @@ def test_keys_the_sac_policy_does_not_read_are_refused(tmp_path):
     cfg = load(f"runner.run_dir={tmp_path}", "model.obs_norm=true")
     with pytest.raises(ConfigError, match="model.obs_norm"):
         OffPolicyRunner(cfg)
+
+
+def test_scripted_demonstrations_are_transitions_as_executed():
+    """RLPD's demos from MetaWorld's experts: the noisy action sent (not the expert's label),
+    the reward it earned, and the observation it led to (the next step's own)."""
+    demos = collect_metaworld_demos("reach-v3", 2, action_noise=0.3, instruction_tokens=4)
+    t = demos.transitions()
+    n = len(demos.obs)
+    assert t["actions"].shape == (n, 1, 4) and t["next_obs"].shape == t["obs"].shape
+    assert not torch.equal(t["actions"][:, 0], torch.from_numpy(demos.actions))  # noise kept
+    assert t["actions"].abs().max() <= 1.0 and torch.isfinite(t["rewards"]).all()
+    same_episode = torch.from_numpy(demos.episode[1:] == demos.episode[:-1])
+    assert torch.equal(t["next_obs"][:-1][same_episode], t["obs"][1:][same_episode])
+
+
+def test_an_rlpd_run_samples_the_scripted_demonstrations(tmp_path):
+    summary, held = run(
+        tmp_path,
+        *TINY,
+        "env.adapter=metaworld",
+        "env.id=reach-v3",
+        "env.max_episode_steps=40",
+        "env.total_num_envs=2",
+        "env.adapter_kwargs={instruction_tokens: 4}",
+        "replay.sft_demos=true",
+        "sft.demos=2",
+        "runner.max_env_steps=160",
+        inspect=lambda r: r.actor.execute_on(0).demo_count().wait(30)[0],
+    )
+    assert held > 0 and read_metrics(summary["run_dir"])[-1]["updates"] > 0

@@ -53,6 +53,11 @@ class ReplayConfig:
     demo_path: str | None = setting(
         None, "RLPD: a .pt or .npz of demonstration transitions, sampled beside online data"
     )
+    sft_demos: bool = setting(
+        False,
+        "RLPD: the demonstrations are sft.demos scripted expert episodes per task, collected "
+        "at start as tidal sft collects them (env.adapter metaworld)",
+    )
     demo_fraction: float = setting(0.5, "RLPD: the share of each batch drawn from the demos")
     save: bool = setting(
         False, "checkpoints hold the buffer (a resume continues with it); false: it refills"
@@ -142,6 +147,16 @@ def validate_offpolicy(cfg) -> None:
         "replay.max_lead",
         f"{replay.max_lead} is below one collection segment (env.total_num_envs x rollout."
         f"num_steps x env.num_action_chunks = {segment} env steps)",
+    )
+    require(
+        not (replay.sft_demos and replay.demo_path is not None),
+        "replay.sft_demos",
+        "the demonstrations come from replay.demo_path or from the scripted experts, not both",
+    )
+    require(
+        not replay.sft_demos or cfg.env.adapter == "metaworld",
+        "replay.sft_demos",
+        f"needs env.adapter metaworld (its scripted experts), got {cfg.env.adapter!r}",
     )
     require(
         0 <= replay.demo_fraction < 1,

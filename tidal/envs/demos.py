@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from tidal.envs.metaworld_adapter import MetaWorldVectorEnv, resolve_tasks
 from tidal.extras import needs_extra
@@ -39,6 +40,12 @@ class Demonstrations:
     tasks: list[str]  # per episode
     instructions: list[str]  # per episode
     successes: np.ndarray  # [E] the episode succeeded
+    # the transitions as executed (off-policy RL's demonstrations, RLPD): the noisy action sent,
+    # the reward, whether the episode terminated there, and the observation it led to
+    executed: np.ndarray | None = None  # [N, A]
+    rewards: np.ndarray | None = None  # [N]
+    terminations: np.ndarray | None = None  # [N]
+    next_obs: np.ndarray | None = None  # [N, D]
 
     @property
     def num_episodes(self) -> int:
@@ -55,6 +62,21 @@ class Demonstrations:
         for s, e in zip(starts, ends):
             last[s : e + 1] = e
         return self.actions[np.minimum(index, last[:, None])]
+
+    def transitions(self) -> dict[str, torch.Tensor]:
+        """The episodes as a replay buffer's demonstration transitions (one action per step:
+        ``actions`` ``[N, 1, A]``); an episode cut at success or at the collector's horizon
+        ends unterminated, so its last transition bootstraps."""
+        n = len(self.obs)
+        return {
+            "obs": torch.from_numpy(self.obs),
+            "actions": torch.from_numpy(self.executed).float()[:, None],
+            "rewards": torch.from_numpy(self.rewards).float(),
+            "terminations": torch.from_numpy(self.terminations),
+            "truncations": torch.zeros(n, dtype=torch.bool),
+            "next_obs": torch.from_numpy(self.next_obs),
+            "steps": torch.ones(n, dtype=torch.int64),
+        }
 
 
 def collect_metaworld_demos(
@@ -77,6 +99,7 @@ def collect_metaworld_demos(
         raise ValueError(f"sft.demos: must be >= 1, got {demos_per_task}")
     rng = np.random.default_rng(seed)
     obs, actions, episode, tasks, instructions, successes = [], [], [], [], [], []
+    steps = {"executed": [], "rewards": [], "terminations": [], "next_obs": []}
     for t, task in enumerate(resolve_tasks(env_id)):
         env = MetaWorldVectorEnv(1, task, max_episode_steps=max_episode_steps, **adapter_kwargs)
         expert, kept = ENV_POLICY_MAP[task](), 0
@@ -84,13 +107,15 @@ def collect_metaworld_demos(
         for attempt in range(demos_per_task * max_attempts_factor):
             o = env.reset(seeds=[seed * 100_003 + t * 1009 + attempt])
             steps_obs, steps_act = [], []
+            episode_steps = {k: [] for k in steps}
             while True:
                 label = np.clip(expert.get_action(view(env.envs[0], env.states[0])), -1.0, 1.0)
                 steps_obs.append(o[0])
                 steps_act.append(label)
-                o, _, term, trunc = env.step(
-                    (label + rng.normal(0.0, action_noise, label.shape))[None]
-                )
+                sent = np.clip(label + rng.normal(0.0, action_noise, label.shape), -1.0, 1.0)
+                o, reward, term, trunc = env.step(sent[None])
+                for key, value in zip(steps, (sent, reward[0], term[0], o[0]), strict=True):
+                    episode_steps[key].append(value)
                 if term[0] or trunc[0] or (stop_at_success and env.successes[0]):
                     break
             succeeded = bool(env.successes[0])
@@ -98,6 +123,8 @@ def collect_metaworld_demos(
                 continue
             obs += steps_obs
             actions += steps_act
+            for key, values in episode_steps.items():
+                steps[key] += values
             episode += [len(tasks)] * len(steps_obs)
             tasks.append(task)
             instructions.append(env.instructions[0])
@@ -118,4 +145,8 @@ def collect_metaworld_demos(
         tasks=tasks,
         instructions=instructions,
         successes=np.array(successes),
+        executed=np.stack(steps["executed"]).astype(np.float32),
+        rewards=np.array(steps["rewards"], dtype=np.float32),
+        terminations=np.array(steps["terminations"], dtype=bool),
+        next_obs=np.stack(steps["next_obs"]).astype(np.float32),
     )

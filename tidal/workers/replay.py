@@ -89,7 +89,11 @@ class ReplayBuffer:
     def load_demos(self, path: str) -> int:
         """Demonstration transitions from ``replay.demo_path`` (a ``.pt`` dict of tensors or an
         ``.npz``: obs, actions, rewards, terminations, next_obs; optional truncations, steps)."""
-        self.demos = {k: v.to(self.device) for k, v in read_demos(path, self.layout).items()}
+        return self.set_demos(read_demos(path, self.layout))
+
+    def set_demos(self, demos: dict[str, torch.Tensor]) -> int:
+        """Demonstrations already in the buffer's layout (``fit_demos``)."""
+        self.demos = {k: v.to(self.device) for k, v in demos.items()}
         return self.demos["rewards"].shape[0]
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -121,9 +125,16 @@ def read_demos(path: str, layout: dict) -> dict[str, torch.Tensor]:
             raw = {k: torch.from_numpy(z[k]) for k in z.files}
     else:
         raw = torch.load(file, weights_only=True)
+    return fit_demos(raw, layout, f"replay.demo_path: {path!r}")
+
+
+def fit_demos(raw: dict, layout: dict, source: str) -> dict[str, torch.Tensor]:
+    """Demonstration transitions in the buffer's layout, or a config error naming ``source``
+    (the key that supplied them) and what does not fit."""
     missing = [k for k in DEMO_FIELDS if k not in raw]
     if missing:
-        raise ConfigError(f"replay.demo_path: {path!r} lacks {', '.join(missing)}")
+        raise ConfigError(f"{source} lacks {', '.join(missing)}")
+    raw = dict(raw)
     n = raw["rewards"].shape[0]
     raw.setdefault("truncations", torch.zeros(n, dtype=torch.bool))
     raw.setdefault("steps", torch.ones(n, dtype=torch.int64))
@@ -132,7 +143,7 @@ def read_demos(path: str, layout: dict) -> dict[str, torch.Tensor]:
         value = torch.as_tensor(raw[key])
         if tuple(value.shape) != (n, *shape):
             raise ConfigError(
-                f"replay.demo_path: {key} has shape {tuple(value.shape)}; this env and policy "
+                f"{source}: {key} has shape {tuple(value.shape)}; this env and policy "
                 f"need ({n}, {', '.join(map(str, shape))})"
             )
         out[key] = value.to(dtype)

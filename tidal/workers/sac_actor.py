@@ -120,6 +120,12 @@ class SACActorWorker(Worker):
 
     # -- data ----------------------------------------------------------------------------
 
+    def set_demos(self, demos: dict[str, torch.Tensor]) -> int:
+        """RLPD's demonstrations collected by the runner (``replay.sft_demos``), sampled beside
+        online data from the first update on."""
+        self.demo_fraction = self.cfg.replay.demo_fraction
+        return self.buffer.set_demos(demos)
+
     async def ingest(self, actor_ch: Channel, segments: int, timeout: float = 600.0) -> int:
         """Take every source's segments up to ``segments`` into the buffer (waiting for those
         not yet arrived); returns the buffer's size."""
@@ -130,6 +136,10 @@ class SACActorWorker(Worker):
                 self.buffer.add(batch)
                 self.received[src] += 1
         return self.buffer.size
+
+    def demo_count(self) -> int:
+        """Demonstration transitions the buffer samples beside online data (0: none)."""
+        return 0 if self.buffer.demos is None else int(self.buffer.demos["rewards"].shape[0])
 
     # -- training ------------------------------------------------------------------------
 

@@ -25,11 +25,12 @@ import numpy as np
 from tidal.config import ConfigError
 from tidal.config.embodied import components
 from tidal.runners.collection import POLL_S
+from tidal.runners.embodied.sft import collect_demos
 from tidal.runners.embodied.train import EmbodiedRunner
 from tidal.runners.embodied.train import _success as success_of
 from tidal.runtime import Channel, Handle, wait_all
 from tidal.workers import RolloutWorker
-from tidal.workers.replay import buffer_layout, read_demos
+from tidal.workers.replay import buffer_layout, fit_demos, read_demos
 from tidal.workers.sac_actor import SACActorWorker
 from tidal.workers.sac_env import TransitionEnvWorker
 
@@ -58,10 +59,16 @@ class OffPolicyRunner(EmbodiedRunner):
             raise ConfigError(
                 f"model.name: algorithm.name sac needs the sac_mlp policy, got {self.cfg.model.name!r}"
             )
+        obs_dim, chunks = self.spaces[0].shape[0], self.cfg.env.num_action_chunks
+        layout = buffer_layout(obs_dim, (chunks, action_space.shape[0]))
         demo = self.cfg.replay.demo_path
         if demo is not None:  # its shapes, before any worker starts
-            obs_dim, chunks = self.spaces[0].shape[0], self.cfg.env.num_action_chunks
-            read_demos(demo, buffer_layout(obs_dim, (chunks, action_space.shape[0])))
+            read_demos(demo, layout)
+        self.sft_demos = None
+        if self.cfg.replay.sft_demos:  # collected here, sent to the actor once it runs
+            demos = collect_demos(self.cfg)
+            log.info("replay: %d scripted demonstration transitions", len(demos.obs))
+            self.sft_demos = fit_demos(demos.transitions(), layout, "replay.sft_demos")
 
     def build(self) -> None:
         self.check_offpolicy()
@@ -77,6 +84,8 @@ class OffPolicyRunner(EmbodiedRunner):
         self.actor = SACActorWorker.create_group(cfg, self.topo, *spaces).launch(
             self.cluster, placement, name="actor"
         )
+        if self.sft_demos is not None:
+            self.actor.execute_on(0).set_demos(self.sft_demos).wait(timeout)
         run_id = f"{cfg.runner.experiment}-{uuid.uuid4().hex[:6]}"
         self.channels = {
             name: Channel.create(f"{run_id}-{name}", self.cluster, consumer=reader)
