@@ -1,21 +1,39 @@
-"""The session proxy's latency overhead against calling the server directly, and an agent
-command's process start cost.
+"""The session proxy's latency overhead against calling the server directly, in the layout of a
+training run, and an agent command's process start cost.
 
-A tiny chat model behind tidal's server; ``--sessions`` concurrent OpenAI clients each make
-``--calls`` chat completions of exactly ``--tokens`` tokens, either straight to the server's
-``/v1/chat/completions`` or through their own recording session of the proxy (which generates
-through ``InferenceClient.agenerate``). Rounds alternate direct / proxy so that the machine's
-noise hits both. Then the wall time of starting ``python`` with nothing, with ``openai`` and with
-the Agents SDK imported. Writes JSON.
+Layout (as ``tidal train`` runs an agent workflow):
 
-    python benchmarks/agents_bench.py --out benchmarks/results/agents.json
+- the inference server in its own process: ``tidal serve`` (the rollout's
+  ``InferenceServerWorker`` is the same ``InferenceServer`` in a Ray actor process; like that
+  worker it runs torch on ``--server-threads`` threads, 1 by default);
+- the session proxy in the driver's process, on its own event-loop thread (the rollout
+  dispatcher's ``tidal-episodes`` loop, where ``ExternalAgentWorkflow`` starts it), generating
+  through an ``InferenceClient``;
+- the agents in other processes: ``--client-procs`` processes share the ``--sessions``
+  ``openai.AsyncOpenAI`` clients (a real run has one process per agent).
+
+Each client makes ``--calls`` sequential chat completions of exactly ``--tokens`` new tokens
+(EOS ignored on both paths), either to the server's ``/v1/chat/completions`` (direct) or to its
+own recording session ``/sessions/{id}/v1/chat/completions`` (proxy). Rounds alternate direct
+and proxy; each round's median latency is paired with the next round's; the overhead is the
+median of the paired ratios (their spread printed beside it). Then the wall time of starting
+``python`` bare, with ``openai`` and with the Agents SDK imported. Writes JSON.
+
+    python benchmarks/agents_bench.py --out benchmarks/results/agents_bench.json
+
+The model is a random Qwen2 built from a config (``--hidden``, ``--layers``; the ChatML byte
+tokenizer of ``tidal.inference.tiny``): sized so that one decode step of 32 sequences takes
+about what a GPU server's step takes on a real model (tens of milliseconds), i.e. generation is
+the bulk of a call as it is in deployment, not HTTP handling.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -24,52 +42,169 @@ import threading
 import time
 from pathlib import Path
 
-import openai
-
-from tidal.inference import GenerationConfig, GenerationEngine, InferenceClient, InferenceServer
-from tidal.inference.sessions import SessionProxy
-from tidal.inference.tiny import save_tiny_chat_model
-from tidal.models.llm import load_tokenizer
-
 MESSAGES = [{"role": "user", "content": "count from one to ten please"}]
 
 
+# -- the agents' processes ----------------------------------------------------------------
+
+
 async def _client_calls(base_url: str, key: str, calls: int, tokens: int, direct: bool) -> list:
-    extra = {"ignore_eos": True} if direct else None
+    import openai
+
+    extra = {"ignore_eos": True} if direct else None  # the proxy's sessions stop at no id
     async with openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0) as c:
         model = (await c.models.list()).data[0].id
         out = []
         for _ in range(calls):
             t = time.perf_counter()
-            await c.chat.completions.create(
+            answer = await c.chat.completions.create(
                 model=model, messages=MESSAGES, max_tokens=tokens, extra_body=extra
             )
             out.append(time.perf_counter() - t)
+            if answer.usage.completion_tokens != tokens:
+                raise RuntimeError(
+                    f"{base_url}: {answer.usage.completion_tokens} tokens, not {tokens}"
+                )
         return out
 
 
-def _round(loop, proxy, server, args, direct: bool) -> list[float]:
-    async def sessions():
-        return [proxy.open() for _ in range(args.sessions)]
+def client_main() -> None:
+    """One agents' process: read its job, say ready, wait for go, run, print latencies."""
+    job = json.loads(sys.stdin.readline())
+    import openai  # noqa: F401 (imported before the clock starts)
 
-    opened = asyncio.run_coroutine_threadsafe(sessions(), loop).result()
-    targets = (
-        [(server.address + "/v1", "none")] * args.sessions
-        if direct
-        else [(s.base_url, s.api_key) for s in opened]
-    )
+    print("ready", flush=True)
+    sys.stdin.readline()
 
     async def run():
         lat = await asyncio.gather(
-            *(_client_calls(u, k, args.calls, args.tokens, direct) for u, k in targets)
+            *(
+                _client_calls(url, key, job["calls"], job["tokens"], job["direct"])
+                for url, key in job["targets"]
+            )
         )
         return [x for xs in lat for x in xs]
 
-    latencies = asyncio.run(run())
-    for s in opened:
-        asyncio.run_coroutine_threadsafe(proxy.end(s.id), loop).result()
-        proxy.forget(s.id)
+    print(json.dumps(asyncio.run(run())), flush=True)
+
+
+def _run_clients(targets: list[tuple[str, str]], args, direct: bool) -> list[float]:
+    """The round's clients in ``args.client_procs`` processes, started together."""
+    procs = []
+    parts = [targets[i :: args.client_procs] for i in range(args.client_procs)]
+    for part in parts:
+        p = subprocess.Popen(
+            [sys.executable, __file__, "--client"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        job = {"targets": part, "calls": args.calls, "tokens": args.tokens, "direct": direct}
+        p.stdin.write(json.dumps(job) + "\n")
+        p.stdin.flush()
+        procs.append(p)
+    for p in procs:
+        if p.stdout.readline().strip() != "ready":
+            raise RuntimeError("an agents' process did not start")
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    latencies = []
+    for p in procs:
+        out, _ = p.communicate()
+        if p.returncode != 0:
+            raise RuntimeError(f"an agents' process failed ({p.returncode})")
+        latencies += json.loads(out.splitlines()[-1])
     return latencies
+
+
+# -- the server's process -----------------------------------------------------------------
+
+
+def _start_server(folder: Path, threads: int) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    cmd = [sys.executable, "-m", "tidal.cli", "serve", "--model", str(folder), "--port", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()  # "tidal: serving MODEL on http://host:port"
+    if " on http" not in line:
+        proc.kill()
+        raise RuntimeError(f"tidal serve did not start: {line!r}")
+    return proc, line.rsplit(" on ", 1)[1].strip()
+
+
+def _make_model(args) -> Path:
+    from tidal.inference.tiny import save_tiny_chat_model
+
+    folder = Path(tempfile.mkdtemp()) / "chat"
+    return save_tiny_chat_model(
+        folder, hidden=args.hidden, layers=args.layers, heads=args.heads, max_positions=1024
+    )
+
+
+# -- the driver's process (the proxy) -------------------------------------------------------
+
+
+class ProxyThread:
+    """A ``SessionProxy`` on its own event-loop thread, as the rollout dispatcher runs it."""
+
+    def __init__(self, server_address: str, folder: Path, tokens: int, profile: str | None):
+        from tidal.inference import GenerationConfig, InferenceClient
+        from tidal.inference.sessions import SessionProxy
+        from tidal.models.llm import load_tokenizer
+
+        self.loop = asyncio.new_event_loop()
+        self.profile, self.profiler = profile, cProfile.Profile() if profile else None
+        run = self.loop.run_forever
+        target = run if self.profiler is None else lambda: self.profiler.runcall(run)
+        self.thread = threading.Thread(target=target, name="tidal-episodes", daemon=True)
+        self.thread.start()
+        self.inference = InferenceClient([server_address])
+        gconfig = GenerationConfig(max_new_tokens=tokens, stop_token_ids=[])  # exact lengths
+        self.proxy = SessionProxy(self.inference, load_tokenizer(str(folder)), gconfig)
+        self.call(self.proxy.start())
+
+    def call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def open(self, n: int) -> list:
+        async def opened():
+            return [self.proxy.open() for _ in range(n)]
+
+        return self.call(opened())
+
+    def close(self, sessions) -> None:
+        async def ended():
+            for s in sessions:
+                await self.proxy.end(s.id)
+                self.proxy.forget(s.id)
+
+        self.call(ended())
+
+    def stop(self) -> None:
+        self.call(self.proxy.stop())
+        self.call(self.inference.aclose())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        if self.profiler is not None:
+            self.profiler.dump_stats(self.profile)
+
+
+def _cpu_s(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process (this one by default), all its threads."""
+    if pid is None:
+        return time.process_time()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _round(proxy: ProxyThread, server_address: str, args, direct: bool) -> list[float]:
+    if direct:
+        return _run_clients([(server_address + "/v1", "none")] * args.sessions, args, True)
+    sessions = proxy.open(args.sessions)
+    try:
+        return _run_clients([(s.base_url, s.api_key) for s in sessions], args, False)
+    finally:
+        proxy.close(sessions)
 
 
 def _start_cost(code: str, runs: int) -> float:
@@ -81,46 +216,107 @@ def _start_cost(code: str, runs: int) -> float:
     return statistics.median(times)
 
 
+def _summary(rounds: list[dict]) -> dict:
+    ratios = [
+        p["median_s"] / d["median_s"] - 1
+        for d, p in zip(rounds[0::2], rounds[1::2])
+        if d["kind"] == "direct" and p["kind"] == "proxy"
+    ]
+    per_kind = {}
+    for kind in ("direct", "proxy"):
+        mine = [r for r in rounds if r["kind"] == kind]
+        medians = [r["median_s"] for r in mine]
+        per_kind[kind] = {
+            "round_medians_s": medians,
+            "median_s": statistics.median(medians),
+            "driver_cpu_ms_per_call": statistics.median(r["driver_cpu_ms_per_call"] for r in mine),
+            "server_cpu_ms_per_call": statistics.median(r["server_cpu_ms_per_call"] for r in mine),
+        }
+    return {
+        **per_kind,
+        "paired_overhead": ratios,
+        "overhead_median": statistics.median(ratios),
+        "overhead_min": min(ratios),
+        "overhead_max": max(ratios),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sessions", type=int, default=32)
-    p.add_argument("--calls", type=int, default=6)
-    p.add_argument("--tokens", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--start-runs", type=int, default=5)
+    p.add_argument("--calls", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3, help="paired rounds (direct, then proxy)")
+    p.add_argument("--client-procs", type=int, default=4)
+    p.add_argument("--server-threads", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--start-runs", type=int, default=3)
+    p.add_argument("--profile", default=None, help="cProfile the proxy's thread into this file")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    folder = save_tiny_chat_model(Path(tempfile.mkdtemp()) / "chat", hidden=64, layers=2)
-    server = InferenceServer(GenerationEngine(folder)).start()
-    tok = load_tokenizer(str(folder))
-    loop = asyncio.new_event_loop()  # the proxy's loop, as the dispatcher's thread runs it
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    inference = InferenceClient([server.address])
-    gconfig = GenerationConfig(max_new_tokens=args.tokens, stop_token_ids=[])  # exact lengths
-    proxy = SessionProxy(inference, tok, gconfig)
-    asyncio.run_coroutine_threadsafe(proxy.start(), loop).result()
-    results = {"direct": [], "proxy": []}
+    if args.client:
+        return client_main()
+    folder = _make_model(args)
+    server, address = _start_server(folder, args.server_threads)
+    proxy = None
     try:
-        _round(loop, proxy, server, args, direct=True)  # warm-up
-        for _ in range(args.rounds):
+        proxy = ProxyThread(address, folder, args.tokens, args.profile)
+        _round(proxy, address, args, direct=True)  # warm-up
+        rounds = []
+        for i in range(args.rounds):
             for kind in ("direct", "proxy"):
-                results[kind] += _round(loop, proxy, server, args, kind == "direct")
+                cpu = _cpu_s(), _cpu_s(server.pid)
+                lat = _round(proxy, address, args, kind == "direct")
+                calls = len(lat)
+                rounds.append(
+                    {
+                        "kind": kind,
+                        "median_s": statistics.median(lat),
+                        "mean_s": statistics.mean(lat),
+                        "driver_cpu_ms_per_call": (_cpu_s() - cpu[0]) / calls * 1e3,
+                        "server_cpu_ms_per_call": (_cpu_s(server.pid) - cpu[1]) / calls * 1e3,
+                    }
+                )
+                r = rounds[-1]
+                print(
+                    f"round {i} {kind:6s} median {r['median_s']:.3f} s, CPU per call: "
+                    f"driver {r['driver_cpu_ms_per_call']:.1f} ms, "
+                    f"server {r['server_cpu_ms_per_call']:.1f} ms",
+                    flush=True,
+                )
     finally:
-        asyncio.run_coroutine_threadsafe(proxy.stop(), loop).result()
-        asyncio.run_coroutine_threadsafe(inference.aclose(), loop).result()
-        server.stop()
-    summary = {
-        k: {"mean_s": statistics.mean(v), "median_s": statistics.median(v)}
-        for k, v in results.items()
-    }
-    summary["overhead_mean"] = summary["proxy"]["mean_s"] / summary["direct"]["mean_s"] - 1
-    summary["overhead_median"] = summary["proxy"]["median_s"] / summary["direct"]["median_s"] - 1
-    summary["process_start_s"] = {
-        "python": _start_cost("pass", args.start_runs),
-        "python+openai": _start_cost("import openai", args.start_runs),
-        "python+agents_sdk": _start_cost("import agents", args.start_runs),
-    }
+        if proxy is not None:
+            proxy.stop()
+        server.terminate()
+        server.wait(timeout=30)
+    summary = _summary(rounds)
+    print(f"{'':8s} {'direct':>8s} {'proxy':>8s} {'overhead':>9s}")
+    for d, q, r in zip(
+        summary["direct"]["round_medians_s"], summary["proxy"]["round_medians_s"],
+        summary["paired_overhead"],
+    ):  # fmt: skip
+        print(f"{'pair':8s} {d:8.3f} {q:8.3f} {r:+9.1%}")
+    print(
+        f"overhead: median {summary['overhead_median']:+.1%} "
+        f"(pairs {summary['overhead_min']:+.1%} .. {summary['overhead_max']:+.1%})"
+    )
+    for where in ("driver", "server"):
+        key = f"{where}_cpu_ms_per_call"
+        print(
+            f"{where} CPU per call (ms): direct {summary['direct'][key]:.1f}, "
+            f"proxy {summary['proxy'][key]:.1f}"
+        )
+    if args.start_runs:
+        summary["process_start_s"] = {
+            "python": _start_cost("pass", args.start_runs),
+            "python+openai": _start_cost("import openai", args.start_runs),
+            "python+agents_sdk": _start_cost("import agents", args.start_runs),
+        }
     summary["args"] = vars(args)
+    summary["load_average"] = os.getloadavg()
     print(json.dumps(summary, indent=2))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
