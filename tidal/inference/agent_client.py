@@ -211,9 +211,10 @@ class RecordingOpenAI(openai.AsyncOpenAI):
         """Generate from ``prompt`` (resumed across weight updates) and record the completion;
         with ``messages`` the answer is a chat message (tool calls parsed when ``tools``).
         ``on_tokens(ids)`` is called with new tokens as the server streams them."""
-        response = await self.inference.agenerate(
-            ModelRequest(prompt, cfg, session_id=self.session_id), on_tokens
-        )
+        req = ModelRequest(prompt, cfg, session_id=self.session_id)
+        # an inference client that does not stream (a stand-in) is called as before
+        streamed = () if on_tokens is None else (on_tokens,)
+        response = await self.inference.agenerate(req, *streamed)
         text = _answer_text(self.tokenizer, response, cfg.stop)
         finish = "stop" if response.stop_reason == "stop" else "length"
         parsed = parse_tool_calls(text, self.tool_parser, tools)
