@@ -14,9 +14,12 @@ Layout (as ``tidal train`` runs an agent workflow):
 
 Each client makes ``--calls`` sequential chat completions of exactly ``--tokens`` new tokens
 (EOS ignored on both paths), either to the server's ``/v1/chat/completions`` (direct) or to its
-own recording session ``/sessions/{id}/v1/chat/completions`` (proxy). Rounds alternate direct
-and proxy; each round's median latency is paired with the next round's; the overhead is the
-median of the paired ratios (their spread printed beside it). Then the wall time of starting
+own recording session ``/sessions/{id}/v1/chat/completions`` (proxy). Two designs, each
+``--rounds`` pairs: *alternating* rounds of only direct, then only proxy clients, each round's
+median latency paired with the next round's (also the driver's and the server's CPU time per
+call); *mixed* rounds of ``--sessions`` direct and ``--sessions`` proxy clients at once, paired
+within the round (the same machine load and server batches for both: far less noisy on a busy
+machine). The overhead is the median of the paired ratios, their spread printed beside it. Then the wall time of starting
 ``python`` bare, with ``openai`` and with the Agents SDK imported. Writes JSON.
 
     python benchmarks/agents_bench.py --out benchmarks/results/agents_bench.json
@@ -79,17 +82,21 @@ def client_main() -> None:
     async def run():
         lat = await asyncio.gather(
             *(
-                _client_calls(url, key, job["calls"], job["tokens"], job["direct"])
-                for url, key in job["targets"]
+                _client_calls(url, key, job["calls"], job["tokens"], kind == "direct")
+                for url, key, kind in job["targets"]
             )
         )
-        return [x for xs in lat for x in xs]
+        out = {"direct": [], "proxy": []}
+        for (*_, kind), xs in zip(job["targets"], lat):
+            out[kind] += xs
+        return out
 
     print(json.dumps(asyncio.run(run())), flush=True)
 
 
-def _run_clients(targets: list[tuple[str, str]], args, direct: bool) -> list[float]:
-    """The round's clients in ``args.client_procs`` processes, started together."""
+def _run_clients(targets: list[tuple[str, str, str]], args) -> dict[str, list[float]]:
+    """The round's clients (url, key, direct or proxy) in ``args.client_procs`` processes,
+    started together; their latencies by kind."""
     procs = []
     parts = [targets[i :: args.client_procs] for i in range(args.client_procs)]
     for part in parts:
@@ -99,7 +106,7 @@ def _run_clients(targets: list[tuple[str, str]], args, direct: bool) -> list[flo
             stdout=subprocess.PIPE,
             text=True,
         )
-        job = {"targets": part, "calls": args.calls, "tokens": args.tokens, "direct": direct}
+        job = {"targets": part, "calls": args.calls, "tokens": args.tokens}
         p.stdin.write(json.dumps(job) + "\n")
         p.stdin.flush()
         procs.append(p)
@@ -109,12 +116,13 @@ def _run_clients(targets: list[tuple[str, str]], args, direct: bool) -> list[flo
     for p in procs:
         p.stdin.write("go\n")
         p.stdin.flush()
-    latencies = []
+    latencies = {"direct": [], "proxy": []}
     for p in procs:
         out, _ = p.communicate()
         if p.returncode != 0:
             raise RuntimeError(f"an agents' process failed ({p.returncode})")
-        latencies += json.loads(out.splitlines()[-1])
+        for kind, xs in json.loads(out.splitlines()[-1]).items():
+            latencies[kind] += xs
     return latencies
 
 
@@ -197,12 +205,16 @@ def _cpu_s(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _round(proxy: ProxyThread, server_address: str, args, direct: bool) -> list[float]:
-    if direct:
-        return _run_clients([(server_address + "/v1", "none")] * args.sessions, args, True)
+def _round(proxy: ProxyThread, server_address: str, args, kind: str) -> dict[str, list[float]]:
+    """``--sessions`` clients of ``kind`` (direct, proxy), or of both at once (mixed)."""
+    targets = [(server_address + "/v1", "none", "direct")] * args.sessions
+    if kind == "direct":
+        return _run_clients(targets, args)
     sessions = proxy.open(args.sessions)
-    try:
-        return _run_clients([(s.base_url, s.api_key) for s in sessions], args, False)
+    mine = [(s.base_url, s.api_key, "proxy") for s in sessions]
+    try:  # mixed: direct and proxy clients alternate, so each process holds both
+        both = [t for pair in zip(targets, mine) for t in pair]
+        return _run_clients(mine if kind == "proxy" else both, args)
     finally:
         proxy.close(sessions)
 
@@ -216,29 +228,68 @@ def _start_cost(code: str, runs: int) -> float:
     return statistics.median(times)
 
 
-def _summary(rounds: list[dict]) -> dict:
-    ratios = [
-        p["median_s"] / d["median_s"] - 1
-        for d, p in zip(rounds[0::2], rounds[1::2])
-        if d["kind"] == "direct" and p["kind"] == "proxy"
-    ]
-    per_kind = {}
-    for kind in ("direct", "proxy"):
-        mine = [r for r in rounds if r["kind"] == kind]
-        medians = [r["median_s"] for r in mine]
-        per_kind[kind] = {
-            "round_medians_s": medians,
-            "median_s": statistics.median(medians),
-            "driver_cpu_ms_per_call": statistics.median(r["driver_cpu_ms_per_call"] for r in mine),
-            "server_cpu_ms_per_call": statistics.median(r["server_cpu_ms_per_call"] for r in mine),
+def _alternating(proxy, server, address, args) -> dict:
+    """Rounds of only direct, then only proxy clients, paired in order."""
+    rounds = []
+    for i in range(args.rounds):
+        for kind in ("direct", "proxy"):
+            cpu = _cpu_s(), _cpu_s(server.pid)
+            lat = _round(proxy, address, args, kind)[kind]
+            r = {
+                "kind": kind,
+                "median_s": statistics.median(lat),
+                "driver_cpu_ms_per_call": (_cpu_s() - cpu[0]) / len(lat) * 1e3,
+                "server_cpu_ms_per_call": (_cpu_s(server.pid) - cpu[1]) / len(lat) * 1e3,
+            }
+            rounds.append(r)
+            print(
+                f"alternating {i} {kind:6s} median {r['median_s']:.3f} s, CPU per call: "
+                f"driver {r['driver_cpu_ms_per_call']:.1f} ms, "
+                f"server {r['server_cpu_ms_per_call']:.1f} ms",
+                flush=True,
+            )
+    out = {"pairs": [(d["median_s"], p["median_s"]) for d, p in zip(rounds[0::2], rounds[1::2])]}
+    for key in ("driver_cpu_ms_per_call", "server_cpu_ms_per_call"):
+        out[key] = {
+            kind: statistics.median(r[key] for r in rounds if r["kind"] == kind)
+            for kind in ("direct", "proxy")
         }
+    return out
+
+
+def _mixed(proxy, address, args) -> dict:
+    """Rounds of ``--sessions`` direct and ``--sessions`` proxy clients at once (the same
+    machine load and server batches for both), paired within the round."""
+    pairs = []
+    for i in range(args.rounds):
+        lat = _round(proxy, address, args, "mixed")
+        pairs.append((statistics.median(lat["direct"]), statistics.median(lat["proxy"])))
+        print(f"mixed {i}: direct {pairs[-1][0]:.3f} s, proxy {pairs[-1][1]:.3f} s", flush=True)
+    return {"pairs": pairs}
+
+
+def _overheads(result: dict) -> dict:
+    ratios = [p / d - 1 for d, p in result["pairs"]]
     return {
-        **per_kind,
+        **result,
         "paired_overhead": ratios,
         "overhead_median": statistics.median(ratios),
         "overhead_min": min(ratios),
         "overhead_max": max(ratios),
     }
+
+
+def _print_side_by_side(name: str, result: dict) -> None:
+    print(f"{name:12s} {'direct':>8s} {'proxy':>8s} {'overhead':>9s}")
+    for (d, q), r in zip(result["pairs"], result["paired_overhead"]):
+        print(f"{'  pair':12s} {d:8.3f} {q:8.3f} {r:+9.1%}")
+    print(
+        f"  overhead: median {result['overhead_median']:+.1%} "
+        f"(pairs {result['overhead_min']:+.1%} .. {result['overhead_max']:+.1%})"
+    )
+    for key in ("driver_cpu_ms_per_call", "server_cpu_ms_per_call"):
+        if key in result:
+            print(f"  {key}: direct {result[key]['direct']:.1f}, proxy {result[key]['proxy']:.1f}")
 
 
 def main() -> None:
@@ -247,7 +298,13 @@ def main() -> None:
     p.add_argument("--sessions", type=int, default=32)
     p.add_argument("--calls", type=int, default=4)
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3, help="paired rounds (direct, then proxy)")
+    p.add_argument("--rounds", type=int, default=3, help="paired rounds of each mode")
+    p.add_argument(
+        "--mode",
+        default="both",
+        choices=("alternating", "mixed", "both"),
+        help="alternating: direct rounds, then proxy rounds; mixed: both kinds in one round",
+    )
     p.add_argument("--client-procs", type=int, default=4)
     p.add_argument("--server-threads", type=int, default=1)
     p.add_argument("--hidden", type=int, default=256)
@@ -259,56 +316,24 @@ def main() -> None:
     args = p.parse_args()
     if args.client:
         return client_main()
+    load_at_start = os.getloadavg()
     folder = _make_model(args)
     server, address = _start_server(folder, args.server_threads)
-    proxy = None
+    proxy, summary = None, {}
     try:
         proxy = ProxyThread(address, folder, args.tokens, args.profile)
-        _round(proxy, address, args, direct=True)  # warm-up
-        rounds = []
-        for i in range(args.rounds):
-            for kind in ("direct", "proxy"):
-                cpu = _cpu_s(), _cpu_s(server.pid)
-                lat = _round(proxy, address, args, kind == "direct")
-                calls = len(lat)
-                rounds.append(
-                    {
-                        "kind": kind,
-                        "median_s": statistics.median(lat),
-                        "mean_s": statistics.mean(lat),
-                        "driver_cpu_ms_per_call": (_cpu_s() - cpu[0]) / calls * 1e3,
-                        "server_cpu_ms_per_call": (_cpu_s(server.pid) - cpu[1]) / calls * 1e3,
-                    }
-                )
-                r = rounds[-1]
-                print(
-                    f"round {i} {kind:6s} median {r['median_s']:.3f} s, CPU per call: "
-                    f"driver {r['driver_cpu_ms_per_call']:.1f} ms, "
-                    f"server {r['server_cpu_ms_per_call']:.1f} ms",
-                    flush=True,
-                )
+        _round(proxy, address, args, "mixed")  # warm-up
+        if args.mode in ("alternating", "both"):
+            summary["alternating"] = _overheads(_alternating(proxy, server, address, args))
+        if args.mode in ("mixed", "both"):
+            summary["mixed"] = _overheads(_mixed(proxy, address, args))
     finally:
         if proxy is not None:
             proxy.stop()
         server.terminate()
         server.wait(timeout=30)
-    summary = _summary(rounds)
-    print(f"{'':8s} {'direct':>8s} {'proxy':>8s} {'overhead':>9s}")
-    for d, q, r in zip(
-        summary["direct"]["round_medians_s"], summary["proxy"]["round_medians_s"],
-        summary["paired_overhead"],
-    ):  # fmt: skip
-        print(f"{'pair':8s} {d:8.3f} {q:8.3f} {r:+9.1%}")
-    print(
-        f"overhead: median {summary['overhead_median']:+.1%} "
-        f"(pairs {summary['overhead_min']:+.1%} .. {summary['overhead_max']:+.1%})"
-    )
-    for where in ("driver", "server"):
-        key = f"{where}_cpu_ms_per_call"
-        print(
-            f"{where} CPU per call (ms): direct {summary['direct'][key]:.1f}, "
-            f"proxy {summary['proxy'][key]:.1f}"
-        )
+    for name, result in summary.items():
+        _print_side_by_side(name, result)
     if args.start_runs:
         summary["process_start_s"] = {
             "python": _start_cost("pass", args.start_runs),
@@ -316,7 +341,7 @@ def main() -> None:
             "python+agents_sdk": _start_cost("import agents", args.start_runs),
         }
     summary["args"] = vars(args)
-    summary["load_average"] = os.getloadavg()
+    summary["load_average"] = {"start": load_at_start, "end": os.getloadavg()}
     print(json.dumps(summary, indent=2))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
