@@ -128,6 +128,52 @@ def test_the_session_endpoint_serves_the_openai_api_and_refuses_other_keys(serve
     assert first.response.output_versions == [0] * len(first.output_ids)
 
 
+def test_a_streamed_session_call_sends_text_while_it_is_generated(server, tok):
+    """The first text chunk arrives while the server is still generating: with the engine held
+    there, nothing is recorded yet; the rest follows and adds up to the recorded completion."""
+    budget = 200  # many decode steps: the first chunk comes long before the last token
+
+    async def main():
+        inference = InferenceClient([server.address])
+        proxy = SessionProxy(inference, tok, greedy(tok))
+        await proxy.start()
+        exact = GenerationConfig(max_new_tokens=budget, temperature=1e-6, stop_token_ids=[])
+        session = proxy.open(exact)
+        c = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+        try:
+            stream = await c.chat.completions.create(
+                model="tidal",
+                messages=[{"role": "user", "content": "hi"}],
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            chunks, recorded_at_first_text = [], None
+            async for ch in stream:
+                chunks.append(ch)
+                if recorded_at_first_text is None and ch.choices and ch.choices[0].delta.content:
+                    await asyncio.to_thread(server.engine.pause, "in_place")
+                    recorded_at_first_text = len(session.completions)
+                    server.engine.resume()
+            return chunks, recorded_at_first_text, session.completions
+        finally:
+            server.engine.resume()
+            await c.close()
+            await proxy.stop()
+            await inference.aclose()
+
+    chunks, recorded_at_first_text, completions = asyncio.run(main())
+    assert recorded_at_first_text == 0  # text came before the generation ended
+    texts = [ch.choices[0].delta.content for ch in chunks if ch.choices]
+    assert sum(bool(t) for t in texts) > 1
+    (record,) = completions
+    assert "".join(t or "" for t in texts) == record.text
+    assert {ch.id for ch in chunks} == {record.id}
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == budget == len(record.output_ids)
+    assert len(record.response.output_logprobs) == budget
+    assert record.response.output_versions == [0] * budget
+
+
 def test_crashing_hanging_and_garbage_agents_are_rejected_then_stop_the_run(
     server, tok, tmp_path, caplog
 ):

@@ -2,6 +2,7 @@
 compatibility (router defaults, text prompts, refused fields, a real sglang-router)."""
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -378,7 +379,7 @@ def test_batched_text_prompts_answer_in_order(server):
         ({"sampling_params": {"repetition_penalty": 1.2}}, "repetition_penalty"),
         ({"sampling_params": {"regex": "[0-9]+"}}, "regex"),
         ({"sampling_params": {"json_schema": "{}"}}, "json_schema"),
-        ({"stream": True}, "stream"),
+        ({"stream": True, "sampling_params": {"n": 2}}, "stream"),
         ({"return_hidden_states": True}, "return_hidden_states"),
         ({"lora_path": "adapter"}, "lora_path"),
     ],
@@ -386,6 +387,26 @@ def test_batched_text_prompts_answer_in_order(server):
 def test_fields_that_would_change_generation_are_refused_by_name(server, extra, field):
     resp = post(server, "/generate", {"input_ids": [1, 2], **extra})
     assert resp.status_code == 400 and field in resp.json()["error"], resp.text
+
+
+def test_a_streamed_generate_sends_new_tokens_then_the_whole_result(server):
+    body = {
+        "input_ids": [1, 5, 9],
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+    }
+    whole = post(server, "/generate", body).json()
+    with httpx.stream("POST", server.address + "/generate", json={**body, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    *progress, last = events
+    assert [t for e in progress for t in e["output_ids"]] == whole["output_ids"]
+    assert [e["meta_info"]["completion_tokens"] for e in progress][-1] == 12
+    assert all(e["meta_info"]["finish_reason"] is None for e in progress)
+    assert last["output_ids"] == whole["output_ids"]
+    assert last["meta_info"]["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"]
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
 
 
 def test_stop_strings_end_the_text_and_eos_is_honoured_unless_ignored(server, model_dir):

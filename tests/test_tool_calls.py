@@ -194,3 +194,11 @@ def test_an_in_process_agent_uses_tools_and_trains_on_one_sequence(server, tool_
         == '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call><|im_end|>7<|im_end|>'
     )
     assert "<tool_response>7</tool_response>" in tok.decode(ids[~mask])
+
+
+def test_tidal_serve_refuses_an_unknown_tool_parser_by_its_flag(tmp_path, capsys):
+    from tidal.cli import main
+
+    assert main(["serve", "--model", str(tmp_path), "--tool-parser", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "--tool-parser" in err and "'nope'" in err and "hermes" in err

@@ -217,7 +217,11 @@ def serve(args: argparse.Namespace) -> int:
     import threading
 
     from tidal.inference import GenerationEngine, InferenceServer
+    from tidal.inference.tool_calls import TOOL_PARSERS
 
+    if args.tool_parser not in TOOL_PARSERS.names():  # before the model loads
+        known = ", ".join(TOOL_PARSERS.names())
+        return _fail("usage error", f"--tool-parser: unknown {args.tool_parser!r}; one of {known}")
     engine = GenerationEngine(args.model, max_batch_size=args.max_batch_size)
     server = InferenceServer(
         engine,
@@ -225,6 +229,7 @@ def serve(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=args.api_key,
         allowed_dirs=args.allow_weights_from or [args.model],
+        tool_parser=args.tool_parser,
     ).start()
     print(f"tidal: serving {args.model} on {server.address}", flush=True)
     stop = threading.Event()
@@ -316,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint"
     )
     p_serve.add_argument("--max-batch-size", type=int, default=64)
+    p_serve.add_argument(
+        "--tool-parser",
+        default="hermes",
+        help="how /v1/chat/completions parses tool calls from the model's text "
+        "(tidal.inference.tool_calls; rollout.tool_parser in a run)",
+    )
     p_serve.add_argument(
         "--allow-weights-from",
         action="append",

@@ -180,7 +180,9 @@ class LLMRolloutConfig:
         AgentConfig, "an agent in its own process: a command per episode, or a service"
     )
     tool_parser: str = setting(
-        "hermes", "how agents' tool calls are parsed from the text (tidal.inference.tool_calls)"
+        "hermes",
+        "how tool calls are parsed from the model's text, by the session proxy and by the run's "
+        "servers' /v1/chat/completions (tidal.inference.tool_calls; tidal serve --tool-parser)",
     )
     agent_mode: str = setting(
         "auto",

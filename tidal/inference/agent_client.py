@@ -22,8 +22,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Any
 
 from tidal.extras import needs_extra
@@ -93,8 +94,30 @@ class RecordingChatCompletions(AsyncCompletions):
         super().__init__(owner)
         self.owner = owner
 
-    async def create(
-        self,
+    async def create(self, **kwargs: Any) -> ChatCompletion:
+        """OpenAI's ``chat.completions.create`` (the arguments of ``ChatCall.of``), recorded."""
+        owner = self.owner
+        call = ChatCall.of(owner, **kwargs)
+        record = await owner.record(call.prompt, call.cfg, call.messages, call.tools)
+        return ChatCompletion.model_validate(
+            chat_completion(record, owner.tokenizer, call.logprobs)
+        )
+
+
+@dataclass
+class ChatCall:
+    """A chat completion's request, checked and rendered: what ``record`` generates from."""
+
+    prompt: list[int]
+    cfg: GenerationConfig
+    messages: list[dict]
+    tools: list[dict] | None
+    logprobs: bool
+
+    @classmethod
+    def of(
+        cls,
+        owner: RecordingOpenAI,
         *,
         messages: Any,
         max_tokens: Any = None,
@@ -108,15 +131,15 @@ class RecordingChatCompletions(AsyncCompletions):
         tool_choice: Any = None,
         extra_body: dict | None = None,
         **kwargs: Any,
-    ) -> ChatCompletion:
+    ) -> ChatCall:
+        """Raises ``ValueError`` naming an argument that is not supported."""
         _check_unsupported({**kwargs, **(extra_body or {})})
-        owner = self.owner
         messages = [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in messages]
         tools = check_tools(None if tools in _ABSENT else tools, _given(tool_choice))
         budget = max_completion_tokens if max_completion_tokens not in _ABSENT else max_tokens
         cfg = owner.config(budget, temperature, top_p, stop, seed)
-        record = await owner.record(owner.prompt_ids(messages, tools), cfg, messages, tools)
-        return _chat_completion(record, owner.tokenizer, bool(logprobs not in _ABSENT and logprobs))
+        prompt = owner.prompt_ids(messages, tools)
+        return cls(prompt, cfg, messages, tools, bool(logprobs not in _ABSENT and logprobs))
 
 
 class RecordingChat(AsyncChat):
@@ -144,8 +167,14 @@ class RecordingOpenAI(openai.AsyncOpenAI):
         extend_turns: bool = True,
         tool_parser: str = "hermes",
     ):
-        # nothing goes over OpenAI's HTTP: the base URL is never contacted
-        super().__init__(api_key="tidal", base_url="http://tidal.invalid/v1", max_retries=0)
+        # nothing goes over OpenAI's HTTP: the base URL is never contacted, and every instance
+        # shares one idle HTTP client (building one costs ~65 ms of CPU: its SSL context)
+        super().__init__(
+            api_key="tidal",
+            base_url="http://tidal.invalid/v1",
+            max_retries=0,
+            http_client=_idle_http_client(),
+        )
         self.inference, self.tokenizer = inference, tokenizer
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self.gconfig = gconfig or GenerationConfig(max_new_tokens=256, stop_token_ids=eos)
@@ -154,6 +183,9 @@ class RecordingOpenAI(openai.AsyncOpenAI):
         self.extend_turns = extend_turns
         self.tool_parser = tool_parser
         self.tool_parse_errors = 0  # answers whose tool call did not parse (kept as content)
+
+    async def close(self) -> None:
+        """Nothing to close: the HTTP client is shared and never used."""
 
     def config(self, max_tokens=None, temperature=None, top_p=None, stop=None, seed=None):
         """The client's defaults with a call's sampling arguments over them."""
@@ -173,18 +205,22 @@ class RecordingOpenAI(openai.AsyncOpenAI):
         cfg: GenerationConfig,
         messages: list[dict] | None = None,
         tools: list[dict] | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        completion_id: str | None = None,
     ) -> Completion:
         """Generate from ``prompt`` (resumed across weight updates) and record the completion;
-        with ``messages`` the answer is a chat message (tool calls parsed when ``tools``)."""
-        response = await self.inference.agenerate(
-            ModelRequest(prompt, cfg, session_id=self.session_id)
-        )
+        with ``messages`` the answer is a chat message (tool calls parsed when ``tools``).
+        ``on_tokens(ids)`` is called with new tokens as the server streams them."""
+        req = ModelRequest(prompt, cfg, session_id=self.session_id)
+        # an inference client that does not stream (a stand-in) is called as before
+        streamed = () if on_tokens is None else (on_tokens,)
+        response = await self.inference.agenerate(req, *streamed)
         text = _answer_text(self.tokenizer, response, cfg.stop)
         finish = "stop" if response.stop_reason == "stop" else "length"
         parsed = parse_tool_calls(text, self.tool_parser, tools)
         self.tool_parse_errors += parsed.error is not None
         record = Completion(
-            f"chatcmpl-{uuid.uuid4().hex}",
+            completion_id or f"chatcmpl-{uuid.uuid4().hex}",
             messages or [],
             prompt,
             response,
@@ -295,7 +331,13 @@ def _answer_text(tokenizer, response: ModelResponse, stop: list[str]) -> str:
     return text
 
 
-def _chat_completion(record: Completion, tokenizer, with_logprobs: bool) -> ChatCompletion:
+@cache
+def _idle_http_client():
+    return openai.DefaultAsyncHttpxClient()
+
+
+def chat_completion(record: Completion, tokenizer, with_logprobs: bool) -> dict:
+    """A recorded completion as an OpenAI ``chat.completion`` body."""
     r = record.response
     logprobs = None
     if with_logprobs:
@@ -306,24 +348,22 @@ def _chat_completion(record: Completion, tokenizer, with_logprobs: bool) -> Chat
                 {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
             )
         logprobs = {"content": content}
-    return ChatCompletion.model_validate(
-        {
-            "id": record.id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": "tidal",
-            "choices": [
-                {
-                    "index": 0,
-                    "finish_reason": record.finish_reason,
-                    "message": record.message,
-                    "logprobs": logprobs,
-                }
-            ],
-            "usage": {
-                "prompt_tokens": r.input_len,
-                "completion_tokens": r.output_len,
-                "total_tokens": r.input_len + r.output_len,
-            },
-        }
-    )
+    return {
+        "id": record.id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": "tidal",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": record.finish_reason,
+                "message": record.message,
+                "logprobs": logprobs,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": r.input_len,
+            "completion_tokens": r.output_len,
+            "total_tokens": r.input_len + r.output_len,
+        },
+    }

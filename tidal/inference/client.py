@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -86,6 +87,9 @@ class SGLangProtocol:
         if g.top_logprobs:
             payload["top_logprobs_num"] = g.top_logprobs
         return "/generate", payload
+
+    # tidal's server streams /generate: events of new token ids, the last the whole result
+    supports_stream = True
 
     def samples(self, result, n: int) -> list[dict]:
         return [result] if n == 1 else result
@@ -192,10 +196,70 @@ class InferenceClient:
             f"server {address}{endpoint} failed after {self.max_retries + 1} attempts: {last}"
         )
 
-    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+    async def agenerate(
+        self, req: ModelRequest, on_tokens: Callable[[list[int]], None] | None = None
+    ) -> ModelResponse:
         """Generate, resuming after every abort (a weight update) with the prompt plus the tokens
-        so far and the remaining budget, until the request stops or its budget is spent."""
-        return (await self.agenerate_n(req, 1))[0]
+        so far and the remaining budget, until the request stops or its budget is spent.
+        ``on_tokens(ids)`` is called with the new tokens as the server streams them (once per
+        answer where the protocol does not stream)."""
+        address = self.pick_server(req.session_id)
+        if on_tokens is None or not getattr(self.protocol, "supports_stream", False):
+            out = (await self.agenerate_n(req, 1))[0]
+            if on_tokens is not None:
+                on_tokens(out.output_tokens)
+            return out
+        self._in_flight[address] += 1
+        try:
+            out, reason = ModelResponse(input_tokens=list(req.input_ids)), None
+            while reason not in ("stop", "length") and out.output_len < req.gconfig.max_new_tokens:
+                if reason is not None:  # aborted by a weight update: resume
+                    await asyncio.sleep(self.resume_delay_s)
+                endpoint, payload = self.protocol.generate(req, out, 1)
+                result = await self._stream(
+                    address, endpoint, {**payload, "stream": True}, on_tokens
+                )
+                reason = self.protocol.absorb(out, result)
+            out.stop_reason = "length" if reason in (None, "abort") else reason
+            return out
+        finally:
+            self._in_flight[address] -= 1
+
+    async def _stream(self, address: str, endpoint: str, payload: dict, on_tokens) -> dict:
+        """A streamed request: ``on_tokens`` gets each event's new tokens (``meta_info``'s
+        ``completion_tokens`` counts them, so cumulative and incremental ``output_ids`` both
+        work); returns the last event, the whole result. Connection errors and 5xx answers
+        before the first token are retried like ``request``'s."""
+        last = None
+        for attempt in range(self.max_retries + 1):
+            seen = 0
+            try:
+                async with self._client().post(address + endpoint, json=payload) as resp:
+                    if 400 <= resp.status < 500:
+                        raise InferenceError(
+                            f"server {address}{endpoint} refused the request ({resp.status}): "
+                            f"{await resp.text()}"
+                        )
+                    if resp.status < 400:
+                        async for line in resp.content:
+                            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                                continue
+                            event = json.loads(line[5:])
+                            fresh = event["meta_info"]["completion_tokens"] - seen
+                            if fresh > 0:
+                                on_tokens(event["output_ids"][-fresh:])
+                                seen += fresh
+                            if event["meta_info"].get("finish_reason") is not None:
+                                return event
+                        last = "the stream ended before the result"
+                    else:
+                        last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if seen or attempt == self.max_retries:  # tokens already passed on: not replayed
+                break
+            await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise InferenceError(f"server {address}{endpoint} streamed no result: {last}")
 
     async def agenerate_n(self, req: ModelRequest, n: int) -> list[ModelResponse]:
         """``n`` samples of one prompt in one request (SGLang's ``sampling_params.n``); a sample

@@ -3,12 +3,11 @@ reasons, log-probs in the completions and the chat shapes, token ids, and the en
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
 from tidal.inference.engine import GenerationEngine, GenerationResult
-from tidal.inference.protocol import output_text
+from tidal.inference.protocol import output_text, server_sent_event  # noqa: F401 (re-exported)
 from tidal.inference.tool_calls import parse_tool_calls
 
 
@@ -91,11 +90,6 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
-
-
-def server_sent_event(data: dict) -> str:
-    """One event of a streamed response (``data: {json}`` and a blank line)."""
-    return "data: " + json.dumps(data) + "\n\n"
 
 
 def chat_choice_message(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,7 @@ from tidal.extras import needs_extra
 
 with needs_extra("llm", "the inference server"):
     from fastapi import Request
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, StreamingResponse
 
 from tidal.inference.engine import GenerationResult
 from tidal.inference.params import GenerationConfig
@@ -42,7 +43,6 @@ IGNORED_FIELDS = frozenset(
 # top-level fields accepted only when unset or false (at their default)
 DEFAULT_ONLY_FIELDS = frozenset(
     {
-        "stream",
         "return_hidden_states",
         "return_entropy",
         "token_ids_logprob",
@@ -92,6 +92,7 @@ class GenerateCall:
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
     text_options: list[dict[str, bool]] = field(default_factory=list)
+    stream: bool = False  # server-sent events as tokens arrive (one prompt, n = 1)
 
     def expanded(self) -> list[tuple[int, list[int], GenerationConfig, str | None]]:
         """``(prompt index, prompt, config, rid)`` per generation, prompt-major (SGLang's order);
@@ -115,6 +116,7 @@ def parse_generate(body: Any, tokenizer) -> GenerateCall:
         "rid",
         "return_text_in_logprobs",
         "top_logprobs_num",
+        "stream",
     }
     for key, value in body.items():
         if key in known or key in IGNORED_FIELDS:
@@ -157,11 +159,15 @@ def parse_generate(body: Any, tokenizer) -> GenerateCall:
         and all(isinstance(r, str) for r in rids)
     ):
         raise ValueError("rid: must be a string, or a list of strings with one per prompt")
+    n, stream = ns.pop(), _flag(body, "stream")
+    if stream and (batched or n > 1):
+        raise ValueError("stream: streams one prompt with n = 1")
     return GenerateCall(
         prompts,
         [c for c, _, _ in parsed],
         rids,
-        n=ns.pop(),
+        n=n,
+        stream=stream,
         batched=batched,
         return_logprob=_flag(body, "return_logprob"),
         return_text_in_logprobs=_flag(body, "return_text_in_logprobs"),
@@ -326,6 +332,57 @@ async def generate_all(
         )
         futures.append(fut)
     return list(await asyncio.gather(*futures))
+
+
+def stream_generate(engine, call: GenerateCall) -> StreamingResponse:
+    """``/generate`` with ``stream: true``: an event per batch of new tokens (``output_ids`` the
+    new ones, ``meta_info.completion_tokens`` the count so far, ``finish_reason`` null), then the
+    whole result as the unstreamed answer has it, then ``[DONE]``. The request is checked before
+    the stream starts, so a bad one is still a 400."""
+    ((p, prompt, cfg, rid),) = call.expanded()
+    engine.validate(prompt, cfg)
+    rid = rid or uuid.uuid4().hex
+
+    async def events():
+        queue: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(generate_all(engine, [(prompt, cfg, rid)], queue.put_nowait))
+        task.add_done_callback(lambda _: queue.put_nowait(None))
+        count, done = 0, False
+        try:
+            while not done:
+                fresh = []  # every token that has arrived: one event
+                item = await queue.get()
+                while True:
+                    if item is None:
+                        done = True
+                        break
+                    fresh.append(item)
+                    if queue.empty():
+                        break
+                    item = queue.get_nowait()
+                if fresh:
+                    count += len(fresh)
+                    meta = {"id": rid, "finish_reason": None, "completion_tokens": count}
+                    yield server_sent_event({"output_ids": fresh, "meta_info": meta})
+            (result,) = task.result()
+            whole = result_json(
+                result,
+                engine.tokenizer,
+                call.return_logprob,
+                call.text_options[p],
+                call.return_text_in_logprobs,
+            )
+            yield server_sent_event(whole)
+            yield "data: [DONE]\n\n"
+        finally:
+            task.cancel()
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def server_sent_event(data: dict) -> str:
+    """One event of a streamed response (``data: {json}`` and a blank line)."""
+    return "data: " + json.dumps(data) + "\n\n"
 
 
 def _settle(fut: asyncio.Future, result: GenerationResult) -> None:

@@ -1,6 +1,7 @@
 """An HTTP server for the engine, speaking the subset of SGLang's API that RL needs.
 
-Endpoints (SGLang's names and fields): ``POST /generate``, ``POST /pause_generation``,
+Endpoints (SGLang's names and fields): ``POST /generate`` (``stream: true``: server-sent events
+of the new token ids, the last one the whole result), ``POST /pause_generation``,
 ``POST /continue_generation``, ``POST /update_weights_from_disk``,
 ``POST /update_weights_from_tensors`` (a safetensors body, for trainers in the same cluster),
 ``GET /health``, ``GET /get_model_info``, ``POST /flush_cache``; and OpenAI's ``/v1/models``,
@@ -38,6 +39,7 @@ from tidal.inference.protocol import (
     json_body,
     parse_generate,
     result_json,
+    stream_generate,
 )
 
 
@@ -97,6 +99,8 @@ def build_app(
     async def generate(request: Request):
         """SGLang's ``/generate``: one result, or a list (``n > 1`` or a batch of prompts)."""
         call = parse_generate(await json_body(request), engine.tokenizer)
+        if call.stream:
+            return stream_generate(engine, call)
         jobs = call.expanded()
         results = await generate_all(engine, [(prompt, cfg, rid) for _, prompt, cfg, rid in jobs])
         out = [

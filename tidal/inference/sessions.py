@@ -10,8 +10,9 @@ behaviour log-probs, exactly as an in-process agent's calls are. The proxy runs 
 that ``start`` is awaited on (the episodes' loop), so sessions need no locks.
 
 A call with a wrong token is a 401, to an ended session a 409 (calls in flight when it ends are
-cancelled and answered 409), to an unknown one a 404; none of them records anything. Streaming
-answers arrive whole, as one chunk per choice (generation is not streamed through the proxy).
+cancelled and answered 409), to an unknown one a 404; none of them records anything. A streamed
+chat completion streams text as the server generates it (``session_stream``); with tools it
+arrives whole, one chunk, as tidal's server streams tool calls.
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ with needs_extra("llm", "the session proxy"):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
-from tidal.inference.agent_client import RecordingOpenAI
+from tidal.inference.agent_client import ChatCall, RecordingOpenAI, chat_completion
 from tidal.inference.client import InferenceClient
 from tidal.inference.openai_request import completion_prompts
 from tidal.inference.openai_response import server_sent_event, usage, whole_stream
 from tidal.inference.params import GenerationConfig
 from tidal.inference.protocol import error_json, json_body
 from tidal.inference.responses_api import chat_arguments, response_object
+from tidal.inference.session_stream import chat_stream
 
 
 @dataclass
@@ -225,10 +227,14 @@ class SessionProxy:
         body.pop("model", None)
         if "messages" not in body:
             raise ValueError("messages: required")
-        out = await session.client.chat.completions.create(**body)
-        answer = out.model_dump(exclude_none=True)
+        client = session.client
+        call = ChatCall.of(client, **body)
+        if stream and call.tools is None:
+            return chat_stream(session, call, include_usage, self.model_name)
+        record = await client.record(call.prompt, call.cfg, call.messages, call.tools)
+        answer = chat_completion(record, client.tokenizer, call.logprobs)
         answer["model"] = self.model_name
-        if stream:
+        if stream:  # tool calls are known once the answer is whole (as the server streams them)
             return StreamingResponse(
                 whole_stream(answer, include_usage), media_type="text/event-stream"
             )

@@ -111,6 +111,7 @@ class TidalEngine(RolloutEngine):
             dtype=cfg.model.dtype,
             attn_implementation=cfg.model.attn_implementation,
             device=cfg.cluster.device,
+            tool_parser=cfg.rollout.tool_parser,
         ).launch(self.cluster, self.server_devices(), name="rollout")
         self.weights_link = None  # opened with the trainer, at the first update
         return self.servers.address().wait(self.timeout)

@@ -23,6 +23,7 @@ class InferenceServerWorker(Worker, WeightLinks):
         dtype: str = "float32",
         attn_implementation: str | None = None,
         device: str = "auto",
+        tool_parser: str = "hermes",
     ):
         torch.set_num_threads(torch_threads)
         engine = GenerationEngine(
@@ -34,7 +35,12 @@ class InferenceServerWorker(Worker, WeightLinks):
         if attn_implementation is not None:  # model.attn_implementation, as the trainer loads it
             engine.model.set_attn_implementation(attn_implementation)
         self.server = InferenceServer(
-            engine, host=host, port=0, api_key=api_key, allowed_dirs=allowed_dirs or [model_dir]
+            engine,
+            host=host,
+            port=0,
+            api_key=api_key,
+            allowed_dirs=allowed_dirs or [model_dir],
+            tool_parser=tool_parser,
         ).start()
 
     def address(self) -> str:
