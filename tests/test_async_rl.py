@@ -632,6 +632,38 @@ def test_a_language_step_does_not_depend_on_the_micro_batch_split(arith_model, l
         torch.testing.assert_close(weights[40][name], value, rtol=1e-5, atol=2e-6)
 
 
+def test_a_host_resident_kl_reference_trains_bitwise_as_one_on_the_device(arith_model):
+    """actor.ref_offload: the reference copy waits in host memory between its passes (its
+    storages hold nothing after a step) and two steps take exactly the weights they take with
+    the reference kept on the device; actor.offload takes the copy off with the engine."""
+    from tidal.runtime import Cluster
+    from tidal.workers.llm_actor import LLMActor
+
+    batch = _synthetic_batch(16, 12, AutoTokenizer.from_pretrained(arith_model).vocab_size)
+    kl = ["algorithm.kl_coef=0.5", "algorithm.kl_in=reward"]
+    runs = {}
+    cluster = Cluster("local")
+    try:
+        for parked in (False, True):
+            cfg = _trainer_config(arith_model, "token-mean", *kl, f"actor.ref_offload={parked}")
+            group = LLMActor.create_group(cfg).launch(cluster, "0", name=f"parked{parked}")
+            metrics = [group.train_step(batch).wait(120)[0] for _ in range(2)]
+            resident = group.reference_bytes().wait(30)[0]
+            assert (resident == 0) == parked, resident
+            if not parked:  # the collocated phase takes the reference off with the engine
+                assert group.offload_engine().wait(30)[0] > 0
+                assert group.reference_bytes().wait(30)[0] == 0
+                group.onload_engine().wait(30)
+                assert group.reference_bytes().wait(30)[0] == resident
+            runs[parked] = metrics, group.state_dict().wait(60)[0]
+            group.shutdown()
+    finally:
+        cluster.shutdown()
+    assert runs[True][0] == runs[False][0]
+    for name, value in runs[False][1].items():
+        assert torch.equal(runs[True][1][name], value), name
+
+
 def test_dynamic_sampling_keeps_the_batch_size_and_never_trains_on_a_filtered_group():
     """DAPO: groups with equal rewards are turned away and more prompts are drawn until the
     batch is full; the turned-away groups are counted and leave room under the staleness bound."""

@@ -83,6 +83,11 @@ def test_overrides_apply_with_types():
         ),
         (["algorithm.dual_clip=0.5"], r"algorithm.dual_clip: must be > 1"),
         (["algorithm.kl_coef=-0.1"], r"algorithm.kl_coef: must be >= 0, got -0.1"),
+        (["actor.ref_offload=true"], r"actor.ref_offload: there is no KL reference to offload"),
+        (
+            ["actor.ref_offload=true", "algorithm.kl_coef=0.1", "model.lora.rank=4"],
+            r"actor.ref_offload: under model.lora the reference is the trained model",
+        ),
         (["algorithm.kl_kind=k9"], r"algorithm.kl_kind: expected one of k1, k2, k3, abs, got 'k9'"),
         (["rollout.num_steps=0"], r"rollout.num_steps: must be >= 1, got 0"),
         (["env.nope"], r"override 'env.nope': expected key.sub=value"),

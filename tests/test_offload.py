@@ -5,7 +5,7 @@ import torch
 
 from tidal.config.common import ActorConfig
 from tidal.engine import TrainEngine
-from tidal.runtime.offload import module_and_optimizer_tensors
+from tidal.runtime.offload import HostParkedModule, module_and_optimizer_tensors
 
 
 def _engine(seed: int) -> TrainEngine:
@@ -38,3 +38,37 @@ def test_offload_frees_the_device_storages_and_training_continues_bitwise():
         assert torch.equal(a, b)
     for a, b in zip(plain.optimizer.state.values(), offloaded.optimizer.state.values()):
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _frozen(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+
+def test_a_host_resident_reference_comes_to_the_device_only_while_in_use():
+    """actor.ref_offload: the reference's storages are freed between passes and its outputs are
+    those of a copy never moved."""
+    kept, parked = _frozen(1), HostParkedModule(_frozen(1), resident_on_host=True)
+    x = torch.randn(5, 6)
+    assert parked.resident_bytes() == 0
+    for _ in range(2):
+        with parked.in_use() as ref:
+            assert parked.resident_bytes() > 0
+            assert torch.equal(ref(x), kept(x))
+        assert parked.resident_bytes() == 0
+    assert parked.unpark() == 0  # it lives on the host: a collocated onload leaves it there
+
+
+def test_a_reference_copy_steps_off_with_the_engine_and_a_view_is_never_moved():
+    ref = HostParkedModule(_frozen(2))
+    full = ref.resident_bytes()
+    assert full > 0 and ref.park() == full and ref.resident_bytes() == 0
+    assert ref.unpark() == full and ref.resident_bytes() == full
+
+    class View:  # LoRA's adapters-disabled reference: the trained model's own weights
+        pass
+
+    view = HostParkedModule(View(), resident_on_host=True)
+    assert view.park() == 0 and view.resident_bytes() == 0
+    with view.in_use() as same:
+        assert same is view.module

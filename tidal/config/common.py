@@ -161,6 +161,11 @@ class ActorConfig:
         "gradients and optimizer state move to host memory while the rollout generates and "
         "back before training (synchronous runs; timers offload, onload)",
     )
+    ref_offload: bool = setting(
+        False,
+        "the KL reference copy's weights live in host memory and come to the device only for "
+        "its log-prob pass each step (needs algorithm.kl_coef > 0 and no LoRA)",
+    )
     max_skipped_steps: int = setting(
         10, "abort after this many consecutive optimizer steps with a non-finite gradient"
     )
@@ -241,6 +246,24 @@ def validate_sft_schedule(sft) -> None:
 
 def one_of(value, allowed, key: str) -> None:
     require(value in allowed, key, f"expected one of {', '.join(map(str, allowed))}, got {value!r}")
+
+
+def validate_ref_offload(actor: ActorConfig, algorithm: AlgorithmConfig, lora_rank: int) -> None:
+    """``actor.ref_offload`` needs a reference copy of its own: a KL penalty, and no LoRA (whose
+    reference is the trained model with its adapters off: the same weights)."""
+    if not actor.ref_offload:
+        return
+    require(
+        algorithm.kl_coef > 0,
+        "actor.ref_offload",
+        "there is no KL reference to offload: algorithm.kl_coef is 0",
+    )
+    require(
+        lora_rank == 0,
+        "actor.ref_offload",
+        "under model.lora the reference is the trained model with its adapters disabled (no "
+        "copy to offload); remove the key",
+    )
 
 
 def validate_common(

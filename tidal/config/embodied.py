@@ -17,6 +17,7 @@ from tidal.config.common import (
     one_of,
     resolve_algorithm,
     validate_common,
+    validate_ref_offload,
     validate_sft_schedule,
 )
 from tidal.config.loader import require
@@ -252,6 +253,7 @@ def validate_embodied(cfg: EmbodiedConfig) -> None:
     """The rules between keys of an embodied config (no registry, env or placement needed)."""
     env, alg, act = cfg.env, cfg.algorithm, cfg.actor
     validate_common(cfg.cluster, cfg.runner, act, alg)
+    validate_ref_offload(act, alg, cfg.model.lora.rank)
     validate_lora(cfg.model.lora)
     validate_offpolicy(cfg)
     one_of(cfg.model.activation, ("tanh", "relu", "gelu"), "model.activation")

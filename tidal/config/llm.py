@@ -16,6 +16,7 @@ from tidal.config.common import (
     one_of,
     resolve_algorithm,
     validate_common,
+    validate_ref_offload,
     validate_sft_schedule,
 )
 from tidal.config.loader import require
@@ -313,6 +314,7 @@ def validate_llm(cfg: LLMConfig) -> None:
     """The rules between keys of a language config (no registry, file or placement needed)."""
     a, alg, r = cfg.actor, cfg.algorithm, cfg.rollout
     validate_common(cfg.cluster, cfg.runner, a, alg)
+    validate_ref_offload(a, alg, cfg.model.lora.rank)
     validate_lora(cfg.model.lora)
     one_of(
         alg.prox_logp_method, ("recompute", "loglinear", "metrics"), "algorithm.prox_logp_method"

@@ -11,6 +11,7 @@ freed all the same, which is what makes the mechanism testable there.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
@@ -41,6 +42,7 @@ class HostOffload:
         """Move the tensors' storages to host memory and free them; returns the bytes freed."""
         if self._held:
             raise RuntimeError("offload: the state is offloaded already (onload first)")
+        tensors = _owning(list(tensors))
         seen: set[int] = set()
         freed = 0
         for t in tensors:
@@ -75,3 +77,66 @@ class HostOffload:
             torch.cuda.synchronize()
         self._held = []
         return restored
+
+
+def _owning(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors, each one whose storage cannot be freed in place (weights a CPU model
+    reads memory-mapped from safetensors) first given a copy of its own: the tensor object,
+    which optimizers and modules hold, stays the same."""
+    copied: set[int] = set()
+    for t in tensors:
+        if not t.untyped_storage().resizable() and id(t) not in copied:
+            t.data = t.data.clone()
+            copied.add(id(t))
+    return tensors
+
+
+class HostParkedModule:
+    """A frozen module (a KL reference copy, say) whose weights can wait in host memory.
+
+    ``park`` and ``unpark`` move them off and back around a collocated phase (with the
+    engine's ``offload``); with ``resident_on_host`` they live on the host and come to the
+    device only inside ``in_use()``, one pass at a time. Anything but a module (None, or a
+    view of another model's weights such as LoRA's adapters-disabled reference) is held as
+    is and never moved.
+    """
+
+    def __init__(self, module, resident_on_host: bool = False):
+        self.module, self.resident_on_host = module, resident_on_host
+        self._host = HostOffload()
+        if resident_on_host:
+            self.park()
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [*self.module.parameters(), *self.module.buffers()]
+
+    def park(self) -> int:
+        """Its weights to host memory (a no-op when already there); the bytes freed."""
+        if not isinstance(self.module, torch.nn.Module) or self._host.offloaded:
+            return 0
+        return self._host.offload(self._tensors())
+
+    def unpark(self) -> int:
+        """Back on the device, unless they live on the host between uses."""
+        if self.resident_on_host or not self._host.offloaded:
+            return 0
+        return self._host.onload()
+
+    def resident_bytes(self) -> int:
+        """Bytes its weights' storages hold now (0 while parked; a non-module holds none)."""
+        if not isinstance(self.module, torch.nn.Module):
+            return 0
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in self._tensors()}
+        return sum(s.nbytes() for s in storages.values())
+
+    @contextlib.contextmanager
+    def in_use(self):
+        """The module with its weights on the device for the duration of the block."""
+        if not self._host.offloaded:
+            yield self.module
+            return
+        self._host.onload()
+        try:
+            yield self.module
+        finally:
+            self._host.offload(self._tensors())

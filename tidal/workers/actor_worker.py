@@ -20,6 +20,7 @@ from tidal.runtime import Channel, CommMapper, ConfigSections, Worker, merge_bat
 from tidal.runtime.devices import to_device
 from tidal.runtime.weight_sync import WeightLinks
 from tidal.strategies import build_model
+from tidal.workers.offloading import ActorOffload
 from tidal.workers.routes import TRAJECTORY_TAG, Topology
 
 
@@ -27,7 +28,7 @@ def _time_major(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1)
 
 
-class ActorWorker(Worker, WeightLinks):
+class ActorWorker(Worker, WeightLinks, ActorOffload):
     config_sections = ("cluster", "runner", "env", "rollout", "model", "actor", "algorithm")
 
     def __init__(
@@ -63,6 +64,7 @@ class ActorWorker(Worker, WeightLinks):
             whole=keep_ref and cfg.model.lora.rank == 0,
         )
         self.ref = reference_model(self.policy, keep=keep_ref)
+        self.init_offload()
         if self.world_size > 1:
             self.init_distributed()
         self.engine = TrainEngine(
@@ -92,13 +94,6 @@ class ActorWorker(Worker, WeightLinks):
     def weight_tensors(self):
         """The ``(name, tensor)`` pairs a weight link sends, on rank 0 (None elsewhere)."""
         return rollout_weights(self.policy, self.engine, self.rank)
-
-    def offload_engine(self) -> int:
-        """``actor.offload``: parameters, gradients and optimizer state to host memory."""
-        return self.engine.offload()
-
-    def onload_engine(self) -> int:
-        return self.engine.onload()
 
     # -- data ----------------------------------------------------------------------------
 
@@ -153,7 +148,8 @@ class ActorWorker(Worker, WeightLinks):
         if values is not None:
             self.batch["old_values"] = flatten_steps(values[:-1])
         if self.ref is not None:
-            self.batch["ref_logprobs"] = self._logprobs_under(self.ref)
+            with self.reference.in_use() as ref:
+                self.batch["ref_logprobs"] = self._logprobs_under(ref)
         metrics.update(self._staleness())
         return metrics
 

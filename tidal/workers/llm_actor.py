@@ -29,6 +29,7 @@ from tidal.runtime import ConfigSections, Worker
 from tidal.runtime.devices import to_device
 from tidal.runtime.weight_sync import WeightLinks
 from tidal.strategies import build_model
+from tidal.workers.offloading import ActorOffload
 
 
 def token_logprobs(
@@ -79,7 +80,7 @@ def trained_model(m, weights: bool = True) -> torch.nn.Module:
     return apply_lora(model, m.lora, repr(m.path))
 
 
-class LLMActor(Worker, WeightLinks):
+class LLMActor(Worker, WeightLinks, ActorOffload):
     config_sections = ("cluster", "runner", "rollout", "model", "actor", "algorithm")
 
     def __init__(self, cfg: ConfigSections):
@@ -101,6 +102,7 @@ class LLMActor(Worker, WeightLinks):
             whole=keep_ref and m.lora.rank == 0,
         )
         self.ref = reference_model(self.model, keep=keep_ref)
+        self.init_offload()
         if self.world_size > 1:
             self.init_distributed()
         self.engine = TrainEngine(
@@ -128,13 +130,6 @@ class LLMActor(Worker, WeightLinks):
         if self.rank == 0:
             save_pretrained_folder(self.model, folder, dict(weights))
         return self.version
-
-    def offload_engine(self) -> int:
-        """``actor.offload``: parameters, gradients and optimizer state to host memory."""
-        return self.engine.offload()
-
-    def onload_engine(self) -> int:
-        return self.engine.onload()
 
     @property
     def version(self) -> int:
@@ -202,7 +197,8 @@ class LLMActor(Worker, WeightLinks):
         ref_logp = None
         if self.ref is not None:
             # KL in the reward shapes the advantages, which every rank computes over all rows
-            ref_logp = self.compute_logp(batch, self.ref, None if alg.kl_in == "reward" else mine)
+            with self.reference.in_use() as ref:
+                ref_logp = self.compute_logp(batch, ref, None if alg.kl_in == "reward" else mine)
         prox = self.compute_logp(batch, rows=mine) if self.objective.needs_prox else None
         adv = self.advantages(batch, ref_logp)
         for minibatch in minibatches:
