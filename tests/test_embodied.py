@@ -132,7 +132,9 @@ def test_a_failing_worker_is_named_with_its_traceback(tmp_path):
 
 def test_a_kl_penalty_keeps_the_policy_near_the_one_training_started_from(tmp_path):
     """``algorithm.kl_coef`` > 0: ``train/kl_ref`` (k3 to a frozen copy of the starting policy)
-    is logged every step, and a large coefficient holds the policy closer than a tiny one."""
+    is logged every step, and a large coefficient holds the policy closer than a tiny one;
+    that run also keeps its reference in host memory and steps off the device while the rollout
+    collects (actor.ref_offload, actor.offload: both timed)."""
     tiny = [
         "env.total_num_envs=8",
         "env.group_size=4",
@@ -150,14 +152,18 @@ def test_a_kl_penalty_keeps_the_policy_near_the_one_training_started_from(tmp_pa
     ]
     kl = {}
     for coef in (1e-6, 10.0):
+        offload = coef > 1
         summary = run(
             EXAMPLES / "cartpole_grpo.yaml",
             tmp_path / str(coef),
             *tiny,
             f"algorithm.kl_coef={coef}",
+            f"actor.offload={offload}",
+            f"actor.ref_offload={offload}",
         )
         steps = [r for r in read_metrics(summary["run_dir"]) if "train/policy_loss" in r]
         assert len(steps) == 3 and all(r["train/kl_ref"] >= 0 for r in steps)
+        assert all(("time/offload" in r and "time/onload" in r) == offload for r in steps)
         kl[coef] = [r["train/kl_ref"] for r in steps]
     assert kl[1e-6][-1] > 0 and kl[10.0][-1] < 0.5 * kl[1e-6][-1], kl
 
