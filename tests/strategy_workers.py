@@ -16,6 +16,7 @@ from tidal.models.lora import (
     apply_lora,
     lora_meta,
     reference_model,
+    rollout_weight_stream,
     rollout_weights,
     save_pretrained_folder,
 )
@@ -199,6 +200,7 @@ class EngineWorker(Worker):
                 value = engine.model.value({"obs": batches[0]["obs"]})
         rollout = rollout_weights(model, engine, self.rank)
         rollout = None if rollout is None else dict(rollout)
+        gathers = count_gathers(rollout_weight_stream(model, engine, self.rank))
         if weights_folder is not None and rollout is not None:
             save_pretrained_folder(model, weights_folder, rollout)
         ref_loss = None
@@ -214,4 +216,26 @@ class EngineWorker(Worker):
             "bytes": held,
             "skipped": engine.skipped_steps,
             "built_on_meta": built_on_meta,
+            "gathers": gathers,
         }
+
+
+def count_gathers(stream) -> tuple[int, int]:
+    """How many parameters a weight stream had all-gathered when it yielded its first pair, and
+    in all (read to the end, as every rank must)."""
+    from torch.distributed.tensor import DTensor
+
+    calls, first = [0], None
+    gather = DTensor.full_tensor
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return gather(self, *args, **kwargs)
+
+    DTensor.full_tensor = counted
+    try:
+        for _ in stream:
+            first = calls[0] if first is None else first
+    finally:
+        DTensor.full_tensor = gather
+    return first, calls[0]

@@ -166,6 +166,15 @@ def assert_lora_steps(kind, ddp, fsdp, base):
 
 
 @pytest.mark.parametrize(("kind", "lora"), CASES)
+def test_fsdp2_streams_the_rollout_weights_a_layer_at_a_time(results, kind, lora):
+    """Under fsdp2 the rollout's weights are gathered as they are read: the first pair leaves
+    rank 0 after its own layer's gather (LoRA: base and adapters), not the whole model's."""
+    first, total = results[kind, "fsdp2", lora][0]["gathers"]
+    assert 1 <= first <= 3 and total > 10 * first, (first, total)
+    assert results[kind, "ddp", lora][0]["gathers"] == (0, 0)  # nothing is sharded
+
+
+@pytest.mark.parametrize(("kind", "lora"), CASES)
 def test_memory_plan_matches_the_tensors_and_fsdp2_halves_it(results, kind, lora):
     with torch.device("meta"):
         model = build_model(kind, lora)

@@ -202,6 +202,11 @@ class TrainEngine:
             return state
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
+    def full_state_groups(self, rank: int, group_of: Callable[[str], str] = str):
+        """The whole model's weights a group of keys at a time, on rank 0 (every rank reads
+        it to the end: a sharded model is gathered as it is read)."""
+        return self.strategy.full_state_groups(self.model, rank, group_of)
+
     def save(
         self,
         path: str | Path,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -97,6 +97,16 @@ class Strategy:
     def full_state_dict(self, model: nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
         """The whole model's state on rank 0 (None elsewhere); every rank calls it."""
         return model.state_dict() if rank == 0 else None
+
+    def full_state_groups(
+        self, model: nn.Module, rank: int, group_of: Callable[[str], str]
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """The whole model's state one group of keys at a time (consecutive keys with the same
+        ``group_of(key)``), on rank 0; every rank iterates it to the end (a sharded model is
+        gathered group by group as it is read), the others getting nothing."""
+        state = self.full_state_dict(model, rank)
+        if state is not None:
+            yield from _grouped(state.items(), group_of)
 
     def save(self, model, optimizer, path: Path, state: dict, meta: dict, extra, rank: int):
         """Write the checkpoint (every rank calls it); its path on rank 0, else None."""
@@ -238,6 +248,25 @@ class FSDP2Strategy(Strategy):
         state = get_model_state_dict(model, options=options)
         return state if rank == 0 else None
 
+    def full_state_groups(
+        self, model: nn.Module, rank: int, group_of: Callable[[str], str]
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        # each parameter all-gathered as it is read: no rank ever holds the whole model
+        # (with cpu_offload the shards live on the host, which the gather of the whole state
+        # dict handles)
+        if self.cfg.fsdp.cpu_offload:
+            yield from super().full_state_groups(model, rank, group_of)
+            return
+        from torch.distributed.tensor import DTensor
+
+        gathered = (
+            (key, value.full_tensor() if isinstance(value, DTensor) else value)
+            for key, value in model.state_dict().items()
+        )
+        for group in _grouped(gathered, group_of):
+            if rank == 0:
+                yield group
+
     def checkpoint_state(self, model: nn.Module, optimizer) -> dict[str, Any]:
         """The trained state only: frozen parameters (a LoRA run's base) are rebuilt from the
         config, as under DDP."""
@@ -320,6 +349,21 @@ def build_model(
         with torch.device("meta"):
             return (skeleton or make)()
     return make().to(device if where == "device" else "cpu")
+
+
+def _grouped(items, group_of: Callable[[str], str]) -> Iterator[dict[str, torch.Tensor]]:
+    """``(key, tensor)`` pairs as dicts of consecutive keys with the same group."""
+    group: dict[str, torch.Tensor] = {}
+    current = None
+    for key, value in items:
+        name = group_of(key)
+        if group and name != current:
+            yield group
+            group = {}
+        current = name
+        group[key] = value
+    if group:
+        yield group
 
 
 def _is_meta(model: nn.Module) -> bool:

@@ -186,14 +186,9 @@ def _is_peft_only(key: str) -> bool:
 
 
 @torch.no_grad()
-def merged_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The base model's weights in its own names with every adapter's ``B·A·alpha/r`` added,
-    from ``state``: the LoRA ``model``'s whole state dict, its own tensors or full ones gathered
-    from FSDP2's shards (``model`` gives only each adapter's scaling). Computed out of place:
-    the LoRA model keeps its separate adapters. The product is taken in fp32, as PEFT's
-    ``get_delta_weight`` does on the CPU."""
+def adapted_layers(model: nn.Module) -> tuple[str, dict[str, nn.Module]]:
+    """The LoRA model's key prefix of its base, and its adapted layers by state-dict name."""
     from peft.tuners.lora import LoraLayer
-    from peft.utils import transpose
 
     base = model.get_base_model()
     prefix = next(name for name, m in model.named_modules() if m is base) + "."
@@ -202,6 +197,20 @@ def merged_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str
         for name, module in base.named_modules()
         if isinstance(module, LoraLayer) and ADAPTER in module.lora_A
     }
+    return prefix, adapted
+
+
+def merged_weights(
+    model: nn.Module, state: dict[str, torch.Tensor], layers=None
+) -> dict[str, torch.Tensor]:
+    """The base model's weights in its own names with every adapter's ``B·A·alpha/r`` added,
+    from ``state``: the LoRA ``model``'s whole state dict, its own tensors or full ones gathered
+    from FSDP2's shards (``model`` gives only each adapter's scaling). Computed out of place:
+    the LoRA model keeps its separate adapters. The product is taken in fp32, as PEFT's
+    ``get_delta_weight`` does on the CPU. ``layers``: ``adapted_layers(model)``, when known."""
+    from peft.utils import transpose
+
+    prefix, adapted = layers or adapted_layers(model)
     out = {}
     for key, value in state.items():
         if _is_peft_only(key):
@@ -227,14 +236,32 @@ def rollout_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return merged_state_dict(model) if is_lora(model) else model.state_dict()
 
 
+def rollout_weight_stream(model: nn.Module, engine, rank: int):
+    """The ``(name, tensor)`` pairs the rollout takes, read lazily: the engine's whole model,
+    gathered layer by layer from the shards under a sharded strategy, each LoRA layer merged
+    as it comes (in the base model's names). Every rank must read it to the end; only rank 0's
+    yields pairs."""
+    layers = adapted_layers(model) if is_lora(model) else None
+    for group in engine.full_state_groups(rank, _lora_layer if layers else str):
+        yield from (merged_weights(model, group, layers) if layers else group).items()
+
+
 def rollout_weights(model: nn.Module, engine, rank: int):
-    """The ``(name, tensor)`` pairs the rollout takes, on rank 0 (None elsewhere; every rank
-    calls it): the engine's whole model, gathered from the shards under a sharded strategy,
-    with the adapters merged under LoRA (in the base model's names, as for an unsharded one)."""
-    state = engine.full_state_dict(rank)
-    if state is None:
-        return None
-    return (merged_weights(model, state) if is_lora(model) else state).items()
+    """The rollout's pairs all at once on rank 0 (None elsewhere; every rank calls it)."""
+    pairs = list(rollout_weight_stream(model, engine, rank))
+    return pairs if rank == 0 else None
+
+
+def drain(pairs) -> None:
+    """Read a weight stream to its end (a rank that sends nothing still gathers)."""
+    for _ in pairs:
+        pass
+
+
+def _lora_layer(key: str) -> str:
+    """The layer a state-dict key belongs to: a LoRA layer's base weights and adapters
+    together (what one merge needs), any other key by itself."""
+    return re.sub(r"\.(base_layer|lora_[A-Za-z_]+)\..*$", "", key)
 
 
 def save_pretrained_folder(model: nn.Module, folder, weights=None) -> None:

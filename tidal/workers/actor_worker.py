@@ -15,7 +15,14 @@ from tidal.data import Trajectory
 from tidal.data.records import flat_time_major, flatten_steps
 from tidal.engine import TrainEngine
 from tidal.models.factory import build_from_config
-from tidal.models.lora import apply_lora, lora_meta, reference_model, rollout_weights
+from tidal.models.lora import (
+    apply_lora,
+    drain,
+    lora_meta,
+    reference_model,
+    rollout_weight_stream,
+    rollout_weights,
+)
 from tidal.runtime import Channel, CommMapper, ConfigSections, Worker, merge_batches
 from tidal.runtime.devices import to_device
 from tidal.runtime.weight_sync import WeightLinks
@@ -84,16 +91,23 @@ class ActorWorker(Worker, WeightLinks, ActorOffload):
         bare channel); every rank calls it, since sharded weights are gathered. Asynchronous
         runs send a copy: the update may wait in the channel while the next step changes the
         weights in place."""
-        weights = self.weight_tensors()
+        weights = self.weight_stream()
         if self.rank == 0:
             end = self.weight_end(link, "send", self.topo.rollout)
             snapshot = self.cfg.rollout.max_staleness > 0
             end.send(weights, self.engine.step, snapshot=snapshot)
+        else:
+            drain(weights)  # this rank's part of each layer's gather
         return self.engine.step
 
     def weight_tensors(self):
         """The ``(name, tensor)`` pairs a weight link sends, on rank 0 (None elsewhere)."""
         return rollout_weights(self.policy, self.engine, self.rank)
+
+    def weight_stream(self):
+        """The same pairs read lazily (gathered layer by layer under fsdp2): every rank reads
+        it to the end, and only rank 0's yields."""
+        return rollout_weight_stream(self.policy, self.engine, self.rank)
 
     # -- data ----------------------------------------------------------------------------
 

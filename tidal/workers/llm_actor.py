@@ -20,8 +20,10 @@ from tidal.engine import TrainEngine
 from tidal.models.llm import load_causal_lm
 from tidal.models.lora import (
     apply_lora,
+    drain,
     lora_meta,
     reference_model,
+    rollout_weight_stream,
     rollout_weights,
     save_pretrained_folder,
 )
@@ -114,14 +116,21 @@ class LLMActor(Worker, WeightLinks, ActorOffload):
     def send_weights(self, link, num_servers: int = 0) -> int:
         """Rank 0 sends over the run's weight link (or a bare channel to ``num_servers``);
         every rank calls it, since sharded weights are gathered."""
-        weights = self.weight_tensors()
+        weights = self.weight_stream()
         if self.rank == 0:
             self.weight_end(link, "send", num_servers).send(weights, self.version)
+        else:
+            drain(weights)  # this rank's part of each layer's gather
         return self.version
 
     def weight_tensors(self):
         """The ``(name, tensor)`` pairs a weight link sends, on rank 0 (None elsewhere)."""
         return rollout_weights(self.model, self.engine, self.rank)
+
+    def weight_stream(self):
+        """The same pairs read lazily (gathered layer by layer under fsdp2): every rank reads
+        it to the end, and only rank 0's yields."""
+        return rollout_weight_stream(self.model, self.engine, self.rank)
 
     def save_weights_folder(self, folder: str) -> int:
         """The weights as a ``save_pretrained`` safetensors folder (for servers that reload from
