@@ -349,11 +349,14 @@ def test_the_same_experiment_twice_makes_two_run_folders(arith_model, tmp_path):
 
 
 @pytest.mark.ray
-def test_ray_servers_and_a_data_parallel_trainer_run_the_loop_and_resume(
+def test_ray_servers_and_a_sharded_data_parallel_trainer_run_the_loop_and_resume(
     ray_session, arith_model, tmp_path
 ):
-    """The whole loop on Ray: a server process and two DDP trainer ranks (rank 0 sends the
-    weights and writes the checkpoint), in-place pauses, then a resume on the same layout."""
+    """The whole loop on Ray: a server process and two trainer ranks, FSDP2-sharded (every
+    rank gathers the weights as rank 0 streams them to the server over the collective link;
+    the checkpoint is sharded), in-place pauses, then a resume on the same layout. (Two DDP
+    ranks take the same steps as one: test_data_parallel_trainer_takes_the_same_step_as_one_rank,
+    and as FSDP2's: tests/test_strategies.py.)"""
     from tidal.runners.llm.train import LLMRunner
 
     overrides = [
@@ -371,6 +374,7 @@ def test_ray_servers_and_a_data_parallel_trainer_run_the_loop_and_resume(
         "cluster.backend=ray",
         "cluster.devices_per_node=3",
         "cluster.placement={rollout: '0', actor: '1-2'}",
+        "actor.strategy=fsdp2",
     ]
     summaries = []
     for extra in ([], ["runner.max_steps=3"]):
