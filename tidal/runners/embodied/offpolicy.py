@@ -24,6 +24,7 @@ import numpy as np
 
 from tidal.config import ConfigError
 from tidal.config.embodied import components
+from tidal.config.offpolicy import SAC_POLICIES
 from tidal.runners.collection import POLL_S
 from tidal.runners.embodied.sft import collect_demos
 from tidal.runners.embodied.train import EmbodiedRunner
@@ -55,9 +56,10 @@ class OffPolicyRunner(EmbodiedRunner):
                 f"cluster.placement: sac trains on one actor rank (its replay buffer's), got "
                 f"{self.worlds['actor']}"
             )
-        if self.cfg.model.name != "sac_mlp":
+        if self.cfg.model.name not in SAC_POLICIES:
             raise ConfigError(
-                f"model.name: algorithm.name sac needs the sac_mlp policy, got {self.cfg.model.name!r}"
+                f"model.name: algorithm.name sac needs one of {', '.join(SAC_POLICIES)}, got "
+                f"{self.cfg.model.name!r}"
             )
         obs_dim, chunks = self.spaces[0].shape[0], self.cfg.env.num_action_chunks
         layout = buffer_layout(obs_dim, (chunks, action_space.shape[0]))
