@@ -445,6 +445,12 @@ def test_the_pixel_encoder_learns_from_the_critic_loss_only(monkeypatch):
     assert reached == {"critic": True, "actor": False, "alpha": False}
 
 
+def test_sac_cnn_without_pixels_is_refused_before_start(tmp_path):
+    cfg = load(f"runner.run_dir={tmp_path}", "model.name=sac_cnn")
+    with pytest.raises(ConfigError, match="sac_cnn': needs pixel observations"):
+        OffPolicyRunner(cfg)
+
+
 def test_the_buffer_stores_pixels_as_uint8_and_gives_them_back_as_floats():
     n, image = 6, 4 * 4 * 3
     obs = torch.cat([torch.randn(n, 2), torch.randint(0, 256, (n, image)).float()], 1)
