@@ -2,11 +2,14 @@
 the config rules, and short runs (local learning, ray smoke, NaN envs, resume)."""
 
 import json
+import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import gymnasium as gym
 import pytest
 import torch
+from gymnasium.spaces import Box
 
 from tidal.algorithms.objectives import OBJECTIVES, make_objective
 from tidal.algorithms.sac import (
@@ -19,11 +22,15 @@ from tidal.algorithms.sac import (
 from tidal.config import ConfigError, EmbodiedConfig, load_config, validate_embodied
 from tidal.data import EnvOutput
 from tidal.envs.demos import collect_metaworld_demos
+from tidal.envs.layout import LayoutBox, ObsLayout
 from tidal.models.sac import QEnsemble, SquashedGaussianPolicy
+from tidal.models.sac_cnn import random_shift, shift_observations
 from tidal.runners.embodied.eval import run_eval
 from tidal.runners.embodied.offpolicy import OffPolicyRunner
 from tidal.runners.embodied.select import runner_class
+from tidal.runtime import ConfigSections
 from tidal.workers.replay import ReplayBuffer, buffer_layout
+from tidal.workers.sac_actor import SACActorWorker
 from tidal.workers.sac_env import chunk_transition
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "embodied"
@@ -43,9 +50,9 @@ def load(*overrides, path=PENDULUM):
     return load_config(EmbodiedConfig, path, list(overrides))
 
 
-def run(tmp_path, *overrides, inspect=lambda runner: None):
+def run(tmp_path, *overrides, inspect=lambda runner: None, path=PENDULUM):
     """A run's summary, and what ``inspect`` finds in the runner before it closes."""
-    cfg = load(f"runner.run_dir={tmp_path}", "runner.progress=false", *overrides)
+    cfg = load(f"runner.run_dir={tmp_path}", "runner.progress=false", *overrides, path=path)
     runner = OffPolicyRunner(cfg)
     try:
         return runner.run(), inspect(runner)
@@ -208,6 +215,7 @@ def test_a_demo_file_of_the_wrong_shape_is_a_config_error(tmp_path):
         ("rollout.max_staleness=1", "rollout.max_staleness"),
         ("algorithm.name=ppo", "model.name"),  # sac_mlp has no value head for PPO
         ("replay.sft_demos=true", "replay.sft_demos"),  # Pendulum has no scripted expert
+        ("algorithm.image_pad=4", "algorithm.image_pad"),  # sac_mlp reads no pixels
     ],
 )
 def test_bad_sac_configs_name_the_key(override, key):
@@ -276,7 +284,13 @@ def test_collection_and_updates_are_paced_and_logged(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name", ["halfcheetah_sac.yaml", "hopper_sac.yaml", "metaworld_mt10_rlpd.yaml"]
+    "name",
+    [
+        "halfcheetah_sac.yaml",
+        "hopper_sac.yaml",
+        "metaworld_mt10_rlpd.yaml",
+        "metaworld_reach_pixels_sac.yaml",
+    ],
 )
 def test_the_mujoco_examples_are_valid(name):
     validate_embodied(load(path=EXAMPLES / name))
@@ -372,3 +386,98 @@ def test_an_rlpd_run_samples_the_scripted_demonstrations(tmp_path):
         inspect=lambda r: r.actor.execute_on(0).demo_count().wait(30)[0],
     )
     assert held > 0 and read_metrics(summary["run_dir"])[-1]["updates"] > 0
+
+
+# -- pixels (DrQ) ----------------------------------------------------------------------------
+
+
+def test_random_shift_translates_each_image_by_whole_pixels_with_the_border_replicated():
+    images = torch.rand(12, 3, 8, 8)
+    gen = torch.Generator().manual_seed(0)
+    assert random_shift(images, 0, gen) is images
+    shifted = random_shift(images, 2, gen)
+    assert shifted.shape == images.shape
+    padded = torch.nn.functional.pad(images, (2,) * 4, mode="replicate")
+    crops = {(dy, dx): padded[:, :, dy : dy + 8, dx : dx + 8] for dy in range(5) for dx in range(5)}
+    found = []
+    for i in range(len(images)):
+        hits = [k for k, c in crops.items() if torch.allclose(shifted[i], c[i], atol=1e-5)]
+        assert len(hits) == 1, f"image {i}: not one whole-pixel crop of the padded image"
+        found.append(hits[0])
+    assert len(set(found)) > 3  # each image its own offset
+    # a packed observation: the state before the pixels passes unchanged
+    layout = ObsLayout(state_dim=2, image_size=8)
+    obs = torch.cat([torch.randn(12, 2), images.movedim(1, -1).reshape(12, -1) * 255], 1)
+    out = shift_observations(obs, layout, 2, gen)
+    assert out.shape == obs.shape and torch.equal(out[:, :2], obs[:, :2])
+
+
+def test_the_pixel_encoder_learns_from_the_critic_loss_only(monkeypatch):
+    """The actor worker's own update: which of its optimizer steps reach the encoder."""
+    monkeypatch.setattr(SACActorWorker, "torch_device", lambda self, setting: torch.device("cpu"))
+    cfg = load(
+        "model.name=sac_cnn",
+        "model.hidden_sizes=[16]",
+        "model.kwargs={channels: [4], feature_dim: 8}",
+        "replay.batch_size=8",
+        "algorithm.image_pad=1",
+    )
+    space = LayoutBox(ObsLayout(state_dim=2, image_size=8))
+    sections = ConfigSections("actor", cfg, SACActorWorker.config_sections)
+    worker = SACActorWorker(sections, SimpleNamespace(env=1, stages=1), space, Box(-1, 1, (2,)))
+    n = 16
+    obs = torch.cat([torch.randn(n, 2), torch.randint(0, 256, (n, 8 * 8 * 3)).float()], 1)
+    worker.buffer.add(
+        {**_transitions(n), "obs": obs, "next_obs": obs, "actions": torch.zeros(n, 1, 2)}
+    )
+    encoder = worker.policy.encoder_parameters()
+    reached, step = {}, worker._step
+
+    def recording_step(name, loss):
+        for p in encoder:
+            p.grad = None
+        done = step(name, loss)
+        reached[name] = any(p.grad is not None and p.grad.abs().sum() > 0 for p in encoder)
+        return done
+
+    worker._step = recording_step
+    worker.update(1)
+    assert reached == {"critic": True, "actor": False, "alpha": False}
+
+
+def test_sac_cnn_without_pixels_is_refused_before_start(tmp_path):
+    cfg = load(f"runner.run_dir={tmp_path}", "model.name=sac_cnn")
+    with pytest.raises(ConfigError, match="sac_cnn': needs pixel observations"):
+        OffPolicyRunner(cfg)
+
+
+def test_the_buffer_stores_pixels_as_uint8_and_gives_them_back_as_floats():
+    n, image = 6, 4 * 4 * 3
+    obs = torch.cat([torch.randn(n, 2), torch.randint(0, 256, (n, image)).float()], 1)
+    batch = {**_transitions(n), "obs": obs, "next_obs": obs.flip(0)}
+    buf = ReplayBuffer(8, 2 + image, (1, 1), image_numel=image)
+    buf.add(batch)
+    assert buf.data["obs_pixels"].dtype == torch.uint8 and buf.data["obs"].shape == (8, 2)
+    got = buf.sample(16, torch.Generator().manual_seed(0))
+    rows = got["rewards"].long()
+    torch.testing.assert_close(got["obs"], obs[rows])
+    torch.testing.assert_close(got["next_obs"], obs.flip(0)[rows])
+
+
+def test_a_short_pixel_sac_run_updates_and_evaluates(tmp_path):
+    summary, _ = run(
+        tmp_path,
+        *TINY,
+        "model.kwargs={channels: [8, 8], feature_dim: 16}",
+        "env.image_size=16",
+        "env.total_num_envs=2",
+        "env.max_episode_steps=20",
+        "runner.max_env_steps=80",
+        "runner.eval_interval=3",
+        "replay.warmup_steps=32",
+        "replay.batch_size=16",
+        path=EXAMPLES / "metaworld_reach_pixels_sac.yaml",
+    )
+    rows = read_metrics(summary["run_dir"])
+    assert rows[-1]["updates"] > 0 and math.isfinite(rows[-1]["train/critic_loss"])
+    assert rows[-1]["eval/return_mean"] is not None

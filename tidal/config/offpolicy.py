@@ -10,6 +10,7 @@ from tidal.config.schema import setting
 
 ALGORITHM_NAMES = ("ppo", "sac")
 ON_POLICY = ("ppo",)  # the algorithms that train on batches of actor.global_batch_size
+SAC_POLICIES = ("sac_mlp", "sac_cnn")  # the policies algorithm.name sac trains
 
 
 @dataclass
@@ -35,6 +36,11 @@ class SACAlgorithmFields:
     alpha_lr: float | None = setting(None, "sac: the temperature's learning rate; None: actor.lr")
     batch_updates: int = setting(
         32, "sac: updates per actor call (the runner polls collection between calls)"
+    )
+    image_pad: int = setting(
+        0,
+        "sac with model.name sac_cnn: DrQ's random shift of every sampled obs and next_obs "
+        "image by up to this many pixels (replicated border); 0: off",
     )
 
 
@@ -91,10 +97,10 @@ def validate_offpolicy(cfg) -> None:
         f"expected one of {', '.join(ALGORITHM_NAMES)}, got {alg.name!r}",
     )
     require(
-        cfg.model.name != "sac_mlp" or alg.name == "sac",
+        cfg.model.name not in SAC_POLICIES or alg.name == "sac",
         "model.name",
-        f"sac_mlp is trained by algorithm.name=sac only (it has no value head for PPO), "
-        f"got algorithm.name={alg.name!r}",
+        f"{cfg.model.name} is trained by algorithm.name=sac only (it has no value head for "
+        f"PPO), got algorithm.name={alg.name!r}",
     )
     if alg.name != "sac":
         return
@@ -126,6 +132,12 @@ def validate_offpolicy(cfg) -> None:
         alg.alpha is None or alg.alpha >= 0, "algorithm.alpha", f"must be >= 0, got {alg.alpha}"
     )
     require(alg.init_alpha > 0, "algorithm.init_alpha", f"must be > 0, got {alg.init_alpha}")
+    require(alg.image_pad >= 0, "algorithm.image_pad", f"must be >= 0, got {alg.image_pad}")
+    require(
+        alg.image_pad == 0 or cfg.model.name == "sac_cnn",
+        "algorithm.image_pad",
+        f"shifts pixel observations for model.name sac_cnn, got {cfg.model.name!r} (set it to 0)",
+    )
     for key in ("policy_delay", "batch_updates"):
         value = getattr(alg, key)
         require(value >= 1, f"algorithm.{key}", f"must be >= 1, got {value}")

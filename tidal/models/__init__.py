@@ -1,5 +1,5 @@
 """Policies behind one interface (``EmbodiedPolicy``), built by name from config: ``mlp``,
-``cnn`` (pixels), ``vla`` (token actions), ``sac_mlp`` (SAC's squashed Gaussian); saved and loaded as folders."""
+``cnn`` (pixels), ``vla`` (token actions), ``sac_mlp`` (SAC's squashed Gaussian), ``sac_cnn`` (SAC from pixels, DrQ); saved and loaded as folders."""
 
 from tidal.models.cnn import CNNActorCritic
 from tidal.models.policy import (
@@ -12,6 +12,7 @@ from tidal.models.policy import (
     register_policy,
 )
 from tidal.models.sac import QEnsemble, SquashedGaussianPolicy
+from tidal.models.sac_cnn import PixelSquashedGaussianPolicy
 from tidal.models.saving import load_policy, save_policy
 from tidal.models.vla import TokenActionPolicy
 
@@ -20,6 +21,7 @@ __all__ = [
     "EmbodiedPolicy",
     "LeadingNorm",
     "MLPActorCritic",
+    "PixelSquashedGaussianPolicy",
     "PolicyStep",
     "QEnsemble",
     "RunningNorm",

@@ -80,10 +80,24 @@ class SquashedGaussianPolicy(EmbodiedPolicy):
         log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (torch.tanh(log_std) + 1)
         return mean, log_std
 
+    def encode(self, obs: torch.Tensor) -> torch.Tensor:
+        """What the critics read of an observation: here the observation itself."""
+        return obs
+
+    def encoder_parameters(self) -> list[nn.Parameter]:
+        """Parameters the critics' optimizer trains with them (a pixel encoder); none here."""
+        return []
+
+    def sample_features(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sample`` from ``encode``'s output (the actor's loss reuses the critics' pass)."""
+        return self.sample(features)
+
     def sample(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Reparameterised actions ``[B, C, A]`` in [-1, 1] and their log-probs ``[B]`` (the sum
         over the chunk's dimensions: the critic's one action)."""
-        mean, log_std = self._head(obs)
+        return self.sample_from(*self._head(obs))
+
+    def sample_from(self, mean: torch.Tensor, log_std: torch.Tensor):
         std = log_std.exp()
         u = mean + std * torch.randn_like(mean)
         dist_logp = -0.5 * ((u - mean) / std) ** 2 - log_std - 0.5 * math.log(2 * math.pi)

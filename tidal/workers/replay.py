@@ -30,19 +30,41 @@ def buffer_layout(
     }
 
 
+PIXEL_SUFFIX = "_pixels"  # the stored uint8 image part of obs and next_obs
+
+
+def storage_layout(layout: dict, image_numel: int) -> dict[str, tuple[tuple, torch.dtype]]:
+    """What the buffer holds: ``layout``, with the trailing ``image_numel`` values of obs and
+    next_obs (a packed observation's pixels, integers 0..255) stored apart as uint8, a quarter
+    of their float32 size."""
+    if not image_numel:
+        return layout
+    out = dict(layout)
+    for key in ("obs", "next_obs"):
+        (dim,), dtype = layout[key]
+        out[key] = ((dim - image_numel,), dtype)
+        out[key + PIXEL_SUFFIX] = ((image_numel,), torch.uint8)
+    return out
+
+
 class ReplayBuffer:
+    """``image_numel``: observations end in that many pixel values, stored as uint8."""
+
     def __init__(
         self,
         capacity: int,
         obs_dim: int,
         action_shape: tuple[int, ...],
         device: torch.device | str = "cpu",
+        image_numel: int = 0,
     ):
         self.capacity, self.device = capacity, torch.device(device)
         self.layout = buffer_layout(obs_dim, action_shape)
+        self.image_numel = image_numel
+        self.storage = storage_layout(self.layout, image_numel)
         self.data = {
             k: torch.zeros((capacity, *shape), dtype=dtype, device=self.device)
-            for k, (shape, dtype) in self.layout.items()
+            for k, (shape, dtype) in self.storage.items()
         }
         self.pos = 0  # where the next transition goes
         self.size = 0  # transitions held (<= capacity)
@@ -59,13 +81,14 @@ class ReplayBuffer:
             self.added += n - self.capacity
             n = self.capacity
         idx = (self.pos + torch.arange(n, device=self.device)) % self.capacity
-        for key, (shape, dtype) in self.layout.items():
+        for key, (shape, _) in self.layout.items():
             value = batch[key]
             if tuple(value.shape[1:]) != shape:
                 raise ValueError(
                     f"replay buffer: {key} of shape {tuple(value.shape[1:])}, expected {shape}"
                 )
-            self.data[key][idx] = value.to(self.device, dtype)
+        for key, value in self._stored(batch).items():
+            self.data[key][idx] = value.to(self.device, self.storage[key][1])
         self.pos = (self.pos + n) % self.capacity
         self.size = min(self.size + n, self.capacity)
         self.added += n
@@ -79,7 +102,7 @@ class ReplayBuffer:
         demo_n = round(batch_size * demo_fraction) if self.demos is not None else 0
         # indices drawn by the (CPU) generator, so a run samples the same rows on any device
         online = torch.randint(0, self.size, (batch_size - demo_n,), generator=generator)
-        out = {k: v[online.to(self.device)] for k, v in self.data.items()}
+        out = self._unpacked({k: v[online.to(self.device)] for k, v in self.data.items()})
         if demo_n:
             size = self.demos["rewards"].shape[0]
             pick = torch.randint(0, size, (demo_n,), generator=generator).to(self.device)
@@ -95,6 +118,28 @@ class ReplayBuffer:
         """Demonstrations already in the buffer's layout (``fit_demos``)."""
         self.demos = {k: v.to(self.device) for k, v in demos.items()}
         return self.demos["rewards"].shape[0]
+
+    def _stored(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A batch in the storage's fields (the pixels split off, rounded into uint8)."""
+        if not self.image_numel:
+            return batch
+        out = dict(batch)
+        for key in ("obs", "next_obs"):
+            head, pixels = batch[key].split(
+                [batch[key].shape[1] - self.image_numel, self.image_numel], 1
+            )
+            out[key], out[key + PIXEL_SUFFIX] = head, pixels.round().clamp(0, 255)
+        return out
+
+    def _unpacked(self, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Stored rows back in the transition's fields (float observations)."""
+        if not self.image_numel:
+            return stored
+        out = dict(stored)
+        for key in ("obs", "next_obs"):
+            pixels = out.pop(key + PIXEL_SUFFIX)
+            out[key] = torch.cat([out[key], pixels.to(out[key].dtype)], 1)
+        return out
 
     # -- checkpoints ----------------------------------------------------------------------
 

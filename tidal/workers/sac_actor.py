@@ -26,7 +26,9 @@ from tidal.checkpoint import (
     set_rng_state,
 )
 from tidal.config import ConfigError
+from tidal.envs.layout import layout_of
 from tidal.models.sac import QEnsemble, SquashedGaussianPolicy
+from tidal.models.sac_cnn import shift_observations
 from tidal.runtime import Channel, CommMapper, ConfigSections, Worker, send_weights
 from tidal.runtime.devices import to_host
 from tidal.workers.replay import ReplayBuffer
@@ -73,7 +75,9 @@ class SACActorWorker(Worker):
         self.compute_device = self.torch_device(cfg.cluster.device)
         policy = make_policy(cfg, observation_space, action_space)
         if not isinstance(policy, SquashedGaussianPolicy):
-            raise ConfigError(f"model.name: algorithm.name sac needs sac_mlp, got {model.name!r}")
+            raise ConfigError(
+                f"model.name: algorithm.name sac needs sac_mlp or sac_cnn, got {model.name!r}"
+            )
         critics = QEnsemble(
             policy.obs_dim,
             policy.critic_action_dim,
@@ -85,18 +89,24 @@ class SACActorWorker(Worker):
         log_alpha = math.log(alg.alpha or alg.init_alpha)
         self.agent = SACAgent(policy, critics, log_alpha).to(self.compute_device)
         self.policy = policy
+        # a pixel encoder learns from the critics' loss only (DrQ)
+        encoder = policy.encoder_parameters()
+        shared = {id(p) for p in encoder}
+        head = [p for p in policy.parameters() if id(p) not in shared]
         adam = lambda params, lr: torch.optim.Adam(params, lr=lr, eps=act.adam_eps, foreach=True)  # noqa: E731
         self.optimizers = {
-            "actor": adam(policy.parameters(), act.lr),
-            "critic": adam(critics.parameters(), alg.critic_lr or act.lr),
+            "actor": adam(head, act.lr),
+            "critic": adam([*critics.parameters(), *encoder], alg.critic_lr or act.lr),
             "alpha": adam([self.agent.log_alpha], alg.alpha_lr or act.lr),
         }
         self.objective = OBJECTIVES.get("sac")(alg, action_dims=policy.critic_action_dim)
+        self.obs_layout = layout_of(observation_space)
         self.buffer = ReplayBuffer(
             cfg.replay.capacity,
-            policy.obs_dim,
+            observation_space.shape[0],
             (policy.chunks, policy.action_dim),
             device=self.compute_device,
+            image_numel=self.obs_layout.image_numel,
         )
         self.demo_fraction = 0.0
         if cfg.replay.demo_path is not None:
@@ -180,18 +190,23 @@ class SACActorWorker(Worker):
         cfg, obj, agent = self.cfg, self.objective, self.agent
         batch = self.buffer.sample(cfg.replay.batch_size, self.generator, self.demo_fraction)
         batch["rewards"] = batch["rewards"] * cfg.algorithm.reward_scale
+        obs, next_obs = self._augmented(batch["obs"]), self._augmented(batch["next_obs"])
         alpha = self._alpha()
-        with torch.no_grad():
-            next_actions, next_logp = self.policy.sample(batch["next_obs"])
-            next_q = agent.targets(batch["next_obs"], next_actions)
+        with torch.no_grad():  # the target critics read the online encoder (as DrQ-v2)
+            next_features = self.policy.encode(next_obs)
+            next_actions, next_logp = self.policy.sample_features(next_features)
+            next_q = agent.targets(next_features, next_actions)
             target = obj.target(batch, next_q, next_logp, alpha, self.generator)
-        q = agent.critics(batch["obs"], batch["actions"])
+        features = self.policy.encode(obs)
+        q = agent.critics(features, batch["actions"])
         loss, info = obj.critic(q, target)
         if not self._step("critic", loss):
             return {}
         if self.updates % obj.policy_delay == 0:
-            actions, logp = self.policy.sample(batch["obs"])
-            loss, actor_info = obj.actor(logp, self._frozen_critics(batch["obs"], actions), alpha)
+            # the critics' features, detached: the actor's loss does not train the encoder
+            features = features.detach()
+            actions, logp = self.policy.sample_features(features)
+            loss, actor_info = obj.actor(logp, self._frozen_critics(features, actions), alpha)
             if self._step("actor", loss):
                 info.update(actor_info)
             if obj.tunes_alpha:
@@ -200,6 +215,11 @@ class SACActorWorker(Worker):
                     info.update(alpha_info)
         polyak_update(agent.targets, agent.critics, obj.tau)
         return info  # tensors: read once per call, not once per update
+
+    def _augmented(self, obs: torch.Tensor) -> torch.Tensor:
+        """``algorithm.image_pad``: DrQ's random shift of a batch's images (0: unchanged)."""
+        pad = self.cfg.algorithm.image_pad
+        return shift_observations(obs, self.obs_layout, pad, self.generator) if pad else obs
 
     def _frozen_critics(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         """The critics at the actor's actions with their weights frozen: the actor's loss

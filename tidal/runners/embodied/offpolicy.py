@@ -21,9 +21,11 @@ from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
+import torch
 
 from tidal.config import ConfigError
 from tidal.config.embodied import components
+from tidal.config.offpolicy import SAC_POLICIES
 from tidal.runners.collection import POLL_S
 from tidal.runners.embodied.sft import collect_demos
 from tidal.runners.embodied.train import EmbodiedRunner
@@ -31,6 +33,7 @@ from tidal.runners.embodied.train import _success as success_of
 from tidal.runtime import Channel, Handle, wait_all
 from tidal.workers import RolloutWorker
 from tidal.workers.replay import buffer_layout, fit_demos, read_demos
+from tidal.workers.rollout_worker import make_policy
 from tidal.workers.sac_actor import SACActorWorker
 from tidal.workers.sac_env import TransitionEnvWorker
 
@@ -55,10 +58,16 @@ class OffPolicyRunner(EmbodiedRunner):
                 f"cluster.placement: sac trains on one actor rank (its replay buffer's), got "
                 f"{self.worlds['actor']}"
             )
-        if self.cfg.model.name != "sac_mlp":
+        if self.cfg.model.name not in SAC_POLICIES:
             raise ConfigError(
-                f"model.name: algorithm.name sac needs the sac_mlp policy, got {self.cfg.model.name!r}"
+                f"model.name: algorithm.name sac needs one of {', '.join(SAC_POLICIES)}, got "
+                f"{self.cfg.model.name!r}"
             )
+        with torch.random.fork_rng():  # built to be checked only: the workers' seeds unchanged
+            try:
+                make_policy(self.cfg, *self.spaces)
+            except ValueError as exc:  # e.g. sac_cnn without pixels
+                raise ConfigError(str(exc)) from None
         obs_dim, chunks = self.spaces[0].shape[0], self.cfg.env.num_action_chunks
         layout = buffer_layout(obs_dim, (chunks, action_space.shape[0]))
         demo = self.cfg.replay.demo_path
