@@ -165,6 +165,10 @@ def other_weights(run, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["abort", "keep"])
 def test_a_weight_update_mid_generation_stamps_every_token(run, other_weights, mode):
+    """Every attempt is checked in full; an attempt whose update landed after all 8 generations
+    had ended (a loaded machine delays the pause; vLLM does not stream here, so the test cannot
+    wait for tokens) proves nothing mid-generation, and the next attempt repeats it. Three
+    attempts in a row that miss fail the test."""
     runner = run[0]
     old, new, new_dir = other_weights
     budget = 200
@@ -183,18 +187,25 @@ def test_a_weight_update_mid_generation_stamps_every_token(run, other_weights, m
         await client.agenerate(ModelRequest([1, 3, 6], GenerationConfig(max_new_tokens=8)))
         await client.update_weights(version=3, model_path=str(new_dir), pause_mode=mode)
         responses = await asyncio.gather(*tasks)
-        # restore the run's weights for the next test
+        # restore the run's weights for the next attempt and the next test
         await client.update_weights(version=2, model_path=str(runner.rollout.weights_dir))
         return responses
 
-    responses = run_client(runner.client.addresses[0], body)
-    switched = 0
-    for resp in responses:
+    for _attempt in range(3):
+        responses = run_client(runner.client.addresses[0], body)
+        if sum(map(_check_versions_and_logprobs(old, new, budget, mode), responses)):
+            return
+    pytest.fail("in 3 attempts, no generation was still running when the weight update landed")
+
+
+def _check_versions_and_logprobs(old, new, budget, mode):
+    """Checks one response; returns whether its versions switched from 2 to 3 mid-generation."""
+
+    def check(resp) -> bool:
         assert resp.output_len == budget and resp.stop_reason == "length"
         v = resp.output_versions
         assert v == sorted(v) and set(v) <= {2, 3}
         cut = v.index(3) if 3 in v else len(v)
-        switched += 0 < cut < budget
         if cut:
             ref = teacher_forced(old, resp.input_tokens, resp.output_tokens[:cut])
             assert (ref - torch.tensor(resp.output_logprobs[:cut])).abs().max() < 1e-4
@@ -203,7 +214,9 @@ def test_a_weight_update_mid_generation_stamps_every_token(run, other_weights, m
                 new, resp.input_tokens + resp.output_tokens[:cut], resp.output_tokens[cut:]
             )
             assert (ref - torch.tensor(resp.output_logprobs[cut:])).abs().max() < 1e-4
-    assert switched >= 1
+        return 0 < cut < budget
+
+    return check
 
 
 def test_vllm_takes_weights_from_a_folder_only(run):
