@@ -1,5 +1,5 @@
-"""LoRA against full fine-tuning on a ~100M-parameter Qwen2-like LM built from a config (no
-download), through tidal's TrainEngine: per mode, in a process of its own,
+"""LoRA against full fine-tuning on a ~100M- or ~400M-parameter Qwen2-like LM built from a
+config (no download), through tidal's TrainEngine: per mode, in a process of its own,
 
 - the bytes of parameters, gradients and optimizer state, counted from the tensors after a step
   (trainable state: what requires grad, its gradients and its Adam moments), and with the KL
@@ -7,7 +7,7 @@ download), through tidal's TrainEngine: per mode, in a process of its own,
 - peak RSS of the process;
 - training tokens/s (forward, backward and optimizer step on micro-batches of tokens).
 
-  python benchmarks/lora_bench.py [--rank 16] [--steps 3] [--batch 2] [--seq 128]
+  python benchmarks/lora_bench.py [--size 100m|400m] [--rank 16] [--steps 3] [--batch 2] [--seq 128]
       [--json benchmarks/lora_bench.json]
 """
 
@@ -22,19 +22,25 @@ import time
 
 import torch
 
+# Qwen2-like shapes (untied embeddings, vocabulary 16384): ~96M and ~436M parameters
+SIZES = {
+    "100m": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 10, "heads": 12},
+    "400m": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "heads": 16},
+}
+
 
 def model_config(args):
     from transformers import Qwen2Config
 
+    shape = dict(SIZES[args.size])
+    heads = shape.pop("heads")
     return Qwen2Config(
         vocab_size=16384,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=10,
-        num_attention_heads=12,
-        num_key_value_heads=12,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=max(512, args.seq),
         tie_word_embeddings=False,
+        **shape,
     )
 
 
@@ -106,6 +112,7 @@ def measure(mode: str, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="100m")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=2)

@@ -34,6 +34,7 @@ PIXELS = "examples/embodied/metaworld_reach_pixels_sac.yaml"
 
 def worker(path: str, overrides: list[str], obs_space, action_space) -> SACActorWorker:
     SACActorWorker.torch_device = lambda self, setting="auto": torch.device("cpu")
+    SACActorWorker.rank, SACActorWorker.world_size = 0, 1  # built outside a group
     cfg = load_config(EmbodiedConfig, path, overrides)
     sections = ConfigSections("bench", cfg, SACActorWorker.config_sections)
     return SACActorWorker(sections, types.SimpleNamespace(env=1, stages=1), obs_space, action_space)

@@ -330,6 +330,70 @@ def test_a_short_sac_run_on_ray_with_collection_and_updates_apart(tmp_path):
     assert rows[-1]["updates"] > 0 and rows[-1]["eval/return_mean"] is not None
 
 
+TWO_ACTOR_RANKS = [
+    "cluster.backend=ray",
+    "cluster.devices_per_node=3",
+    "env.total_num_envs=4",
+    "env.max_episode_steps=20",
+]
+
+
+@pytest.mark.ray
+def test_two_actor_ranks_train_data_parallel_and_resume_each_with_its_buffer(tmp_path):
+    """Each rank holds the transitions of its own envs and samples half of every minibatch;
+    the averaged gradients keep their weights equal (their batches differ, so without the
+    average they would part at the first update). A checkpoint keeps both buffers."""
+
+    def ranks(runner):
+        return runner.actor.agent_state().wait(60), runner.actor.replay_summary().wait(60)
+
+    placement = "cluster.placement={'env,rollout': '0', actor: '1-2'}"
+    common = [*TINY, *TWO_ACTOR_RANKS, placement, "replay.save=true"]
+    first, (states, buffers) = run(
+        tmp_path, *common, "runner.max_steps=8", "runner.experiment=a", inspect=ranks
+    )
+    assert read_metrics(first["run_dir"])[-1]["updates"] > 0
+    assert set(states[0]) == set(states[1])
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    assert [b["size"] for b in buffers] == [first["env_steps"] // 2] * 2
+    checkpoint = Path(first["checkpoint"])
+    assert (checkpoint / "actor_rank1.pt").exists()
+
+    resumed, (_, buffers) = run(
+        tmp_path, *common, "runner.max_steps=10", f"runner.resume_from={checkpoint}", inspect=ranks
+    )
+    assert [b["added"] for b in buffers] == [resumed["env_steps"] // 2] * 2  # nothing lost
+    with pytest.raises(Exception, match="trained on 2 actor rank"):
+        run(
+            tmp_path,
+            *TINY,
+            "cluster.backend=ray",
+            "cluster.devices_per_node=2",
+            "cluster.placement={'env,rollout': '0', actor: '1'}",
+            "env.total_num_envs=4",
+            "runner.max_steps=12",
+            f"runner.resume_from={checkpoint}",
+        )
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["cluster.backend=local"],
+            "cluster.placement: a data-parallel actor .* cluster.backend=ray",
+        ),
+        (["replay.batch_size=33"], "replay.batch_size: 33 must divide evenly over 2"),
+        (["env.total_num_envs=2"], "env.total_num_envs: .* 1 env.* cannot feed 2"),
+    ],
+)
+def test_data_parallel_sac_configs_are_checked_before_start(tmp_path, overrides, message):
+    two_env_ranks = "cluster.placement={env: '0-1', rollout: '0', actor: '1-2'}"
+    cfg = load(f"runner.run_dir={tmp_path}", *TINY, *TWO_ACTOR_RANKS, two_env_ranks, *overrides)
+    with pytest.raises(ConfigError, match=message):
+        OffPolicyRunner(cfg)
+
+
 @pytest.mark.slow
 def test_sac_learns_pendulum_in_3k_env_steps(tmp_path):
     """A short budget of the example (small networks): an untrained policy scores about
@@ -415,6 +479,8 @@ def test_random_shift_translates_each_image_by_whole_pixels_with_the_border_repl
 def test_the_pixel_encoder_learns_from_the_critic_loss_only(monkeypatch):
     """The actor worker's own update: which of its optimizer steps reach the encoder."""
     monkeypatch.setattr(SACActorWorker, "torch_device", lambda self, setting: torch.device("cpu"))
+    monkeypatch.setattr(SACActorWorker, "rank", 0)  # built outside a group: rank 0 of 1
+    monkeypatch.setattr(SACActorWorker, "world_size", 1)
     cfg = load(
         "model.name=sac_cnn",
         "model.hidden_sizes=[16]",

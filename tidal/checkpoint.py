@@ -67,12 +67,11 @@ def save_checkpoint(
 ) -> Path:
     """Write a checkpoint folder atomically; returns its path. ``extra``: more files
     ``{name: weights-only-loadable value}`` (e.g. the env and rollout workers' state).
-    ``staged``: the :func:`staging_folder` the ranks already wrote their ``shards/`` into
-    (``model_state`` is None then)."""
+    ``staged``: the :func:`staging_folder` the ranks already wrote their files into
+    (``model_state`` is None when they wrote the model as ``shards/``)."""
     path = Path(path)
-    tmp = staged
-    if tmp is None:
-        tmp = staging_folder(path, str(os.getpid()))
+    tmp = staging_folder(path, str(os.getpid())) if staged is None else staged
+    if model_state is not None:
         save_file(_unshared(model_state), str(tmp / MODEL_FILE))
     torch.save(state, tmp / STATE_FILE)
     (tmp / META_FILE).write_text(json.dumps(meta, indent=2))

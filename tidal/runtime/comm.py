@@ -172,12 +172,21 @@ class Outbox:
         for work in send_batch(
             channel, batch, src_rank, src_world_size, dst_world_size, tag, async_op=True
         ):
-            if work.done():  # local puts finish at once: surface an error now, keep nothing
-                work.wait()
-            else:
-                self._pending.append(work)
+            self._track(work)
         if len(self._pending) >= self.limit:
             await self.flush()
+
+    async def put(self, channel: Channel, item: Any, key: Hashable) -> None:
+        """One item on one key, routed by the caller."""
+        self._track(channel.put(item, key=key, async_op=True))
+        if len(self._pending) >= self.limit:
+            await self.flush()
+
+    def _track(self, work) -> None:
+        if work.done():  # local puts finish at once: surface an error now, keep nothing
+            work.wait()
+        else:
+            self._pending.append(work)
 
     async def flush(self) -> None:
         pending, self._pending = self._pending, []

@@ -4,12 +4,18 @@ updates the squashed-Gaussian actor, the Q ensemble, its targets and the tempera
 ``ingest`` (async: it only moves transitions from the channel into the buffer) and
 ``update`` (a plain method: it runs on the rank's compute thread, so on the local backend the
 envs and the rollout keep stepping on the event loop meanwhile) are separate calls.
+
+Several actor ranks (ray) train data-parallel: each holds the transitions of its share of the
+envs, samples ``replay.batch_size / ranks`` of every minibatch from them, and every optimizer
+step averages the gradients over the ranks (one all-reduce per loss), so the ranks' weights
+stay equal; rank 0 sends them to the rollout.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import gymnasium as gym
 import torch
@@ -24,6 +30,7 @@ from tidal.checkpoint import (
     rng_state,
     save_checkpoint,
     set_rng_state,
+    staging_folder,
 )
 from tidal.config import ConfigError
 from tidal.envs.layout import layout_of
@@ -37,6 +44,11 @@ from tidal.workers.routes import Topology
 from tidal.workers.sac_env import TRANSITION_TAG
 
 REPLAY_FILE = "replay.pt"  # the buffer's contents, with replay.save
+
+
+def rank_file(rank: int) -> str:
+    """What actor rank ``rank`` > 0 keeps in a checkpoint: its sampling state and its buffer."""
+    return f"actor_rank{rank}.pt"
 
 
 class SACAgent(nn.Module):
@@ -112,11 +124,22 @@ class SACActorWorker(Worker):
         if cfg.replay.demo_path is not None:
             self.buffer.load_demos(cfg.replay.demo_path)
             self.demo_fraction = cfg.replay.demo_fraction
-        self.generator = torch.Generator().manual_seed(cfg.runner.seed + 17)
+        self.generator = torch.Generator().manual_seed(cfg.runner.seed + 17 + self.rank)
+        self.rank_batch = cfg.replay.batch_size // self.world_size
+        if self.world_size > 1:
+            self.init_distributed()
+            self._broadcast_agent()
         self.sources = topology.env * topology.stages
         self.received = [0] * self.sources  # segments taken from each (env rank, stage)
         self.updates = 0
         self.skipped = 0  # updates with a non-finite loss, not applied
+
+    def _broadcast_agent(self) -> None:
+        """Rank 0's initial weights on every rank (the seeds agree; this makes it certain)."""
+        import torch.distributed as dist
+
+        for t in self.agent.state_dict().values():
+            dist.broadcast(t, 0)
 
     # -- weights -------------------------------------------------------------------------
 
@@ -169,11 +192,14 @@ class SACActorWorker(Worker):
                 self.send_weights(weights_ch)
         means = torch.stack([torch.stack(v).float().mean() for v in logs.values()]) if logs else []
         out = {f"train/{k}": m for k, m in zip(logs, to_host(means).tolist(), strict=True)}
+        out["replay/size"] = float(self.buffer.size)
+        # (the ranks skip alike, so they log the same keys)
+        out = self.all_reduce_mean(out)
+        out["replay/size"] *= self.world_size  # over all ranks
         out.update(
             {
                 "train/alpha": float(self._alpha()),
                 "train/skipped_updates": float(self.skipped),
-                "replay/size": float(self.buffer.size),
                 "updates": self.updates,
                 "count": count,
             }
@@ -188,7 +214,7 @@ class SACActorWorker(Worker):
 
     def _one_update(self) -> dict[str, torch.Tensor]:
         cfg, obj, agent = self.cfg, self.objective, self.agent
-        batch = self.buffer.sample(cfg.replay.batch_size, self.generator, self.demo_fraction)
+        batch = self.buffer.sample(self.rank_batch, self.generator, self.demo_fraction)
         batch["rewards"] = batch["rewards"] * cfg.algorithm.reward_scale
         obs, next_obs = self._augmented(batch["obs"]), self._augmented(batch["next_obs"])
         alpha = self._alpha()
@@ -234,19 +260,45 @@ class SACActorWorker(Worker):
 
     def _step(self, name: str, loss: torch.Tensor) -> bool:
         """One optimizer step of ``name``'s parameters; a non-finite loss is skipped (counted,
-        ``train/skipped_updates``), never applied."""
+        ``train/skipped_updates``), never applied: on every rank if on any."""
         opt = self.optimizers[name]
         opt.zero_grad(set_to_none=True)
-        if not torch.isfinite(loss):
+        params = [p for group in opt.param_groups for p in group["params"]]
+        finite = bool(torch.isfinite(loss))
+        if finite:
+            loss.backward()
+        if self.world_size > 1:
+            finite = self._average_gradients(params, finite)
+        if not finite:
             self.skipped += 1
             return False
-        loss.backward()
         clip = self.cfg.actor.max_grad_norm
         if clip is not None:
-            params = [p for group in opt.param_groups for p in group["params"]]
             torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         return True
+
+    def _average_gradients(self, params: list[nn.Parameter], finite: bool) -> bool:
+        """The mean of the ranks' gradients in place, as one flat all-reduce that also counts
+        the ranks whose loss was finite; whether all were."""
+        import torch.distributed as dist
+
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+        flag = torch.tensor([float(finite)], device=grads[0].device)
+        flat = torch.cat([*(g.reshape(-1) for g in grads), flag])
+        dist.all_reduce(flat)
+        if flat[-1].item() < self.world_size:
+            return False
+        flat /= self.world_size
+        offset = 0
+        for p, g in zip(params, grads, strict=True):
+            p.grad = flat[offset : offset + g.numel()].view_as(g)
+            offset += g.numel()
+        return True
+
+    def agent_state(self) -> dict[str, torch.Tensor]:
+        """The agent's weights on the host (data-parallel ranks hold the same)."""
+        return to_host({k: v.detach().clone() for k, v in self.agent.state_dict().items()})
 
     def replay_summary(self) -> dict:
         """What the buffer holds: its size and whether every stored value is finite."""
@@ -258,12 +310,32 @@ class SACActorWorker(Worker):
 
     def save(self, path: str, meta: dict, extra: dict | None = None) -> str | None:
         """Actor, critics, targets and alpha (``model.safetensors``); optimizers, RNGs, counters
-        and the buffer's position (``state.pt``); the buffer itself with ``replay.save``."""
+        and the buffer's position (``state.pt``); the buffer itself with ``replay.save``.
+        Ranks > 0 write their own sampling state and buffer (``rank_file``) into the staging
+        folder rank 0 then renames into place: a crash before leaves older checkpoints whole."""
+        extra = dict(extra or {})
+        own = self._rank_state()
+        if self.rank == 0 and self.cfg.replay.save:
+            extra[REPLAY_FILE] = own.pop(REPLAY_FILE)
+        if self.world_size == 1:
+            return str(save_checkpoint(path, self.agent.state_dict(), own, self._meta(meta), extra))
+        import torch.distributed as dist
+
+        staged = staging_folder(path, "ranks") if self.rank == 0 else None
+        dist.barrier()  # the folder exists
+        tmp = Path(path).with_name(f".{Path(path).name}.tmp-ranks")
+        if self.rank != 0:
+            torch.save(own, tmp / rank_file(self.rank))
+        dist.barrier()  # every rank's file is written
         if self.rank != 0:
             return None
-        keep = self.cfg.replay.save
+        return str(
+            save_checkpoint(path, self.agent.state_dict(), own, self._meta(meta), extra, staged)
+        )
+
+    def _rank_state(self) -> dict:
+        """This rank's state (the optimizers are the same on every rank: rank 0's is kept)."""
         state = {
-            "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
             "rng": rng_state(),
             "generator": self.generator.get_state(),
             "counters": {
@@ -273,26 +345,42 @@ class SACActorWorker(Worker):
             },
             "replay": self.buffer.state_dict(with_data=False),
         }
-        extra = dict(extra or {})
-        if keep:
-            extra[REPLAY_FILE] = self.buffer.state_dict(with_data=True)
+        if self.rank == 0:
+            state["optimizers"] = {k: o.state_dict() for k, o in self.optimizers.items()}
+        if self.cfg.replay.save:
+            state[REPLAY_FILE] = self.buffer.state_dict(with_data=True)
+        return state
+
+    def _meta(self, meta: dict) -> dict:
         # the policy's weights under "policy." (tidal eval and export read them alone)
-        meta = {**meta, "version": self.updates, "replay_saved": keep, "policy_prefix": "policy."}
-        return str(save_checkpoint(path, self.agent.state_dict(), state, meta, extra))
+        return {
+            **meta,
+            "version": self.updates,
+            "replay_saved": self.cfg.replay.save,
+            "policy_prefix": "policy.",
+            "actor_ranks": self.world_size,
+        }
 
     def load(self, path: str) -> dict:
         """Everything ``save`` wrote; the buffer's contents when the checkpoint holds them
         (``meta['replay_restored']``), else it stays empty and refills."""
         model_state, state, meta = load_checkpoint(path)
+        saved_ranks = meta.get("actor_ranks", 1)
+        if saved_ranks != self.world_size:
+            raise ConfigError(
+                f"cluster.placement: the checkpoint {path} was trained on {saved_ranks} actor "
+                f"rank(s), each with its own replay buffer; resume it on {saved_ranks}, got "
+                f"{self.world_size}"
+            )
         load_strict(self.agent, model_state, str(path))
         for k, opt in self.optimizers.items():
             opt.load_state_dict(state["optimizers"][k])
-        set_rng_state(state["rng"])
-        self.generator.set_state(state["generator"])
-        counters = state["counters"]
+        own = state if self.rank == 0 else load_extra(path, rank_file(self.rank))
+        set_rng_state(own["rng"])
+        self.generator.set_state(own["generator"])
+        counters = own["counters"]
         self.updates, self.skipped = counters["updates"], counters["skipped"]
         self.received = list(counters["received"])
-
-        saved = load_extra(path, REPLAY_FILE)
+        saved = own.get(REPLAY_FILE) if self.rank else load_extra(path, REPLAY_FILE)
         restored = saved is not None and self.buffer.load_state_dict(saved)
         return {**meta, "replay_restored": restored}

@@ -1,7 +1,9 @@
 """The env side of off-policy training: steps its envs continuously, one segment of
 ``rollout.num_steps`` chunk steps per call, and sends the segment's transitions (obs, action,
 reward, termination, truncation, final observation) to the actor's replay buffer over the
-actor channel: one message per stage and segment, never one call per step.
+actor channel: one message per stage, segment and actor rank, never one call per step. With
+several actor ranks each env's transitions go to one of them (contiguous blocks of the stage's
+envs), so every rank's buffer holds whole episodes of its own envs.
 
 Each call answers exactly ``num_steps + 1`` observations per stage, as ``RolloutWorker.generate``
 expects; the rollout's last answer of a segment is kept (``pending``) and stepped first in the
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from tidal.data import ChunkActions, EnvOutput
-from tidal.runtime import Channel, Outbox
+from tidal.runtime import Channel, CommMapper, Outbox
 from tidal.workers.env_worker import EnvWorker
 
 TRANSITION_TAG = "transitions"
@@ -52,6 +54,8 @@ class TransitionEnvWorker(EnvWorker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.pending: list[ChunkActions | None] = [None] * self.stages
+        # the actor rank each of a stage's envs sends its transitions to
+        self.actor_of_env = torch.arange(self.stage_envs) * self.topo.actor // self.stage_envs
 
     async def collect(
         self, rollout_ch: Channel, env_ch: Channel, actor_ch: Channel, timeout: float = 600.0
@@ -76,6 +80,7 @@ class TransitionEnvWorker(EnvWorker):
                 bad = train.guards[s].check(out, ("obs", "final_obs", "rewards"), "env", where)
                 record = chunk_transition(train.obs[s], act.actions, out, self.gamma)
                 keep = ~torch.from_numpy(bad)
+                record["actor_rank"] = self.actor_of_env
                 records[s].append({k: v[keep] for k, v in record.items()})
                 if bad.any():
                     out.obs = train.envs[s].restart(bad, out.obs)
@@ -85,9 +90,15 @@ class TransitionEnvWorker(EnvWorker):
         for s in range(self.stages):
             self.pending[s] = await self._recv_actions(env_ch, "train", s, timeout)
             segment = {k: torch.cat([r[k] for r in records[s]]) for k in records[s][0]}
+            owner = segment.pop("actor_rank")
             src = self.rank * self.stages + s
-            key_world = self.world_size * self.stages
-            await outbox.send(actor_ch, segment, src, key_world, 1, tag=TRANSITION_TAG)
+            for dst in range(self.topo.actor):
+                mine = owner == dst
+                await outbox.put(
+                    actor_ch,
+                    {k: v[mine] for k, v in segment.items()},
+                    CommMapper.build_channel_key(src, dst, TRANSITION_TAG),
+                )
         await outbox.flush()
         self.epoch += 1
         transitions = sum(r["rewards"].shape[0] for rec in records for r in rec)

@@ -53,11 +53,7 @@ class OffPolicyRunner(EmbodiedRunner):
                 f"algorithm.name: sac needs a continuous (Box) action space; {self.cfg.env.id} "
                 f"has {action_space} (use algorithm.name ppo)"
             )
-        if self.worlds["actor"] != 1:
-            raise ConfigError(
-                f"cluster.placement: sac trains on one actor rank (its replay buffer's), got "
-                f"{self.worlds['actor']}"
-            )
+        self.check_actor_ranks()
         if self.cfg.model.name not in SAC_POLICIES:
             raise ConfigError(
                 f"model.name: algorithm.name sac needs one of {', '.join(SAC_POLICIES)}, got "
@@ -79,6 +75,24 @@ class OffPolicyRunner(EmbodiedRunner):
             log.info("replay: %d scripted demonstration transitions", len(demos.obs))
             self.sft_demos = fit_demos(demos.transitions(), layout, "replay.sft_demos")
 
+    def check_actor_ranks(self) -> None:
+        """Several actor ranks train data-parallel, each on the transitions of its own envs."""
+        ranks, cfg = self.worlds["actor"], self.cfg
+        if ranks == 1:
+            return
+        if cfg.replay.batch_size % ranks:
+            raise ConfigError(
+                f"replay.batch_size: {cfg.replay.batch_size} must divide evenly over {ranks} "
+                "actor ranks (each samples its share from its own buffer)"
+            )
+        stage_envs = self.topo.total_num_envs // (self.worlds["env"] * self.topo.stages)
+        if stage_envs < ranks:
+            raise ConfigError(
+                f"env.total_num_envs: each actor rank's buffer is fed by its own envs; "
+                f"{stage_envs} env(s) per env rank and pipeline stage cannot feed {ranks} "
+                "actor ranks"
+            )
+
     def build(self) -> None:
         self.check_offpolicy()
         cfg, spaces, timeout = self.cfg, self.spaces, self.cfg.runner.timeout_s
@@ -94,7 +108,7 @@ class OffPolicyRunner(EmbodiedRunner):
             self.cluster, placement, name="actor"
         )
         if self.sft_demos is not None:
-            self.actor.execute_on(0).set_demos(self.sft_demos).wait(timeout)
+            self.actor.set_demos(self.sft_demos).wait(timeout)  # every rank samples them
         run_id = f"{cfg.runner.experiment}-{uuid.uuid4().hex[:6]}"
         self.channels = {
             name: Channel.create(f"{run_id}-{name}", self.cluster, consumer=reader)
