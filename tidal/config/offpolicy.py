@@ -49,7 +49,9 @@ class ReplayConfig:
     """The replay buffer of off-policy algorithms (``algorithm.name: sac``), on the actor rank."""
 
     capacity: int = setting(1_000_000, "transitions kept (oldest overwritten)")
-    batch_size: int = setting(256, "transitions per update (online plus demonstrations)")
+    batch_size: int = setting(
+        256, "transitions per update (online plus demonstrations), over all actor ranks"
+    )
     warmup_steps: int = setting(
         5000, "env steps of uniformly random actions before the first update"
     )
