@@ -88,6 +88,11 @@ def micro_loss(kind: str, parts: int):
 def actor_config(strategy: str, lora: bool = False, **kw) -> ActorConfig:
     # a linear schedule and clipping that bites (the norms here are ~1-5, the adapters' ~0.1-1)
     clip = 0.05 if lora else 0.5
+    # Adam's epsilon above rounding noise: an attention's key bias has a zero gradient in exact
+    # arithmetic (softmax ignores it), and at eps 1e-8 Adam scales the ~1e-10 rounding left in
+    # it to a full step of lr, whose sign is the reduction order's (DDP's all-reduce against
+    # FSDP2's reduce-scatter), not the strategy's arithmetic
+    kw.setdefault("adam_eps", 1e-5)
     return ActorConfig(lr=3e-3, lr_schedule="linear", max_grad_norm=clip, strategy=strategy, **kw)
 
 
