@@ -90,12 +90,19 @@ def save_checkpoint(
     return path
 
 
+def staging_path(path: str | Path, suffix: str) -> Path:
+    """Where :func:`staging_folder` puts the temporary folder of ``path`` (the ranks that do not
+    create it find it here)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{suffix}")
+
+
 def staging_folder(path: str | Path, suffix: str) -> Path:
     """The empty temporary folder a checkpoint is written into before its rename (every rank
     of a sharded save passes the same ``suffix``; only one creates it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{suffix}")
+    tmp = staging_path(path, suffix)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     return tmp

@@ -39,6 +39,7 @@ from tidal.checkpoint import (
     load_trained_state,
     save_checkpoint,
     staging_folder,
+    staging_path,
     trained_state_dict,
 )
 from tidal.registry import Registry
@@ -283,7 +284,7 @@ class FSDP2Strategy(Strategy):
         (On several nodes the run folder must be on a shared file system.)"""
         import torch.distributed.checkpoint as dcp
 
-        staged = Path(path).with_name(f".{Path(path).name}.tmp-shards")
+        staged = staging_path(path, "shards")
         if rank == 0:
             staging_folder(path, "shards")
         dist.barrier()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import math
-from pathlib import Path
 
 import gymnasium as gym
 import torch
@@ -31,6 +30,7 @@ from tidal.checkpoint import (
     save_checkpoint,
     set_rng_state,
     staging_folder,
+    staging_path,
 )
 from tidal.config import ConfigError
 from tidal.envs.layout import layout_of
@@ -313,28 +313,29 @@ class SACActorWorker(Worker):
         and the buffer's position (``state.pt``); the buffer itself with ``replay.save``.
         Ranks > 0 write their own sampling state and buffer (``rank_file``) into the staging
         folder rank 0 then renames into place: a crash before leaves older checkpoints whole."""
-        extra = dict(extra or {})
         own = self._rank_state()
-        if self.rank == 0 and self.cfg.replay.save:
-            extra[REPLAY_FILE] = own.pop(REPLAY_FILE)
-        if self.world_size == 1:
-            return str(save_checkpoint(path, self.agent.state_dict(), own, self._meta(meta), extra))
-        import torch.distributed as dist
+        if self.world_size > 1:
+            import torch.distributed as dist
 
-        staged = staging_folder(path, "ranks") if self.rank == 0 else None
-        dist.barrier()  # the folder exists
-        tmp = Path(path).with_name(f".{Path(path).name}.tmp-ranks")
-        if self.rank != 0:
-            torch.save(own, tmp / rank_file(self.rank))
-        dist.barrier()  # every rank's file is written
-        if self.rank != 0:
-            return None
+            staged = staging_folder(path, "ranks") if self.rank == 0 else None
+            dist.barrier()  # the folder exists
+            if self.rank != 0:
+                torch.save(own, staging_path(path, "ranks") / rank_file(self.rank))
+            dist.barrier()  # every rank's file is written
+            if self.rank != 0:
+                return None
+        else:
+            staged = None
+        extra = dict(extra or {})
+        if self.cfg.replay.save:
+            extra[REPLAY_FILE] = self.buffer.state_dict(with_data=True)
         return str(
             save_checkpoint(path, self.agent.state_dict(), own, self._meta(meta), extra, staged)
         )
 
     def _rank_state(self) -> dict:
-        """This rank's state (the optimizers are the same on every rank: rank 0's is kept)."""
+        """This rank's state (the optimizers are the same on every rank: rank 0's is kept, with
+        its buffer in ``REPLAY_FILE``; a rank > 0 keeps its buffer here)."""
         state = {
             "rng": rng_state(),
             "generator": self.generator.get_state(),
@@ -347,7 +348,7 @@ class SACActorWorker(Worker):
         }
         if self.rank == 0:
             state["optimizers"] = {k: o.state_dict() for k, o in self.optimizers.items()}
-        if self.cfg.replay.save:
+        elif self.cfg.replay.save:
             state[REPLAY_FILE] = self.buffer.state_dict(with_data=True)
         return state
 
