@@ -13,6 +13,12 @@ distribution actually sampled from (after temperature), as with tidal's engine.
     client = InferenceClient([server.address], protocol=VLLMProtocol())
     await client.agenerate(ModelRequest(ids, GenerationConfig(...)))   # tokens, log-probs, versions
     await client.update_weights(version=1, model_path=folder)          # pause → reload → resume
+
+Known limit of vLLM 0.32's CPU worker: a seeded request (``GenerationConfig.seed``, or an agent's
+``seed``) whose prefill is chunked kills the server (``CPU Generator does not use offset``), as
+when many aborted requests are resubmitted at once; tidal's own rollouts send no seed.
+``rollout.vllm_args=[--no-enable-chunked-prefill]`` avoids it (measured: 128 seeded sequences
+aborted mid-generation and resubmitted, no crash).
 """
 
 from __future__ import annotations
