@@ -476,23 +476,34 @@ def test_random_shift_translates_each_image_by_whole_pixels_with_the_border_repl
     assert out.shape == obs.shape and torch.equal(out[:, :2], obs[:, :2])
 
 
-def test_the_pixel_encoder_learns_from_the_critic_loss_only(monkeypatch):
-    """The actor worker's own update: which of its optimizer steps reach the encoder."""
+@pytest.mark.parametrize("model", ["sac_cnn", "sac_mlp"])
+def test_the_encoder_learns_from_the_critic_loss_only(monkeypatch, model):
+    """The actor worker's own update: which of its optimizer steps reach the encoder (sac_cnn's
+    convolutions and words; sac_mlp's words, when the observation carries instructions)."""
     monkeypatch.setattr(SACActorWorker, "torch_device", lambda self, setting: torch.device("cpu"))
     monkeypatch.setattr(SACActorWorker, "rank", 0)  # built outside a group: rank 0 of 1
     monkeypatch.setattr(SACActorWorker, "world_size", 1)
+    pixels = model == "sac_cnn"
     cfg = load(
-        "model.name=sac_cnn",
+        f"model.name={model}",
         "model.hidden_sizes=[16]",
-        "model.kwargs={channels: [4], feature_dim: 8}",
+        "model.kwargs={channels: [4], feature_dim: 8}" if pixels else "model.kwargs={}",
         "replay.batch_size=8",
-        "algorithm.image_pad=1",
+        f"algorithm.image_pad={int(pixels)}",
     )
-    space = LayoutBox(ObsLayout(state_dim=2, image_size=8))
+    layout = ObsLayout(state_dim=2, num_tokens=3, vocab_size=64, image_size=8 if pixels else 0)
+    space = LayoutBox(layout)
     sections = ConfigSections("actor", cfg, SACActorWorker.config_sections)
     worker = SACActorWorker(sections, SimpleNamespace(env=1, stages=1), space, Box(-1, 1, (2,)))
     n = 16
-    obs = torch.cat([torch.randn(n, 2), torch.randint(0, 256, (n, 8 * 8 * 3)).float()], 1)
+    obs = torch.cat(
+        [
+            torch.randn(n, 2),
+            torch.randint(1, 64, (n, 3)).float(),
+            torch.randint(0, 256, (n, layout.image_numel)).float(),
+        ],
+        1,
+    )
     worker.buffer.add(
         {**_transitions(n), "obs": obs, "next_obs": obs, "actions": torch.zeros(n, 1, 2)}
     )
@@ -509,6 +520,25 @@ def test_the_pixel_encoder_learns_from_the_critic_loss_only(monkeypatch):
     worker._step = recording_step
     worker.update(1)
     assert reached == {"critic": True, "actor": False, "alpha": False}
+
+
+def test_sac_mlp_reads_instruction_words_as_an_embedding_not_as_numbers():
+    """MT10's task arrives as hashed word ids (up to the vocabulary's size): sac_mlp embeds them
+    beside the state, so no id reaches its networks as a number."""
+    space = LayoutBox(ObsLayout(state_dim=3, num_tokens=4, vocab_size=1024))
+    policy = SquashedGaussianPolicy(space, Box(-1, 1, (2,)), hidden_sizes=(16,))
+    tokens = torch.tensor([[1000, 900, 0, 0], [3, 0, 0, 0]])
+    obs = torch.cat([torch.randn(2, 3), tokens.float()], 1)
+    features = policy.encode(obs)
+    assert features.shape == (2, 32 + 3) and policy.net[0].in_features == 35
+    assert torch.equal(features[:, :32], policy.encoder.words(tokens))
+    assert torch.equal(features[:, 32:], obs[:, :3])
+    assert features.abs().max() < 10  # (an id read as a number would be 1000 here)
+    assert policy.encoder_parameters() == list(policy.encoder.parameters())
+    with pytest.raises(ValueError, match="pixel observations need model.name sac_cnn"):
+        SquashedGaussianPolicy(LayoutBox(ObsLayout(state_dim=3, image_size=8)), Box(-1, 1, (2,)))
+    plain = SquashedGaussianPolicy(Box(-1, 1, (3,)), Box(-1, 1, (2,)), hidden_sizes=(16,))
+    assert plain.encoder is None and plain.encoder_parameters() == []
 
 
 def test_sac_cnn_without_pixels_is_refused_before_start(tmp_path):

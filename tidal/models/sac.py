@@ -4,6 +4,12 @@ rollout runs it as any other) and an ensemble of Q critics.
 Actions live in ``[-1, 1]`` (the tanh's range) in the policy's own space, which is also what the
 critics read; ``env_actions`` maps them affinely into the env's bounds. An action chunk of ``C``
 actions is one action of the critic (``C x A`` inputs).
+
+An observation that carries instruction words (tidal.envs.layout: MT10's task) is read through an
+``ObsEncoder``: the words' mean embedding beside the state. The hashed word ids are names, not
+quantities; read as numbers (up to the vocabulary's size) they swamp the state and saturate the
+actor's tanh. The critics' loss trains the encoder, the actor reads its features detached (as
+DrQ does for pixels, sac_cnn).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tidal.envs.layout import ObsLayout, layout_of
 from tidal.models.policy import EmbodiedPolicy, PolicyStep, register_policy
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
@@ -39,6 +46,32 @@ def squashed_logp(u: torch.Tensor, dist_logp: torch.Tensor) -> torch.Tensor:
     return dist_logp - 2.0 * (math.log(2.0) - u - F.softplus(-2.0 * u))
 
 
+class ObsEncoder(nn.Module):
+    """What SAC's networks read of a packed observation: an image's features (``convs``, when
+    given: sac_cnn's convolutions, ``conv_dim`` wide), the mean embedding of the instruction
+    words and the state, concatenated: ``[B, out_dim]``."""
+
+    def __init__(
+        self, layout: ObsLayout, word_dim: int, convs: nn.Module | None = None, conv_dim: int = 0
+    ):
+        super().__init__()
+        self.layout, self.convs = layout, convs
+        self.out_dim = conv_dim + layout.state_dim
+        self.words = None
+        if layout.num_tokens:
+            self.words = nn.EmbeddingBag(layout.vocab_size, word_dim, mode="mean", padding_idx=0)
+            self.out_dim += word_dim
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        parts = self.layout.split(obs)
+        out = [] if self.convs is None else [self.convs(parts["image"])]
+        if self.words is not None:
+            out.append(self.words(parts["tokens"]))
+        if "state" in parts:
+            out.append(parts["state"])
+        return torch.cat(out, -1)
+
+
 @register_policy("sac_mlp")
 class SquashedGaussianPolicy(EmbodiedPolicy):
     """An MLP with a state-dependent mean and log-std per action dimension, squashed by tanh.
@@ -52,6 +85,7 @@ class SquashedGaussianPolicy(EmbodiedPolicy):
         num_action_chunks: int = 1,
         hidden_sizes: tuple[int, ...] = (256, 256),
         activation: str = "relu",
+        word_dim: int = 32,
     ):
         super().__init__()
         if not isinstance(action_space, gym.spaces.Box) or len(action_space.shape) != 1:
@@ -63,7 +97,11 @@ class SquashedGaussianPolicy(EmbodiedPolicy):
             raise ValueError(
                 f"model 'sac_mlp': needs a flat Box observation space, got {observation_space}"
             )
-        self.obs_dim = observation_space.shape[0]
+        self.layout = layout_of(observation_space)
+        if self.layout.image_size:
+            raise ValueError("model 'sac_mlp': pixel observations need model.name sac_cnn")
+        self.encoder = ObsEncoder(self.layout, word_dim) if self.layout.num_tokens else None
+        self.obs_dim = observation_space.shape[0] if self.encoder is None else self.encoder.out_dim
         self.chunks, self.action_dim = num_action_chunks, action_space.shape[0]
         self.net = mlp(self.obs_dim, hidden_sizes, 2 * self.chunks * self.action_dim, activation)
         self.register_buffer("low", torch.as_tensor(action_space.low, dtype=torch.float32))
@@ -75,22 +113,28 @@ class SquashedGaussianPolicy(EmbodiedPolicy):
         return self.chunks * self.action_dim
 
     def _head(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mean, log_std = self.net(obs).view(-1, self.chunks, 2 * self.action_dim).chunk(2, -1)
+        """The mean and log-std of an observation (through the encoder, detached)."""
+        return self._head_on(self.encode(obs).detach() if self.encoder is not None else obs)
+
+    def _head_on(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean, log_std = self.net(features).view(-1, self.chunks, 2 * self.action_dim).chunk(2, -1)
         # a smooth bound on the log-std (CleanRL's), so its gradient never vanishes at a clip
         log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (torch.tanh(log_std) + 1)
         return mean, log_std
 
     def encode(self, obs: torch.Tensor) -> torch.Tensor:
-        """What the critics read of an observation: here the observation itself."""
-        return obs
+        """What the critics read of an observation: the encoder's features (with its gradient),
+        or the observation itself when there is no encoder."""
+        return obs if self.encoder is None else self.encoder(obs)
 
     def encoder_parameters(self) -> list[nn.Parameter]:
-        """Parameters the critics' optimizer trains with them (a pixel encoder); none here."""
-        return []
+        """Parameters the critics' optimizer trains with them (the encoder's)."""
+        return [] if self.encoder is None else list(self.encoder.parameters())
 
     def sample_features(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``sample`` from ``encode``'s output (the actor's loss reuses the critics' pass)."""
-        return self.sample(features)
+        """``sample`` from ``encode``'s output, detached (the actor's loss reuses the critics'
+        pass and does not train the encoder)."""
+        return self.sample_from(*self._head_on(features.detach()))
 
     def sample(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Reparameterised actions ``[B, C, A]`` in [-1, 1] and their log-probs ``[B]`` (the sum

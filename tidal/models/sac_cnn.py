@@ -15,37 +15,12 @@ from __future__ import annotations
 
 import gymnasium as gym
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 from tidal.envs.layout import ObsLayout, layout_of
 from tidal.models.cnn import conv_encoder
 from tidal.models.policy import register_policy
-from tidal.models.sac import SquashedGaussianPolicy, mlp
-
-
-class PixelEncoder(nn.Module):
-    """Convolutions over the image; the mean embedding of the instruction words and the state
-    (when the observation carries them) concatenated to its features: ``[B, out_dim]``."""
-
-    def __init__(self, layout: ObsLayout, channels, feature_dim: int, word_dim: int):
-        super().__init__()
-        self.layout = layout
-        self.convs, self.out_dim = conv_encoder(layout.image_size, tuple(channels), feature_dim)
-        self.words = None
-        if layout.num_tokens:
-            self.words = nn.EmbeddingBag(layout.vocab_size, word_dim, mode="mean", padding_idx=0)
-            self.out_dim += word_dim
-        self.out_dim += layout.state_dim
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        parts = self.layout.split(obs)
-        out = [self.convs(parts["image"])]
-        if self.words is not None:
-            out.append(self.words(parts["tokens"]))
-        if "state" in parts:
-            out.append(parts["state"])
-        return torch.cat(out, -1)
+from tidal.models.sac import ObsEncoder, SquashedGaussianPolicy, mlp
 
 
 def random_shift(images: torch.Tensor, pad: int, generator: torch.Generator) -> torch.Tensor:
@@ -81,9 +56,8 @@ def shift_observations(obs: torch.Tensor, layout: ObsLayout, pad: int, generator
 
 @register_policy("sac_cnn")
 class PixelSquashedGaussianPolicy(SquashedGaussianPolicy):
-    """``sac_mlp``'s squashed-Gaussian head over ``PixelEncoder`` features. ``encode`` gives the
-    features the critics read (with the encoder's gradient); ``sample_features`` and ``act``
-    run the head on them detached (the actor's loss does not train the encoder)."""
+    """``sac_mlp``'s squashed-Gaussian head over an ``ObsEncoder`` with ``cnn``'s convolutions
+    (and the instruction words and the state, when the observation carries them)."""
 
     def __init__(
         self,
@@ -105,22 +79,8 @@ class PixelSquashedGaussianPolicy(SquashedGaussianPolicy):
         # the base checks the action space; its MLP over the raw observation is replaced
         flat = gym.spaces.Box(-1.0, 1.0, (1,))
         super().__init__(flat, action_space, num_action_chunks, (), activation)
-        self.encoder = PixelEncoder(layout, channels, feature_dim, word_dim)
+        self.layout = layout
+        convs, conv_dim = conv_encoder(layout.image_size, tuple(channels), feature_dim)
+        self.encoder = ObsEncoder(layout, word_dim, convs, conv_dim)
         self.obs_dim = self.encoder.out_dim  # what the critics read
         self.net = mlp(self.obs_dim, hidden_sizes, 2 * self.chunks * self.action_dim, activation)
-
-    @property
-    def layout(self) -> ObsLayout:
-        return self.encoder.layout
-
-    def encode(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.encoder(obs)
-
-    def encoder_parameters(self) -> list[nn.Parameter]:
-        return list(self.encoder.parameters())
-
-    def _head(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return super()._head(self.encoder(obs).detach())
-
-    def sample_features(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.sample_from(*super()._head(features.detach()))
