@@ -40,7 +40,10 @@ def run_eval(
     with RunFolder(cfg, "eval") as run:
         summary = _evaluate(cfg, folder, episodes, sampled)
         (run.path / "summary.json").write_text(json.dumps(summary, indent=2))
-    log.info("eval: success %.3f on %d episodes", summary.get("eval/success_rate", 0.0), episodes)
+    scores = {k: summary[k] for k in ("eval/success_rate", "eval/return") if k in summary}
+    log.info(
+        "eval on %d episodes: %s", episodes, ", ".join(f"{k} {v:.3f}" for k, v in scores.items())
+    )
     return {**summary, "run_dir": str(run.path)}
 
 
