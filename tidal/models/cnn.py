@@ -7,7 +7,7 @@ import gymnasium as gym
 import torch
 from torch import nn
 
-from tidal.envs.layout import layout_of
+from tidal.envs.layout import ObsLayout, layout_of
 from tidal.models.policy import EmbodiedPolicy, LeadingNorm, MLPActorCritic, register_policy
 
 
@@ -20,6 +20,24 @@ def conv_encoder(image_size: int, channels: tuple[int, ...], out_dim: int) -> tu
         width, size = c, (size + 1) // 2
     layers += [nn.Flatten(), nn.Linear(width * size * size, out_dim), nn.ReLU()]
     return nn.Sequential(*layers), out_dim
+
+
+def word_embedding(layout: ObsLayout, word_dim: int) -> tuple[nn.EmbeddingBag | None, int]:
+    """The mean embedding of a layout's instruction words and its width (None, 0: no words)."""
+    if not layout.num_tokens:
+        return None, 0
+    return nn.EmbeddingBag(layout.vocab_size, word_dim, mode="mean", padding_idx=0), word_dim
+
+
+def packed_features(parts: dict, image_encoder: nn.Module | None, words) -> torch.Tensor:
+    """A split observation (``ObsLayout.split``) as one feature vector: the image's features,
+    the words' embedding, the state, those it has, concatenated in that order."""
+    out = [] if image_encoder is None else [image_encoder(parts["image"])]
+    if words is not None:
+        out.append(words(parts["tokens"]))
+    if "state" in parts:
+        out.append(parts["state"])
+    return torch.cat(out, -1)
 
 
 @register_policy("cnn")
@@ -58,13 +76,8 @@ class CNNActorCritic(MLPActorCritic):
                 "model 'cnn': needs pixel observations (env.obs_mode pixels or state+pixels)"
             )
         self.encoder, width = conv_encoder(self.layout.image_size, tuple(channels), feature_dim)
-        self.words = None
-        if self.layout.num_tokens:
-            self.words = nn.EmbeddingBag(
-                self.layout.vocab_size, word_dim, mode="mean", padding_idx=0
-            )
-            width += word_dim
-        width += self.layout.state_dim
+        self.words, word_width = word_embedding(self.layout, word_dim)
+        width += word_width + self.layout.state_dim
         self._init_heads(
             width,
             action_space,
@@ -80,13 +93,7 @@ class CNNActorCritic(MLPActorCritic):
         )
 
     def features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        parts = self.layout.split(inputs["obs"])
-        out = [self.encoder(parts["image"])]
-        if self.words is not None:
-            out.append(self.words(parts["tokens"]))
-        if "state" in parts:
-            out.append(parts["state"])
-        return torch.cat(out, -1)
+        return packed_features(self.layout.split(inputs["obs"]), self.encoder, self.words)
 
     def augment(self, raw_obs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         pad = self.augment_shift

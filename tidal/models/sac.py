@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tidal.envs.layout import ObsLayout, layout_of
+from tidal.models.cnn import packed_features, word_embedding
 from tidal.models.policy import EmbodiedPolicy, PolicyStep, register_policy
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
@@ -56,20 +57,11 @@ class ObsEncoder(nn.Module):
     ):
         super().__init__()
         self.layout, self.convs = layout, convs
-        self.out_dim = conv_dim + layout.state_dim
-        self.words = None
-        if layout.num_tokens:
-            self.words = nn.EmbeddingBag(layout.vocab_size, word_dim, mode="mean", padding_idx=0)
-            self.out_dim += word_dim
+        self.words, word_width = word_embedding(layout, word_dim)
+        self.out_dim = conv_dim + word_width + layout.state_dim
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        parts = self.layout.split(obs)
-        out = [] if self.convs is None else [self.convs(parts["image"])]
-        if self.words is not None:
-            out.append(self.words(parts["tokens"]))
-        if "state" in parts:
-            out.append(parts["state"])
-        return torch.cat(out, -1)
+        return packed_features(self.layout.split(obs), self.convs, self.words)
 
 
 @register_policy("sac_mlp")
@@ -114,7 +106,7 @@ class SquashedGaussianPolicy(EmbodiedPolicy):
 
     def _head(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The mean and log-std of an observation (through the encoder, detached)."""
-        return self._head_on(self.encode(obs).detach() if self.encoder is not None else obs)
+        return self._head_on(self.encode(obs).detach())
 
     def _head_on(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mean, log_std = self.net(features).view(-1, self.chunks, 2 * self.action_dim).chunk(2, -1)
