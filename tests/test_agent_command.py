@@ -128,6 +128,33 @@ def test_the_session_endpoint_serves_the_openai_api_and_refuses_other_keys(serve
     assert first.response.output_versions == [0] * len(first.output_ids)
 
 
+def test_a_call_the_server_refuses_is_a_400_naming_the_argument(server, tok):
+    """A prompt and max_tokens past the model's context: the agent gets the server's reason as
+    an OpenAI 400 (not a 500), and nothing is recorded."""
+
+    async def main():
+        inference = InferenceClient([server.address])
+        proxy = SessionProxy(inference, tok, greedy(tok))
+        await proxy.start()
+        session = proxy.open()
+        c = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+        try:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await c.chat.completions.create(
+                    model="tidal", messages=[{"role": "user", "content": QUESTION}],
+                    max_tokens=100_000,
+                )  # fmt: skip
+            return refused.value, session
+        finally:
+            await c.close()
+            await proxy.stop()
+            await inference.aclose()
+
+    error, session = asyncio.run(main())
+    assert error.status_code == 400 and "max_tokens" in error.message
+    assert "context" in error.message and session.completions == []
+
+
 def test_a_streamed_session_call_sends_text_while_it_is_generated(server, tok):
     """The first text chunk arrives while the server is still generating: with the engine held
     there, nothing is recorded yet; the rest follows and adds up to the recorded completion."""

@@ -202,3 +202,36 @@ def test_tidal_serve_refuses_an_unknown_tool_parser_by_its_flag(tmp_path, capsys
     assert main(["serve", "--model", str(tmp_path), "--tool-parser", "nope"]) == 2
     err = capsys.readouterr().err
     assert "--tool-parser" in err and "'nope'" in err and "hermes" in err
+
+
+def test_a_tool_call_demonstration_is_token_for_token_the_agent_episode(tool_model):
+    """What ``tidal sft`` learns from a tool-call conversation is exactly the sequence the
+    session records when the model replays it: the same context between the turns (the
+    template's newline after EOS included) and the same learned tokens."""
+    from tidal.models.llm import sft_tokens
+    from tidal.rollout.agent_workflow import episode_sequences
+
+    tok = AutoTokenizer.from_pretrained(tool_model)
+    args = json.dumps({"a": 3, "b": 4})
+    call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": args}}
+    demo = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "7"},
+        {"role": "assistant", "content": "7"},
+    ]
+    ids, mask = sft_tokens(tok, demo, tools=[ADD_TOOL])
+    replies = '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call><|im_end|>'
+
+    async def main():
+        client = RecordingOpenAI(ScriptedInference(tok, [replies, "7<|im_end|>"]), tok)
+        messages = demo[:1]
+        first = await client.chat.completions.create(model="m", messages=messages, tools=[ADD_TOOL])
+        messages = [*messages, first.choices[0].message.model_dump(exclude_none=True), demo[2]]
+        await client.chat.completions.create(model="m", messages=messages, tools=[ADD_TOOL])
+        return client.completions_made
+
+    (seq,), _ = episode_sequences(asyncio.run(main()), 1.0, "concat", 1.0)
+    n = len(seq.tokens)  # the demonstration goes on with the template's untrained newline
+    assert tok.decode(seq.tokens) == tok.decode(ids[:n]) and not any(mask[n:])
+    assert seq.tokens == ids[:n] and [int(m) for m in seq.loss_mask] == mask[:n]

@@ -77,6 +77,11 @@ class DataConfig:
     messages_key: str | None = setting(
         None, "tidal sft: the field holding chat conversations; None: prompt/answer pairs"
     )
+    tools_key: str = setting(
+        "tools",
+        "tidal sft: the field holding a conversation's tools (OpenAI function specs), rendered "
+        "with the chat template where a record has them",
+    )
     id_key: str = setting("id", "the field naming a record in logs and eval rows (else its row)")
     chat_template: bool = setting(
         False, "render prompts with the tokenizer's chat template (SFT, RL and evaluation)"

@@ -83,14 +83,19 @@ def _is_string(feature) -> bool:
 
 
 def _is_messages(feature) -> bool:
-    """A list of ``{role, content}`` structs (a chat conversation)."""
+    """A list of ``{role, content}`` structs (a chat conversation), or of JSON objects: datasets
+    keeps messages of differing shapes (tool calls beside plain turns) as JSON, checked message
+    by message when they are rendered."""
     with needs_extra("llm", "dataset files"):
         import datasets
 
     inner = getattr(feature, "feature", None)
+    if not isinstance(feature, datasets.List | datasets.LargeList):
+        return False
+    if isinstance(inner, getattr(datasets, "Json", ())):
+        return True
     return (
-        isinstance(feature, datasets.List | datasets.LargeList)
-        and isinstance(inner, dict)
+        isinstance(inner, dict)
         and _is_string(inner.get("role"))
         and _is_string(inner.get("content"))
     )

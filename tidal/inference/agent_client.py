@@ -245,13 +245,26 @@ class RecordingOpenAI(openai.AsyncOpenAI):
             and prev.tools == tools
             and _continues(messages, prev)
         ):
+            asked = render_chat(prev.messages, self.tokenizer, tools=tools)
             answered = messages[: len(prev.messages) + 1]
             head = render_chat(answered, self.tokenizer, add_generation_prompt=False, tools=tools)
             full = render_chat(messages, self.tokenizer, tools=tools)
-            if full.startswith(head):
-                tail = self.tokenizer(full[len(head) :], add_special_tokens=False).input_ids
-                return prev.prompt_ids + prev.output_ids + tail
+            if full.startswith(head) and head.startswith(asked):
+                glue = self._after_answer(head[len(asked) :], prev.output_ids)
+                tail = self.tokenizer(glue + full[len(head) :], add_special_tokens=False)
+                return prev.prompt_ids + prev.output_ids + tail.input_ids
         return chat_prompt(messages, self.tokenizer, tools)
+
+    def _after_answer(self, reply: str, output_ids: list[int]) -> str:
+        """The template's text after the model's own tokens of ``reply`` (the answer as the
+        template renders it): what follows its EOS (ChatML's newline), as ``tidal sft`` lays a
+        conversation out; the EOS too when the model stopped without one."""
+        eos, eos_id = self.tokenizer.eos_token, self.tokenizer.eos_token_id
+        at = reply.rfind(eos) if eos else -1
+        if at < 0:
+            return ""
+        ended = bool(output_ids) and output_ids[-1] == eos_id
+        return reply[at + len(eos) :] if ended else reply[at:]
 
     @cached_property
     def chat(self) -> RecordingChat:  # type: ignore[override]

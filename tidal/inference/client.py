@@ -57,6 +57,25 @@ class InferenceError(RuntimeError):
     pass
 
 
+class InferenceRefused(InferenceError):
+    """A server answered 4xx: the request is wrong (retrying cannot help); ``detail`` is the
+    server's own message."""
+
+    def __init__(self, message: str, status: int, detail: str):
+        super().__init__(message)
+        self.status, self.detail = status, detail
+
+
+def _error_message(text: str) -> str:
+    """The message of a server's error body (tidal's ``{"error": m}``, OpenAI's
+    ``{"error": {"message": m}}``), else the body."""
+    try:
+        error = json.loads(text).get("error", text)
+    except (json.JSONDecodeError, AttributeError):
+        return text
+    return str(error.get("message", error) if isinstance(error, dict) else error)
+
+
 class SGLangProtocol:
     """The requests of tidal's servers and SGLang's: ``/generate`` with token ids, and the
     pause → update → continue endpoints."""
@@ -184,8 +203,10 @@ class InferenceClient:
                     if resp.status < 400:
                         return json.loads(text)
                     if resp.status < 500:
-                        raise InferenceError(
-                            f"server {address}{endpoint} refused the request ({resp.status}): {text}"
+                        raise InferenceRefused(
+                            f"server {address}{endpoint} refused the request ({resp.status}): {text}",
+                            resp.status,
+                            _error_message(text),
                         )
                     last = f"HTTP {resp.status}: {text[:200]}"
             except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:

@@ -34,8 +34,8 @@ with needs_extra("llm", "the session proxy"):
     from fastapi.responses import JSONResponse, StreamingResponse
 
 from tidal.inference.agent_client import ChatCall, RecordingOpenAI, chat_completion
-from tidal.inference.client import InferenceClient
-from tidal.inference.openai_request import completion_prompts
+from tidal.inference.client import InferenceClient, InferenceRefused
+from tidal.inference.openai_request import completion_prompts, openai_names
 from tidal.inference.openai_response import server_sent_event, usage, whole_stream
 from tidal.inference.params import GenerationConfig
 from tidal.inference.protocol import error_json, json_body
@@ -196,6 +196,11 @@ class SessionProxy:
         async def refused(request: Request, exc: SessionRefused):
             self.refused += 1
             return error_json("/v1/", exc.status, str(exc))  # OpenAI-shaped errors
+
+        @app.exception_handler(InferenceRefused)
+        async def server_refused(request: Request, exc: InferenceRefused):
+            message = openai_names(exc.detail)  # the agent's request was wrong: say why
+            return error_json("/v1/", exc.status, message, param=message.split(":", 1)[0])
 
         @app.exception_handler(ValueError)
         async def bad_value(request: Request, exc: ValueError):

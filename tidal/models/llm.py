@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tidal.extras import needs_extra
+from tidal.inference.chat_template import render_chat
 
 log = logging.getLogger(__name__)
 
@@ -206,10 +207,15 @@ def prompt_answer_messages(record: dict, system: str | None = None) -> Messages:
     return [*as_messages(record["prompt"], system), reply]
 
 
-def _render(tokenizer, messages: Messages, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt
-    )
+def _render(
+    tokenizer, messages: Messages, generation_prompt: bool, tools: list[dict] | None = None
+) -> str:
+    """Through the one renderer the OpenAI server and the session proxy use, so that a warm
+    start learns the prompts (tool calls, tool results, tools) exactly as training sees them."""
+    try:
+        return render_chat(messages, tokenizer, generation_prompt, tools)
+    except ValueError as exc:
+        raise ModelConfigError(f"data: {exc}") from None
 
 
 def render_prompt(
@@ -232,17 +238,19 @@ def render_prompt(
     return bos + tokenizer.encode(prompt, add_special_tokens=False)
 
 
-def _chat_segments(tokenizer, messages: Messages) -> list[tuple[str, bool]]:
+def _chat_segments(
+    tokenizer, messages: Messages, tools: list[dict] | None = None
+) -> list[tuple[str, bool]]:
     """The rendered conversation cut into ``(text, trained)`` pieces by rendering every prefix
     and taking differences; trained pieces are assistant replies up to and including EOS (the
     generation prompt before and the template's text after are context)."""
     segments, done = [], ""
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
-            prompt = _render(tokenizer, messages[:i], generation_prompt=True)
+            prompt = _render(tokenizer, messages[:i], True, tools)
             segments.append((_suffix(prompt, done), False))
             done = prompt
-        rendered = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+        rendered = _render(tokenizer, messages[: i + 1], False, tools)
         piece = _suffix(rendered, done)
         if message["role"] == "assistant":
             cut = _after_eos(piece, tokenizer.eos_token)
@@ -270,18 +278,19 @@ def _after_eos(reply: str, eos: str | None) -> int:
 
 
 def sft_tokens(
-    tokenizer, messages: Messages, system: str | None = None
+    tokenizer, messages: Messages, system: str | None = None, tools: list[dict] | None = None
 ) -> tuple[list[int], list[int]]:
-    """``(input_ids, loss_mask)`` of a conversation rendered with the chat template; the mask is
-    1 exactly on the assistant replies' tokens (and their EOS). Each piece is tokenized on its
-    own, as at generation time, where the reply's tokens follow the prompt's."""
+    """``(input_ids, loss_mask)`` of a conversation (and the ``tools`` it may call) rendered with
+    the chat template; the mask is 1 exactly on the assistant replies' tokens (their tool calls
+    and EOS included). Each piece is tokenized on its own, as at generation time, where the
+    reply's tokens follow the prompt's."""
     require_template(tokenizer)
     if not any(m["role"] == "assistant" for m in messages):
         raise ModelConfigError(
             "data.messages_key: a conversation without an assistant turn has nothing to learn"
         )
     ids, mask = [], []
-    for text, trained in _chat_segments(tokenizer, as_messages(messages, system)):
+    for text, trained in _chat_segments(tokenizer, as_messages(messages, system), tools):
         piece = tokenizer.encode(text, add_special_tokens=False)
         ids += piece
         mask += [int(trained)] * len(piece)

@@ -1,9 +1,10 @@
 """A calculator agent written with the OpenAI Agents SDK, trained by tidal as it is.
 
-tidal starts it once per episode with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` of the episode's
-recording session and the record (``{"prompt": ..., "answer": ...}``) as JSON on stdin; it
-prints ``{"reward": r}`` last. Nothing in it knows about tidal: point ``OPENAI_BASE_URL`` at any
-OpenAI-compatible server and it runs the same.
+As a command, tidal starts it once per episode with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` of
+the episode's recording session and the record (``{"prompt": ..., "answer": ...}``) as JSON on
+stdin; it prints ``{"reward": r}`` last. calculator_service.py serves the same ``solve`` over
+HTTP, so the SDK's imports are paid once. Nothing in it knows about tidal: point
+``OPENAI_BASE_URL`` at any OpenAI-compatible server and it runs the same.
 """
 
 import asyncio
@@ -23,9 +24,8 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-async def main() -> None:
-    record = json.loads(sys.stdin.read())
-    client = AsyncOpenAI(max_retries=0)  # the session's URL and key, from the environment
+async def solve(record: dict, client: AsyncOpenAI) -> float:
+    """Ask the model the record's question with the ``add`` tool; 1 for the right answer."""
     model = OpenAIChatCompletionsModel(
         model=os.environ.get("AGENT_MODEL", "tidal"), openai_client=client
     )
@@ -36,7 +36,13 @@ async def main() -> None:
     except Exception as exc:  # noqa: BLE001 - a fumbled episode scores 0, the run goes on
         print(f"agent failed: {exc!r}", file=sys.stderr)
         answer = ""
-    print(json.dumps({"reward": float(answer == str(record["answer"]))}))
+    return float(answer == str(record["answer"]))
+
+
+async def main() -> None:
+    record = json.loads(sys.stdin.read())
+    client = AsyncOpenAI(max_retries=0)  # the session's URL and key, from the environment
+    print(json.dumps({"reward": await solve(record, client)}))
 
 
 if __name__ == "__main__":

@@ -72,13 +72,31 @@ def prompt_renderer(cfg: LLMConfig, tokenizer):
     )
 
 
+def conversation_tools(row: dict, d) -> list[dict] | None:
+    """A conversation record's tools (data.tools_key), without the null fields a table adds
+    where records' tools differ in shape."""
+    tools = row.get(d.tools_key)
+    return [drop_nulls(t) for t in tools] if tools else None
+
+
+def drop_nulls(value):
+    if isinstance(value, dict):
+        return {k: drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [drop_nulls(v) for v in value]
+    return value
+
+
 def sft_examples(cfg: LLMConfig, tokenizer, cache: Path) -> list[tuple[list[int], list[int]]]:
     """``(input_ids, loss_mask)`` per training record of data.path: conversations
     (data.messages_key) or prompt/answer pairs, learned only on the assistant's turns."""
     d = cfg.data
     if d.messages_key is not None:
         table = load_conversations(d.path, cache, d.messages_key, d.id_key)
-        return [sft_tokens(tokenizer, row["messages"], d.system_prompt) for row in table]
+        return [
+            sft_tokens(tokenizer, row["messages"], d.system_prompt, conversation_tools(row, d))
+            for row in table
+        ]
     table = _prompt_table(cfg, d.path, cache, "data.path")
     if d.chat_template:
         return [

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 from pathlib import Path
 
@@ -22,10 +23,21 @@ from tidal.config.common import ActorConfig
 from tidal.config.llm import LLMConfig
 from tidal.data.datasets import RecordIterator, load_conversations, load_prompts
 from tidal.engine import TrainEngine
-from tidal.inference.tiny import save_tiny_chat_model, save_tiny_model
-from tidal.models.llm import load_causal_lm
+from tidal.inference.chat_template import render_chat
+from tidal.inference.tiny import (
+    TOOLS_CHATML_TEMPLATE,
+    byte_level_tokenizer,
+    save_tiny_chat_model,
+    save_tiny_model,
+)
+from tidal.models.llm import as_messages, load_causal_lm
 from tidal.rollout.tasks import ARITH_ALPHABET, TASKS, is_multi_turn
-from tidal.runners.llm.common import data_cache, eval_records, sft_examples
+from tidal.runners.llm.common import (
+    conversation_tools,
+    data_cache,
+    eval_records,
+    sft_examples,
+)
 from tidal.runners.llm.preflight import check_llm_sft
 from tidal.runners.run_folder import RunFolder
 
@@ -35,16 +47,30 @@ Example = tuple[list[int], list[int]]  # (input_ids, loss_mask)
 
 
 def dataset_text(cfg: LLMConfig, cache: Path) -> list[str]:
-    """Every string of the training file an SFT example renders (to train a tokenizer on)."""
+    """Every string of the training file an SFT example renders (to train a tokenizer on):
+    conversations as the chat template renders them (tool calls and tools too), less the
+    special tokens, which are whole tokens already."""
     d = cfg.data
     if d.messages_key is not None:
         rows = load_conversations(d.path, cache, d.messages_key, d.id_key)
-        texts = [m["content"] for row in rows for m in row["messages"]]
-    else:
-        rows = load_prompts(d.path, cache, d.prompt_key, d.answer_key, d.id_key)
-        texts = [str(answer) for answer in rows["answer"]]
-        for prompt in rows["prompt"]:
-            texts += [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+        plain = byte_level_tokenizer(chat_template=TOOLS_CHATML_TEMPLATE)
+        specials = re.compile("|".join(map(re.escape, plain.all_special_tokens + ["<|im_start|>"])))
+        return [
+            specials.sub(
+                "\n",
+                render_chat(
+                    as_messages(row["messages"], d.system_prompt),
+                    plain,
+                    False,
+                    conversation_tools(row, d),
+                ),
+            )
+            for row in rows
+        ]
+    rows = load_prompts(d.path, cache, d.prompt_key, d.answer_key, d.id_key)
+    texts = [str(answer) for answer in rows["answer"]]
+    for prompt in rows["prompt"]:
+        texts += [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
     return texts + ([d.system_prompt] if d.system_prompt else [])
 
 
@@ -56,7 +82,12 @@ def load_or_build(cfg: LLMConfig, cache: Path):
         size = dict(hidden=m.hidden, layers=m.layers, heads=m.heads, max_positions=m.max_positions)
         if cfg.data.path is not None:
             save_tiny_chat_model(
-                path, dataset_text(cfg, cache), m.vocab_size, seed=cfg.runner.seed, **size
+                path,
+                dataset_text(cfg, cache),
+                m.vocab_size,
+                chat_template=TOOLS_CHATML_TEMPLATE,  # ChatML, and tools where records have them
+                seed=cfg.runner.seed,
+                **size,
             )
         else:
             save_tiny_model(path, ARITH_ALPHABET, seed=cfg.runner.seed, **size)
