@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tidal.inference.chat_template import render_chat
 from tidal.inference.tiny import TOOLS_CHATML_TEMPLATE, save_tiny_chat_model
+from tidal.models.chat_template import render_chat
 
 QUESTION = "what is 3+4?"
 ADD_TOOL = {

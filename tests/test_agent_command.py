@@ -16,7 +16,7 @@ from agent_models import ADD_TOOL, QUESTION
 from transformers import AutoTokenizer
 
 from tidal.inference import GenerationConfig, GenerationEngine, InferenceClient, InferenceServer
-from tidal.inference.chat_template import chat_prompt
+from tidal.models.chat_template import chat_prompt
 
 openai = pytest.importorskip("openai")
 from tidal.inference.sessions import SessionProxy  # noqa: E402

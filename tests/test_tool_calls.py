@@ -9,9 +9,9 @@ from agent_models import ADD_TOOL, QUESTION
 from transformers import AutoTokenizer
 
 from tidal.inference import GenerationConfig, GenerationEngine, InferenceClient, InferenceServer
-from tidal.inference.chat_template import render_chat
 from tidal.inference.client import ModelResponse
 from tidal.inference.tool_calls import TOOL_PARSERS, check_tools, hermes_tool_calls
+from tidal.models.chat_template import render_chat
 
 openai = pytest.importorskip("openai")
 from tidal.inference.agent_client import RecordingOpenAI  # noqa: E402

@@ -35,10 +35,10 @@ with needs_extra("agents", "agent workflows on the OpenAI SDK"):
     from openai.resources.chat.completions import AsyncCompletions
     from openai.types.chat import ChatCompletion
 
-from tidal.inference.chat_template import chat_prompt, render_chat
 from tidal.inference.client import InferenceClient, ModelRequest, ModelResponse
 from tidal.inference.params import GenerationConfig
 from tidal.inference.tool_calls import check_tools, parse_tool_calls
+from tidal.models.chat_template import chat_prompt, render_chat
 
 _ABSENT = (None, openai.NOT_GIVEN)
 # arguments accepted at these values only (anything else would change the answer)

@@ -30,7 +30,6 @@ with needs_extra("llm", "the inference server"):
     from fastapi import FastAPI, Request
     from fastapi.responses import StreamingResponse
 
-from tidal.inference.chat_template import chat_prompt
 from tidal.inference.engine import GenerationEngine, GenerationResult
 from tidal.inference.openai_request import (
     CHAT_FIELDS,
@@ -59,6 +58,7 @@ from tidal.inference.openai_response import (
 from tidal.inference.params import GenerationConfig
 from tidal.inference.protocol import generate_all, json_body, output_text
 from tidal.inference.tool_calls import check_tools
+from tidal.models.chat_template import chat_prompt
 
 
 def add_openai_routes(

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tidal.extras import needs_extra
-from tidal.inference.chat_template import render_chat
+from tidal.models.chat_template import render_chat
 
 log = logging.getLogger(__name__)
 

@@ -23,13 +23,13 @@ from tidal.config.common import ActorConfig
 from tidal.config.llm import LLMConfig
 from tidal.data.datasets import RecordIterator, load_conversations, load_prompts
 from tidal.engine import TrainEngine
-from tidal.inference.chat_template import render_chat
 from tidal.inference.tiny import (
     TOOLS_CHATML_TEMPLATE,
     byte_level_tokenizer,
     save_tiny_chat_model,
     save_tiny_model,
 )
+from tidal.models.chat_template import render_chat
 from tidal.models.llm import as_messages, load_causal_lm
 from tidal.rollout.tasks import ARITH_ALPHABET, TASKS, is_multi_turn
 from tidal.runners.llm.common import (

@@ -1,6 +1,7 @@
 """Chat messages as a prompt: checked (roles, text content, tool calls) and rendered by the
-tokenizer's chat template, with the request's ``tools``; the OpenAI API, the session proxy and the
-recording OpenAI client of agents all render through it."""
+tokenizer's chat template, with the request's ``tools``; the OpenAI API, the session proxy, the
+recording OpenAI client of agents and ``tidal sft`` all render through it, so that a warm start
+learns the prompts exactly as training sees them."""
 
 from __future__ import annotations
 
