@@ -182,6 +182,39 @@ def test_group_normalize_degenerate_groups_give_zero_not_nan():
     assert torch.equal(group_normalize(torch.randn(5), 1, leave_one_out=True), torch.zeros(5))
 
 
+@pytest.mark.parametrize("std,loo", [(True, False), (False, False), (False, True)])
+def test_group_normalize_by_ids_normalises_each_group_apart_whatever_its_size(std, loo):
+    """An agent's episodes give a row per call: groups of uneven sizes, rows interleaved."""
+    ids = torch.tensor([0, 1, 0, 2, 1, 0, 2, 2, 1, 1, 3])
+    s = torch.randn(len(ids), dtype=torch.float64)
+    out = group_normalize(s, 4, std=std, leave_one_out=loo, groups=ids)
+    for g in range(4):
+        rows = (ids == g).nonzero().squeeze(1)
+        ref = ref_group_norm(s[rows].numpy(), len(rows), std, loo)
+        np.testing.assert_allclose(out[rows].numpy(), ref, atol=1e-9)
+    # contiguous groups of equal size: the same as group_size alone
+    even = torch.arange(12) // 3
+    s = torch.randn(12, dtype=torch.float64)
+    np.testing.assert_allclose(
+        group_normalize(s, 3, std=std, leave_one_out=loo, groups=even).numpy(),
+        group_normalize(s, 3, std=std, leave_one_out=loo).numpy(),
+        atol=1e-12,
+    )
+
+
+def test_group_estimators_read_group_ids_when_given():
+    T, ids = 4, torch.tensor([0, 0, 0, 1, 1])  # 5 rows: group_size 2 does not divide them
+    r = torch.randn(T, len(ids), dtype=torch.float64)
+    with pytest.raises(ValueError, match="group_size"):
+        get_advantage("grpo")(rewards=r, group_size=2)
+    adv, _ = get_advantage("grpo")(rewards=r, group_size=2, groups=ids)
+    scores = r.sum(0).numpy()
+    expected = np.concatenate([ref_group_norm(scores[:3], 3), ref_group_norm(scores[3:], 2)])
+    np.testing.assert_allclose(adv[0].numpy(), expected, atol=1e-9)
+    adv, _ = get_advantage("reinpp_baseline")(rewards=r, group_size=2, groups=ids)
+    assert torch.isfinite(adv).all()
+
+
 def test_group_normalize_rejects_non_dividing_group():
     with pytest.raises(
         ValueError, match="group_size: expected a positive divisor of the batch size 10, got 4"

@@ -171,6 +171,9 @@ def test_padded_episodes_and_merging():
     assert ep.loss_mask.tolist() == [[False, False, True, True], [False] * 4]
     merged = LLMBatch.concat([ep, LLMBatch.from_sequences([s2], [0.5])])
     assert merged.input_ids.shape == (3, 4) and merged.rewards.tolist() == [1.0, 0.0, 0.5]
+    # each workflow call is a group of its own, whatever its number of rows
+    assert ep.group_ids.tolist() == [0, 0] and merged.group_ids.tolist() == [0, 0, 1]
+    assert LLMBatch.concat([merged, ep]).group_ids.tolist() == [0, 0, 1, 2, 2]
 
 
 def test_tasks_and_rewards():

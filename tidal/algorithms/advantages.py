@@ -69,13 +69,21 @@ def group_normalize(
     leave_one_out: bool = False,
     unbiased: bool = True,
     eps: float = 1e-6,
+    groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Normalise scores within contiguous groups of ``group_size`` along dim 0.
+    """Normalise scores within contiguous groups of ``group_size`` along dim 0, or within the
+    rows that share an id of ``groups`` (``[n]``; groups of any sizes, in any order).
 
     ``(s - mean_g) / (std_g + eps)``. ``std=False`` only centres (the Dr.GRPO form);
     ``leave_one_out=True`` subtracts the mean of the *other* members (RLOO). A group of one
     has no baseline to learn from and yields 0; a zero-variance group yields 0, never NaN.
     """
+    if groups is not None:
+        out = torch.empty_like(scores, dtype=compute_dtype(scores))
+        for g in torch.unique(groups):
+            rows = (groups == g).nonzero().squeeze(1)
+            out[rows] = group_normalize(scores[rows], len(rows), std, leave_one_out, unbiased, eps)
+        return out
     n = scores.shape[0]
     if group_size < 1 or n % group_size != 0:
         raise ValueError(
@@ -198,7 +206,7 @@ def register_advantage(
     whiten: bool = False,
 ) -> Callable[[AdvantageFn], AdvantageFn]:
     """Register an estimator under ``name``. It is called with keyword arguments only
-    (``rewards``, ``mask``, ``values``, ``dones``, ``gamma``, ``lam``, ``group_size``, ...;
+    (``rewards``, ``mask``, ``values``, ``dones``, ``gamma``, ``lam``, ``group_size``, ``groups``, ...;
     time-major as this module describes), must accept ``**kwargs`` it does not use, and
     returns ``(advantages, returns)`` shaped like ``rewards``."""
 
@@ -268,10 +276,10 @@ def _gae(*, rewards, values=None, dones=None, gamma=1.0, lam=1.0, **_):
 
 
 def _group_estimator(**norm_kwargs) -> AdvantageFn:
-    def estimator(*, rewards, mask=None, group_size=1, eps=1e-6, **_):
+    def estimator(*, rewards, mask=None, group_size=1, groups=None, eps=1e-6, **_):
         m = as_mask(mask, rewards)
         scores = _outcome_scores(rewards, m)
-        adv = group_normalize(scores, group_size, eps=eps, **norm_kwargs)
+        adv = group_normalize(scores, group_size, eps=eps, groups=groups, **norm_kwargs)
         return _broadcast(adv, m), _broadcast(scores, m)
 
     return estimator
@@ -296,12 +304,12 @@ def _reinpp(*, rewards, mask=None, gamma=1.0, dones=None, **_):
 
 
 @register_advantage("reinpp_baseline", needs_groups=True)
-def _reinpp_baseline(*, rewards, mask=None, group_size=1, gamma=1.0, dones=None, **_):
+def _reinpp_baseline(*, rewards, mask=None, group_size=1, groups=None, gamma=1.0, dones=None, **_):
     """REINFORCE++ with the group's mean total reward subtracted at each sample's last valid
     step (the baseline of OpenRLHF's ``reinforce_baseline``)."""
     m = as_mask(mask, rewards)
     scores = _outcome_scores(rewards, m)
-    baseline = scores - group_normalize(scores, group_size, std=False)
+    baseline = scores - group_normalize(scores, group_size, std=False, groups=groups)
     last = m.shape[0] - 1 - torch.flip(m.long(), [0]).argmax(0)
     shaped = torch.where(m, rewards.to(scores.dtype), 0.0)
     shaped[last, torch.arange(m.shape[1])] -= baseline * m.any(0)

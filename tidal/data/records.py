@@ -160,11 +160,20 @@ class LLMBatch:
     logprobs: torch.Tensor
     versions: torch.Tensor
     rewards: torch.Tensor
+    # ``[n]``: the group (one workflow call: the samples of one prompt) of each row. An agent
+    # whose episodes give one row per call gives a group more rows than ``group_size``, so group
+    # estimators read these ids rather than contiguous blocks.
+    group_ids: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.group_ids is None:
+            self.group_ids = torch.zeros(self.input_ids.shape[0], dtype=torch.long)
 
     @classmethod
     def from_sequences(
         cls, seqs: list[TokenSequence], rewards: list[float], pad_id: int = 0
     ) -> LLMBatch:
+        """One workflow call's samples: one group."""
         width = max(len(s.tokens) for s in seqs)
 
         def pad(values, fill, dtype):
@@ -202,7 +211,13 @@ class LLMBatch:
                 parts.append(x)
             return torch.cat(parts, 0)
 
-        return cls(**{name: column(name) for name in (*fills, "rewards")})
+        groups, offset = [], 0
+        for b in batches:  # each batch's groups stay apart from the others'
+            groups.append(b.group_ids + offset)
+            offset += int(b.group_ids.max()) + 1 if len(b) else 0
+        return cls(
+            **{name: column(name) for name in (*fills, "rewards")}, group_ids=torch.cat(groups)
+        )
 
     @property
     def width(self) -> int:

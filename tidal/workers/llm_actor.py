@@ -186,6 +186,7 @@ class LLMActor(Worker, WeightLinks, ActorOffload):
             rewards=token_rewards.T,
             mask=mask.T,
             group_size=self.cfg.rollout.group_size,
+            groups=batch.group_ids,
             gamma=alg.gamma,
         )
         return adv.T.float()
