@@ -54,7 +54,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--work", type=Path, default=ROOT / "runs" / "agent-calculator-bench")
     p.add_argument("--demos", type=int, default=200)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--seed", type=int, default=1, help="runner.seed of SFT and RL (not the data)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
     shutil.rmtree(a.work, ignore_errors=True)
@@ -65,7 +66,8 @@ def main() -> None:
         check=True,
     )
     tidal("sft", str(AGENTS / "calculator_sft.yaml"), f"model.path={model}",
-          f"data.path={data / 'demos.jsonl'}", f"runner.run_dir={runs}")  # fmt: skip
+          f"data.path={data / 'demos.jsonl'}", f"runner.run_dir={runs}",
+          f"runner.seed={a.seed}")  # fmt: skip
     sft_s = time.perf_counter() - start
     port = free_port()
     service = subprocess.Popen(
@@ -78,7 +80,7 @@ def main() -> None:
         tidal("train", str(AGENTS / "calculator_rl.yaml"), f"model.path={model}",
               f"data.path={data / 'train.jsonl'}", f"data.eval_path={data / 'eval.jsonl'}",
               f"rollout.agent.url=http://127.0.0.1:{port}/", f"runner.max_steps={a.steps}",
-              f"runner.run_dir={runs}")  # fmt: skip
+              f"runner.run_dir={runs}", f"runner.seed={a.seed}")  # fmt: skip
         rl_s = time.perf_counter() - rl_start
     finally:
         service.terminate()
@@ -88,6 +90,7 @@ def main() -> None:
         "held_out": sum(1 for _ in (data / "eval.jsonl").open()),
         "demonstrations": a.demos,
         "rl_steps": a.steps,
+        "seed": a.seed,
         "success_after_sft": curve[0][1],
         "success_after_rl": curve[-1][1],
         "gain_points": round(100 * (curve[-1][1] - curve[0][1]), 1),

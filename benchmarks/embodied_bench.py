@@ -9,8 +9,8 @@ train       what a training run pays: real training steps (``tidal train``'s loo
             against a hand-loop round run just before it; median over the steps after the
             first. Printed beside ``collection``'s ratios when both run.
 scaleout    HalfCheetah-v5, 32 envs: tidal on ray with 2 env ranks feeding one rollout
-            rank against the hand loop on SyncVectorEnv and on AsyncVectorEnv (a process
-            per env), the three alternating round by round.
+            rank (or one each) against the hand loop on SyncVectorEnv and on AsyncVectorEnv
+            (a process per env), the three alternating round by round.
 pipeline    an env that costs about as much per step as policy inference: 2 pipeline
             stages against 1, beside the ideal speedup.
 solve       wall time to solve CartPole-v1 (deterministic eval >= 475) with tidal's demo
@@ -299,6 +299,19 @@ SCALEOUT_CONFIGS = {
     "ray_2env_stages1": [
         "cluster.devices_per_node=3",
         "cluster.placement={env: '0-1', rollout: '2', actor: '2'}",
+        "env.pipeline_stage_num=1",
+    ],
+    # each env rank with a rollout rank of its own on its core: two pairs that never wait on
+    # each other, where one rollout rank makes both env ranks wait for the slower one
+    "ray_2env_2rollout_pinned": [
+        "cluster.devices_per_node=2",
+        "cluster.pin_cpus=true",
+        "cluster.placement={env: '0-1', rollout: '0-1', actor: '1'}",
+        "env.pipeline_stage_num=1",
+    ],
+    "ray_2env_2rollout": [
+        "cluster.devices_per_node=2",
+        "cluster.placement={env: '0-1', rollout: '0-1', actor: '1'}",
         "env.pipeline_stage_num=1",
     ],
 }
