@@ -5,6 +5,7 @@ overfitting these two turns (greedy decoding then follows them)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -26,6 +27,25 @@ ADD_TOOL = {
     },
 }
 CALL = {"type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'}}
+
+
+async def tool_loop(client, question: str, turns: int = 4) -> str | None:
+    """A plain OpenAI-SDK tool loop with ``add`` on ``client`` (an ``openai.AsyncOpenAI``): call
+    the model, run its tool calls, until it answers; its answer (None: none in ``turns`` calls)."""
+    messages = [{"role": "user", "content": question}]
+    for _ in range(turns):
+        out = await client.chat.completions.create(
+            model="tidal", messages=messages, tools=[ADD_TOOL], max_tokens=40
+        )
+        message = out.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return message.content
+        for call in message.tool_calls:
+            args = json.loads(call.function.arguments)
+            result = str(args.get("a", 0) + args.get("b", 0))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return None
 
 
 def conversation(question: str = QUESTION) -> list[dict]:

@@ -1,22 +1,29 @@
 """Agents as they are: real processes against recording session endpoints (the proxy), a
 plain-``openai`` tool loop, and agents that crash, hang, print garbage, call another session
-or keep calling after their episode was aborted."""
+or keep calling after their episode was aborted; an agent service (a real HTTP server) that
+works, fails, answers garbage or hangs; the workflow as the config builds it (reward: config,
+cwd, env, a command string); and whole `tidal train` runs on both backends."""
 
 import asyncio
 import json
 import logging
 import os
+import shlex
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
-from agent_models import ADD_TOOL, QUESTION
+from agent_models import ADD_TOOL, QUESTION, tool_loop
+from aiohttp import web
 from transformers import AutoTokenizer
 
 from tidal.inference import GenerationConfig, GenerationEngine, InferenceClient, InferenceServer
 from tidal.models.chat_template import chat_prompt
+from tidal.rollout.dispatcher import EpisodeError
 
 openai = pytest.importorskip("openai")
 from tidal.inference.sessions import SessionProxy  # noqa: E402
@@ -46,20 +53,57 @@ def greedy(tok):
     return GenerationConfig(max_new_tokens=40, temperature=1e-6, stop_token_ids=[tok.eos_token_id])
 
 
-def with_workflow(server, tok, command, body, **kwargs):
-    """Run ``body(flow, proxy)`` with a workflow of ``command`` on a fresh proxy."""
+def run_workflow(server, make_flow, body):
+    """Run ``body(flow, proxy)`` with the workflow ``make_flow(inference)`` builds."""
 
     async def main():
         inference = InferenceClient([server.address])
-        proxy = SessionProxy(inference, tok, greedy(tok))
-        flow = ExternalAgentWorkflow(CommandAgent(command, **kwargs), proxy, tok, mode="concat")
+        flow = make_flow(inference)
         try:
-            return await body(flow, proxy)
+            return await body(flow, flow.proxy)
         finally:
             await flow.aclose()
             await inference.aclose()
 
     return asyncio.run(main())
+
+
+def with_workflow(server, tok, command, body, **kwargs):
+    """Run ``body(flow, proxy)`` with a workflow of ``command`` on a fresh proxy."""
+
+    def make_flow(inference):
+        proxy = SessionProxy(inference, tok, greedy(tok))
+        return ExternalAgentWorkflow(CommandAgent(command, **kwargs), proxy, tok, mode="concat")
+
+    return run_workflow(server, make_flow, body)
+
+
+def with_configured_workflow(server, tok, overrides, body):
+    """Run ``body(flow, proxy)`` with the workflow `tidal train` builds from ``overrides``."""
+    from tidal.config.llm import LLMConfig
+    from tidal.config.loader import load_config
+    from tidal.runners.llm.workflows import agent_workflow
+
+    base = ["rollout.group_size=1", "rollout.agent_mode=concat"]
+    cfg = load_config(LLMConfig, None, base + overrides)
+
+    def make_flow(inference):
+        return agent_workflow(
+            SimpleNamespace(cfg=cfg, client=inference, tokenizer=tok, gconfig=greedy(tok))
+        )
+
+    return run_workflow(server, make_flow, body)
+
+
+def trained_text(episode, tok, row: int = 0) -> str:
+    """The tokens of ``row`` that are trained on (loss mask 1), decoded."""
+    n = int(episode.attention_mask[row].sum())
+    return tok.decode(episode.input_ids[row, :n][episode.loss_mask[row, :n]])
+
+
+TOOL_LOOP = (
+    '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call><|im_end|>7<|im_end|>'
+)
 
 
 def test_a_plain_openai_agent_runs_its_tool_loop_into_one_training_sequence(server, tok):
@@ -76,9 +120,7 @@ def test_a_plain_openai_agent_runs_its_tool_loop_into_one_training_sequence(serv
     # the prompt exactly as the chat template tokenised it, tools included
     first = chat_prompt([{"role": "user", "content": QUESTION}], tok, [ADD_TOOL])
     assert ids[: len(first)].tolist() == first
-    assert tok.decode(ids[mask]) == (
-        '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call><|im_end|>7<|im_end|>'
-    )
+    assert tok.decode(ids[mask]) == TOOL_LOOP
     assert (episode.versions[0, :n][mask] == 0).all() and (
         episode.versions[0, :n][~mask] == -1
     ).all()
@@ -282,6 +324,140 @@ def test_an_aborted_episode_kills_its_agent_and_refuses_later_calls(server, tok,
     assert live == {}  # nothing of the session is kept: the late call recorded nothing
 
 
+def test_with_reward_config_the_configured_reward_scores_the_final_answer(server, tok, caplog):
+    """rollout.agent.reward: config: the agent prints no reward; reward.name scores its final
+    assistant message against the record, and an agent that made no call is rejected."""
+
+    async def body(flow, proxy):
+        right = await flow({**RECORD, "mode": "quiet"})
+        wrong = await flow({**RECORD, "mode": "quiet", "answer": "8"})
+        no_call = await flow({**RECORD, "mode": "no_call"})
+        return right, wrong, no_call, flow.metrics()
+
+    caplog.set_level(logging.WARNING, "tidal.rollout.agent_command")
+    command = f"rollout.agent.command=[{', '.join(TOOL_AGENT)}]"
+    overrides = [command, "rollout.agent.reward=config", "reward.name=exact_match"]
+    right, wrong, no_call, metrics = with_configured_workflow(server, tok, overrides, body)
+    assert right.rewards.tolist() == [1.0] and trained_text(right, tok) == TOOL_LOOP
+    assert wrong.rewards.tolist() == [0.0]  # the same answer, "7", against the record's "8"
+    assert no_call is None and metrics["rollout/agent_errors"] == 1
+    assert "made no call to its session endpoint" in caplog.text
+
+
+def test_a_command_string_runs_in_its_cwd_with_its_env(server, tok):
+    """rollout.agent.command as one string, relative to rollout.agent.cwd, with
+    rollout.agent.env set (the script exits non-zero when its cwd or variable is not so)."""
+    scripts = Path(TOOL_AGENT[1]).parent
+    command = f"{shlex.quote(sys.executable)} {Path(TOOL_AGENT[1]).name}"
+    overrides = [
+        f"rollout.agent.command={json.dumps(command)}",
+        f"rollout.agent.cwd={scripts}",
+        "rollout.agent.env={TIDAL_AGENT_TEST: from config}",
+    ]
+
+    async def body(flow, proxy):
+        assert flow.agent.argv == [sys.executable, "tool_agent.py"]
+        return await flow({**RECORD, "mode": "where", "cwd": str(scripts)}), flow.metrics()
+
+    episode, metrics = with_configured_workflow(server, tok, overrides, body)
+    assert metrics["rollout/agent_errors"] == 0 and episode.rewards.tolist() == [1.0]
+    assert trained_text(episode, tok) == TOOL_LOOP
+
+
+@pytest.fixture(scope="module")
+def agent_service():
+    """A user's agent service: an aiohttp server on 127.0.0.1 (its own thread and event loop).
+    ``/agent`` runs a plain-``openai`` tool loop against the session it is posted and answers
+    its reward; ``/crash`` answers HTTP 500 with a long traceback, ``/garbage`` a body that is
+    not JSON, ``/hang`` nothing for a minute. ``posted`` holds the bodies it received."""
+    posted = []
+
+    async def agent(request):
+        body = await request.json()
+        posted.append(body)
+        client = openai.AsyncOpenAI(
+            base_url=body["session_base_url"], api_key=body["api_key"], max_retries=0
+        )
+        async with client:
+            answer = await tool_loop(client, body["record"]["prompt"])
+        reward = float(answer == body["record"]["answer"])
+        # laid out over lines, as some servers answer: the whole body is the JSON
+        return web.json_response({"reward": reward}, dumps=lambda x: json.dumps(x, indent=2))
+
+    async def crash(request):
+        trace = "Traceback (most recent call last):\n" + "  File 'agent.py'\n" * 400
+        return web.Response(status=500, text=trace + "KeyError: 'service broke'")
+
+    async def garbage(request):
+        return web.Response(text="<html>hello</html>")
+
+    async def hang(request):
+        await asyncio.sleep(60)
+
+    app = web.Application()
+    for name, handler in (("agent", agent), ("crash", crash), ("garbage", garbage), ("hang", hang)):
+        app.router.add_post(f"/{name}", handler)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="agent-service", daemon=True)
+    thread.start()
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1)
+
+    async def start():
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner.addresses[0][1]
+
+    port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", posted=posted)
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    loop.close()
+
+
+def test_an_agent_service_runs_its_tool_loop_on_the_session_it_is_posted(
+    server, tok, agent_service
+):
+    async def body(flow, proxy):
+        await proxy.start()
+        return await flow(RECORD), proxy.address, proxy.sessions
+
+    url = f"rollout.agent.url={agent_service.url}/agent"
+    episode, address, live = with_configured_workflow(server, tok, [url], body)
+    (posted,) = agent_service.posted
+    assert set(posted) == {"session_base_url", "api_key", "record"} and posted["record"] == RECORD
+    assert posted["session_base_url"].startswith(f"{address}/sessions/")
+    assert live == {}  # its session ended and was let go
+    assert episode.rewards.tolist() == [1.0] and episode.input_ids.shape[0] == 1
+    assert trained_text(episode, tok) == TOOL_LOOP  # both recorded calls, as one sequence
+
+
+def test_an_agent_service_that_fails_answers_garbage_or_hangs_is_rejected(
+    server, tok, agent_service, caplog
+):
+    cases = [
+        ("crash", "answered HTTP 500"),
+        ("garbage", "its answer is not {\"reward\": r}: '<html>hello</html>'"),
+        ("hang", "timed out after 1 s"),
+    ]
+
+    async def body(flow, proxy):
+        results = []
+        for path, _ in cases:
+            flow.agent.url = flow.agent.name = f"{agent_service.url}/{path}"
+            results.append(await flow(RECORD))
+        return results, flow.metrics()
+
+    caplog.set_level(logging.WARNING, "tidal.rollout.agent_command")
+    overrides = [f"rollout.agent.url={agent_service.url}", "rollout.agent.timeout_s=1"]
+    results, metrics = with_configured_workflow(server, tok, overrides, body)
+    assert results == [None] * 3 and metrics["rollout/agent_errors"] == 3
+    for path, why in cases:
+        assert f"agent {agent_service.url}/{path}: {why} (episode rejected)" in caplog.text
+    assert "KeyError: 'service broke'" in caplog.text  # the tail of the 500's body
+    assert "Traceback" not in caplog.text  # ... and only its tail
+
+
 def _assert_dead(pid: int) -> None:
     deadline = time.monotonic() + 5
     while True:
@@ -302,10 +478,18 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-@pytest.mark.ray
-def test_an_agent_command_trains_a_step_on_ray(tool_model, tmp_path):
-    """The whole loop on Ray: a server process, a trainer process, the agents as commands
-    against the session proxy of the runner's process; their calls train one step."""
+@pytest.fixture(params=["local", pytest.param("ray", marks=pytest.mark.ray)])
+def backend(request):
+    """cluster.backend of a runner test; the ray cases share the module's one Ray session."""
+    if request.param == "ray":
+        request.getfixturevalue("ray_session")
+    return request.param
+
+
+def agent_runner(tool_model, tmp_path, backend, command, *extra):
+    """A `tidal train` run (LLMRunner) of one step with ``command`` as the agent: the inference
+    server and the trainer as workers of ``backend``, the agents as commands against the session
+    proxy of the runner's process."""
     from tidal.config.llm import LLMConfig
     from tidal.config.loader import load_config
     from tidal.runners.llm.train import LLMRunner
@@ -315,23 +499,28 @@ def test_an_agent_command_trains_a_step_on_ray(tool_model, tmp_path):
     overrides = [
         f"model.path={tool_model}",
         f"data.path={data}",
-        f"data.eval_path={data}",
-        "data.eval_size=1",
         f"runner.run_dir={tmp_path}",
         "runner.progress=false",
         "runner.max_steps=1",
-        "runner.eval_interval=1",
         "rollout.batch_size=1",
         "rollout.group_size=2",
         "rollout.max_new_tokens=40",
         "rollout.max_concurrent_rollouts=1",
-        f"rollout.agent.command=[{TOOL_AGENT[0]}, {TOOL_AGENT[1]}]",
+        f"rollout.agent.command=[{', '.join(command)}]",
         "rollout.agent.timeout_s=60",
-        "cluster.backend=ray",
+        f"cluster.backend={backend}",
         "cluster.devices_per_node=2",
         "cluster.placement={rollout: '0', actor: '1'}",
+        *extra,
     ]
-    with LLMRunner(load_config(LLMConfig, None, overrides)) as runner:
+    return LLMRunner(load_config(LLMConfig, None, overrides))
+
+
+def test_an_agent_command_trains_a_step(backend, tool_model, tmp_path):
+    """The whole loop: its calls train one step, and the greedy agent succeeds in evaluation."""
+    eval_every_step = [f"data.eval_path={tmp_path / 'questions.jsonl'}", "data.eval_size=1",
+                       "runner.eval_interval=1"]  # fmt: skip
+    with agent_runner(tool_model, tmp_path, backend, TOOL_AGENT, *eval_every_step) as runner:
         summary = runner.run()
     rows = [
         json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
@@ -341,3 +530,17 @@ def test_an_agent_command_trains_a_step_on_ray(tool_model, tmp_path):
     assert step["rollout/accepted"] == 1 and "rollout/tool_parse_errors" in step
     # the greedy agent calls the tool and answers right (sampled ones may fumble the call)
     assert step["eval/success_rate"] == 1.0 and "train/policy_loss" in step
+
+
+def test_an_agent_that_always_crashes_stops_the_run_naming_its_command(
+    backend, tool_model, tmp_path
+):
+    crash = tmp_path / "crash.py"
+    crash.write_text("import sys\nprint('agent broke', file=sys.stderr)\nsys.exit(3)\n")
+    command = [sys.executable, str(crash)]
+    runner = agent_runner(tool_model, tmp_path, backend, command, "rollout.agent.max_errors=2")
+    with runner, pytest.raises(EpisodeError) as stopped:  # the episode's AgentError
+        runner.run()
+    message = str(stopped.value)
+    assert f"rollout.agent: {shlex.join(command)!r} failed 2 times in a row" in message
+    assert "exited with status 3" in message and "agent broke" in message

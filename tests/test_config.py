@@ -156,6 +156,10 @@ def test_unknown_env_id_and_kwargs_are_config_errors_before_any_worker(tmp_path)
             r"rollout.workflow: module 'json' has no 'no_factory'",
         ),
         (["algorithm.adv_type=gae"], r"algorithm.adv_type: expected one of"),
+        (
+            ["rollout.tool_parser=nope"],
+            r"rollout.tool_parser: expected one of hermes, qwen, got 'nope'",
+        ),
     ],
 )
 def test_llm_bad_values(overrides, message):

@@ -3,14 +3,21 @@ and the in-process recording client in a multi-turn tool loop."""
 
 import asyncio
 import json
+import re
+from types import SimpleNamespace
 
 import pytest
-from agent_models import ADD_TOOL, QUESTION
+from agent_models import ADD_TOOL, QUESTION, tool_loop
 from transformers import AutoTokenizer
 
 from tidal.inference import GenerationConfig, GenerationEngine, InferenceClient, InferenceServer
 from tidal.inference.client import ModelResponse
-from tidal.inference.tool_calls import TOOL_PARSERS, check_tools, hermes_tool_calls
+from tidal.inference.tool_calls import (
+    TOOL_PARSERS,
+    ParsedOutput,
+    check_tools,
+    hermes_tool_calls,
+)
 from tidal.models.chat_template import render_chat
 
 openai = pytest.importorskip("openai")
@@ -152,21 +159,7 @@ def test_a_malformed_tool_call_is_content_with_stop_and_counted(tool_model):
 
 async def tool_agent(client, data):
     """A plain OpenAI-SDK tool loop: call the model, run its tool calls, until it answers."""
-    messages = [{"role": "user", "content": data["question"]}]
-    for _ in range(4):
-        out = await client.chat.completions.create(
-            model="tidal", messages=messages, tools=[ADD_TOOL], max_tokens=40
-        )
-        message = out.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls:
-            return float(message.content.strip() == data["answer"])
-        for call in message.tool_calls:
-            args = json.loads(call.function.arguments)
-            messages.append(
-                {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}
-            )
-    return 0.0
+    return float(await tool_loop(client, data["question"]) == data["answer"])
 
 
 def test_an_in_process_agent_uses_tools_and_trains_on_one_sequence(server, tool_model):
@@ -194,6 +187,46 @@ def test_an_in_process_agent_uses_tools_and_trains_on_one_sequence(server, tool_
         == '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call><|im_end|>7<|im_end|>'
     )
     assert "<tool_response>7</tool_response>" in tok.decode(ids[~mask])
+
+
+def test_an_in_process_agent_parses_tool_calls_with_rollout_tool_parser(tool_model, monkeypatch):
+    """The configured parser (here a registered one of a format of its own, ``name(a, b)``),
+    not Hermes, turns the model's text into the agent's tool calls."""
+    from tidal.config.llm import LLMConfig
+    from tidal.config.loader import load_config
+    from tidal.runners.llm.workflows import in_process_agent
+
+    parsed = []
+
+    def calls(text: str) -> ParsedOutput:
+        parsed.append(text)
+        found = re.fullmatch(r"(\w+)\((\d+), (\d+)\)", text)
+        if found is None:
+            return ParsedOutput(text)
+        args = json.dumps({"a": int(found[2]), "b": int(found[3])})
+        call = {
+            "id": "call_0",
+            "type": "function",
+            "function": {"name": found[1], "arguments": args},
+        }
+        return ParsedOutput(None, [call])
+
+    monkeypatch.setitem(TOOL_PARSERS._items, "calls", calls)  # registered for this test only
+    tok = AutoTokenizer.from_pretrained(tool_model)
+    cfg = load_config(LLMConfig, None, ["rollout.tool_parser=calls", "rollout.group_size=1"])
+    runner = SimpleNamespace(
+        cfg=cfg,
+        client=ScriptedInference(tok, ["add(3, 4)<|im_end|>", "7<|im_end|>"]),
+        tokenizer=tok,
+        gconfig=GenerationConfig(max_new_tokens=40, stop_token_ids=[tok.eos_token_id]),
+    )
+    flow = in_process_agent(runner, tool_agent)
+    episode = asyncio.run(flow({"question": QUESTION, "answer": "7"}))
+    assert parsed == ["add(3, 4)", "7"]  # both answers, by the configured parser
+    assert episode.rewards.tolist() == [1.0]  # the agent ran the call and answered its result
+    assert flow.metrics() == {"rollout/tool_parse_errors": 0}
+    with pytest.raises(ValueError, match="rollout.tool_parser: unknown tool parser 'nope'"):
+        AgentWorkflow(tool_agent, runner.client, tok, runner.gconfig, tool_parser="nope")
 
 
 def test_tidal_serve_refuses_an_unknown_tool_parser_by_its_flag(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """A plain-``openai`` agent in its own process: a multi-turn tool loop against
 ``OPENAI_BASE_URL``, the record on stdin, the reward on its last stdout line. With
-``"mode"`` in the record it misbehaves the way the tests ask."""
+``"mode"`` in the record it misbehaves (or checks its surroundings) the way the tests ask."""
 
 import json
 import os
@@ -49,6 +49,13 @@ def main() -> None:
                 model="tidal", messages=[{"role": "user", "content": "hi"}], max_tokens=2
             )
             time.sleep(0.05)
+    if mode == "where":  # rollout.agent.cwd and rollout.agent.env reached the process
+        where = (os.getcwd(), os.environ.get("TIDAL_AGENT_TEST"))
+        if where != (record["cwd"], "from config"):
+            sys.exit(f"cwd and TIDAL_AGENT_TEST are {where}")
+    if mode == "no_call":
+        print("nothing to do")
+        return
     messages = [{"role": "user", "content": record["prompt"]}]
     for _ in range(4):
         out = client.chat.completions.create(
@@ -63,6 +70,8 @@ def main() -> None:
             result = str(args.get("a", 0) + args.get("b", 0))
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     print("some log line")
+    if mode == "quiet":  # no reward: tidal's configured reward scores the final answer
+        return
     print(json.dumps({"reward": float(messages[-1].get("content") == record["answer"])}))
 
 

@@ -84,6 +84,8 @@ class CommandAgent:
         self.cwd, self.env, self.timeout_s = cwd, dict(env or {}), timeout_s
         self.name = shlex.join(self.argv)
 
+    parse_reward = staticmethod(parse_reward)  # its last stdout line
+
     async def run(self, session: Session, record: dict) -> str:
         """Run the command for one episode; returns its stdout."""
         data = json.dumps(record)
@@ -137,11 +139,22 @@ class ServiceAgent:
         try:
             async with self._http.post(self.url, json=body) as resp:
                 text = await resp.text()
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except TimeoutError:
+            raise AgentFailure(f"timed out after {self.timeout_s:g} s") from None
+        except aiohttp.ClientError as exc:
             raise AgentFailure(f"{type(exc).__name__}: {exc}") from None
         if resp.status >= 400:
             raise AgentFailure(f"answered HTTP {resp.status}", text[-STDERR_TAIL:])
         return text
+
+    @staticmethod
+    def parse_reward(answer: str) -> float:
+        """The reward of the answer's body (all of it, however it is laid out): ``{"reward": r}``."""
+        try:
+            reward = json.loads(answer)["reward"]
+        except (json.JSONDecodeError, TypeError, KeyError):
+            raise AgentFailure(f'its answer is not {{"reward": r}}: {answer[:200]!r}') from None
+        return finite_reward(reward)
 
     async def aclose(self) -> None:
         if self._http is not None:
@@ -223,7 +236,7 @@ class ExternalAgentWorkflow:
         }
 
     async def _reward(self, answer: str, session: Session, data: dict) -> float:
-        reward = parse_reward(answer) if self.reward is None else None
+        reward = self.agent.parse_reward(answer) if self.reward is None else None
         if not session.completions:
             raise AgentFailure("made no call to its session endpoint")
         if reward is not None:

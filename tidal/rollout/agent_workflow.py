@@ -28,6 +28,7 @@ from typing import Any
 from tidal.data import LLMBatch, TokenSequence
 from tidal.inference import GenerationConfig, InferenceClient
 from tidal.inference.agent_client import Completion, RecordingOpenAI
+from tidal.inference.tool_calls import TOOL_PARSERS
 from tidal.rollout.workflows import add_response
 
 AgentFn = Callable[[RecordingOpenAI, dict[str, Any]], Awaitable[float | None]]
@@ -93,6 +94,7 @@ class AgentWorkflow:
         group_size: int = 1,
         mode: str = "concat",
         turn_discount: float = 1.0,
+        tool_parser: str = "hermes",
     ):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
@@ -105,13 +107,17 @@ class AgentWorkflow:
             mode,
             turn_discount,
         )
+        TOOL_PARSERS.get(tool_parser)  # an unknown name fails here, naming rollout.tool_parser
+        self.tool_parser = tool_parser  # how the model's text becomes tool_calls
         self.tool_parse_errors = 0  # answers whose tool call did not parse (sent as content)
 
     def metrics(self) -> dict:
         return {"rollout/tool_parse_errors": self.tool_parse_errors}
 
     async def run(self, data: dict[str, Any]) -> tuple[list[TokenSequence], list[float]] | None:
-        client = RecordingOpenAI(self.inference, self.tokenizer, self.gconfig)
+        client = RecordingOpenAI(
+            self.inference, self.tokenizer, self.gconfig, tool_parser=self.tool_parser
+        )
         try:
             reward = await self.agent(client, data)
         finally:

@@ -1,7 +1,8 @@
 """The built-in workflows of ``rollout.workflow``, registered by name: each builds from the
 language runner (its config, inference client, tokenizer, generation defaults and data).
 ``auto`` picks ``agent`` when an agent command or service is configured, else what the data
-runs (``multi_turn`` for a multi-turn task, ``rlvr`` otherwise)."""
+runs (``multi_turn`` for a multi-turn task, ``rlvr`` otherwise). An agent in tidal's process is
+a user's ``rollout.workflow: module.path:factory`` returning ``in_process_agent(runner, agent)``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import functools
 from tidal.config.llm import LLMConfig
 from tidal.inference.sessions import SessionProxy
 from tidal.rollout.agent_command import CommandAgent, ExternalAgentWorkflow, ServiceAgent
+from tidal.rollout.agent_workflow import AgentFn, AgentWorkflow
 from tidal.rollout.tasks import TASKS, is_multi_turn
 from tidal.rollout.workflows import WORKFLOWS, MultiTurnWorkflow, RLVRWorkflow, overlong_penalty
 from tidal.runners.llm.common import prompt_renderer, warmed_reward
@@ -84,4 +86,21 @@ def agent_workflow(runner) -> ExternalAgentWorkflow:
         reward=warmed_reward(cfg, None) if a.reward == "config" else None,
         reward_timeout_s=r.reward_timeout_s,
         max_concurrent=r.max_concurrent_rollouts,
+    )
+
+
+def in_process_agent(runner, agent: AgentFn) -> AgentWorkflow:
+    """``agent`` (``async def agent(client, data) -> reward``) as the run's workflow, with the
+    run's inference client, tokenizer and generation defaults, and rollout.group_size,
+    agent_mode, turn_discount and tool_parser."""
+    r = runner.cfg.rollout
+    return AgentWorkflow(
+        agent,
+        runner.client,
+        runner.tokenizer,
+        runner.gconfig,
+        group_size=r.group_size,
+        mode=r.agent_mode,
+        turn_discount=r.turn_discount,
+        tool_parser=r.tool_parser,
     )
