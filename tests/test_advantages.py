@@ -192,14 +192,15 @@ def test_group_normalize_by_ids_normalises_each_group_apart_whatever_its_size(st
         rows = (ids == g).nonzero().squeeze(1)
         ref = ref_group_norm(s[rows].numpy(), len(rows), std, loo)
         np.testing.assert_allclose(out[rows].numpy(), ref, atol=1e-9)
-    # contiguous groups of equal size: the same as group_size alone
+    # contiguous groups of group_size rows (every RLVR batch): bit for bit as without ids
     even = torch.arange(12) // 3
-    s = torch.randn(12, dtype=torch.float64)
-    np.testing.assert_allclose(
-        group_normalize(s, 3, std=std, leave_one_out=loo, groups=even).numpy(),
-        group_normalize(s, 3, std=std, leave_one_out=loo).numpy(),
-        atol=1e-12,
+    s = torch.randn(12)
+    assert torch.equal(
+        group_normalize(s, 3, std=std, leave_one_out=loo, groups=even),
+        group_normalize(s, 3, std=std, leave_one_out=loo),
     )
+    with pytest.raises(ValueError, match=r"groups: expected shape \(12,\), got \(4,\)"):
+        group_normalize(s, 3, groups=even[:4])
 
 
 def test_group_estimators_read_group_ids_when_given():
@@ -211,8 +212,14 @@ def test_group_estimators_read_group_ids_when_given():
     scores = r.sum(0).numpy()
     expected = np.concatenate([ref_group_norm(scores[:3], 3), ref_group_norm(scores[3:], 2)])
     np.testing.assert_allclose(adv[0].numpy(), expected, atol=1e-9)
-    adv, _ = get_advantage("reinpp_baseline")(rewards=r, group_size=2, groups=ids)
-    assert torch.isfinite(adv).all()
+    # reinpp_baseline subtracts each group's mean score: moving a row to the other group moves
+    # its baseline, so the ids (not blocks of 2) decide it
+    base = get_advantage("reinpp_baseline")
+    one_step = torch.zeros(1, len(ids), dtype=torch.float64)
+    one_step[0] = r.sum(0)
+    _, returns = base(rewards=one_step, group_size=2, groups=ids)
+    means = np.array([scores[:3].mean()] * 3 + [scores[3:].mean()] * 2)
+    np.testing.assert_allclose(returns[0].numpy(), scores - means, atol=1e-9)
 
 
 def test_group_normalize_rejects_non_dividing_group():

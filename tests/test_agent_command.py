@@ -438,7 +438,7 @@ def test_an_agent_service_that_fails_answers_garbage_or_hangs_is_rejected(
     cases = [
         ("crash", "answered HTTP 500"),
         ("garbage", "its answer is not {\"reward\": r}: '<html>hello</html>'"),
-        ("hang", "timed out after 1 s"),
+        ("hang", "timed out after 5 s"),
     ]
 
     async def body(flow, proxy):
@@ -449,7 +449,7 @@ def test_an_agent_service_that_fails_answers_garbage_or_hangs_is_rejected(
         return results, flow.metrics()
 
     caplog.set_level(logging.WARNING, "tidal.rollout.agent_command")
-    overrides = [f"rollout.agent.url={agent_service.url}", "rollout.agent.timeout_s=1"]
+    overrides = [f"rollout.agent.url={agent_service.url}", "rollout.agent.timeout_s=5"]
     results, metrics = with_configured_workflow(server, tok, overrides, body)
     assert results == [None] * 3 and metrics["rollout/agent_errors"] == 3
     for path, why in cases:

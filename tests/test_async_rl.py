@@ -4,6 +4,7 @@ import asyncio
 import json
 import math
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -476,7 +477,10 @@ def test_sft_demonstrations_match_the_multi_turn_episode_layout():
             lo, hi = (last + 1, hi) if text == " >" else (lo, last - 1)
 
 
-def _synthetic_batch(rows: int, width: int, vocab: int, seed: int = 0) -> LLMBatch:
+def _synthetic_batch(
+    rows: int, width: int, vocab: int, seed: int = 0, group_size: int = 4
+) -> LLMBatch:
+    """Random rows in groups of ``group_size`` (the trainer config's rollout.group_size)."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(4, width + 1, (rows,), generator=g)
     attention = torch.arange(width)[None, :] < lengths[:, None]
@@ -488,6 +492,7 @@ def _synthetic_batch(rows: int, width: int, vocab: int, seed: int = 0) -> LLMBat
         logprobs=torch.where(loss_mask, -torch.rand(rows, width, generator=g) - 0.5, 0.0),
         versions=torch.where(loss_mask, 0, -1),
         rewards=torch.randint(0, 2, (rows,), generator=g).float(),
+        group_ids=torch.arange(rows) // group_size,
     )
 
 
@@ -538,10 +543,12 @@ def test_data_parallel_trainer_takes_the_same_step_as_one_rank(ray_session, arit
         }
         for agg, (loss_agg, extra) in cases.items():
             cfg = _trainer_config(arith_model, loss_agg, "actor.max_tokens_per_mb=40", *extra)
+            size = cfg.rollout.group_size  # the batch's groups as the config has them
+            grouped = replace(batch, group_ids=torch.arange(len(batch)) // size)
             one = LLMActor.create_group(cfg).launch(cluster, "0", name=f"one-{agg}")
             two = LLMActor.create_group(cfg).launch(cluster, "1-2", name=f"two-{agg}")
-            m1 = one.train_step(batch).wait(120)[0]
-            m2 = two.train_step(batch).wait(120)
+            m1 = one.train_step(grouped).wait(120)[0]
+            m2 = two.train_step(grouped).wait(120)
             w1 = one.state_dict().wait(60)[0]
             w2 = two.state_dict().wait(60)
             one.shutdown()

@@ -51,7 +51,7 @@ def main() -> None:
             time.sleep(0.05)
     if mode == "where":  # rollout.agent.cwd and rollout.agent.env reached the process
         where = (os.getcwd(), os.environ.get("TIDAL_AGENT_TEST"))
-        if where != (record["cwd"], "from config"):
+        if not os.path.samefile(where[0], record["cwd"]) or where[1] != "from config":
             sys.exit(f"cwd and TIDAL_AGENT_TEST are {where}")
     if mode == "no_call":
         print("nothing to do")

@@ -4,7 +4,8 @@ Layout (one contract for every estimator, embodied and language alike): **time-m
 Per-step tensors are ``[T, B, ...]`` (T steps or tokens, B samples); ``values`` and
 ``dones`` carry one extra leading row, ``[T + 1, B, ...]``, where ``dones[t + 1]`` says the
 episode ended after step t and ``values[T]`` bootstraps the last step. A language batch laid
-out ``[B, L]`` is passed as its transpose. Groups (GRPO, RLOO, ...) are contiguous along B.
+out ``[B, L]`` is passed as its transpose. Groups (GRPO, RLOO, ...) are contiguous along B, or
+named per sample by ``groups`` (``[B]`` ids: an agent's episodes give groups of uneven sizes).
 
 Results are float32 (float64 for float64 inputs); nothing here normalises unless its name
 or docstring says so.
@@ -78,13 +79,13 @@ def group_normalize(
     ``leave_one_out=True`` subtracts the mean of the *other* members (RLOO). A group of one
     has no baseline to learn from and yields 0; a zero-variance group yields 0, never NaN.
     """
-    if groups is not None:
-        out = torch.empty_like(scores, dtype=compute_dtype(scores))
-        for g in torch.unique(groups):
-            rows = (groups == g).nonzero().squeeze(1)
-            out[rows] = group_normalize(scores[rows], len(rows), std, leave_one_out, unbiased, eps)
-        return out
     n = scores.shape[0]
+    if groups is not None:
+        check_shape("groups", groups, (n,))
+        ids, inverse = torch.unique(groups, return_inverse=True)
+        blocks = torch.arange(n, device=groups.device) // group_size
+        if n % group_size or not torch.equal(inverse, blocks):  # else: the blocks below
+            return _normalize_by_id(scores, inverse, len(ids), std, leave_one_out, unbiased, eps)
     if group_size < 1 or n % group_size != 0:
         raise ValueError(
             f"group_size: expected a positive divisor of the batch size {n}, got {group_size}"
@@ -106,6 +107,30 @@ def group_normalize(
             spread = torch.zeros_like(baseline)
         out = out / (spread + eps)
     return out.reshape(scores.shape)
+
+
+def _normalize_by_id(scores, inverse, count, std, leave_one_out, unbiased, eps) -> torch.Tensor:
+    """``group_normalize`` over groups of any sizes: row i is in group ``inverse[i]`` (of
+    ``count``), the same formulas as the contiguous blocks', by scatter sums (the way verl
+    groups GRPO samples by their prompt's uid)."""
+    if scores.dim() != 1:
+        raise ValueError(f"groups: scores must be [n] to group by id, got {tuple(scores.shape)}")
+    x = scores.detach().to(compute_dtype(scores))
+    size = torch.bincount(inverse, minlength=count).to(x.dtype)[inverse]
+    total = torch.zeros(count, dtype=x.dtype, device=x.device).index_add_(0, inverse, x)[inverse]
+    alone = size < 2  # a group of one has no baseline: 0, as a block of one
+    mean = total / size
+    if leave_one_out:
+        baseline = torch.where(alone, x, (total - x) / (size - 1).clamp(min=1))
+    else:
+        baseline = mean
+    out = x - baseline
+    if std:
+        sq = torch.zeros(count, dtype=x.dtype, device=x.device)
+        sq = sq.index_add_(0, inverse, (x - mean) ** 2)[inverse]
+        spread = (sq / (size - 1 if unbiased else size).clamp(min=1)).sqrt()
+        out = out / (torch.where(alone, 0.0, spread) + eps)
+    return out
 
 
 def masked_whiten(
@@ -206,9 +231,9 @@ def register_advantage(
     whiten: bool = False,
 ) -> Callable[[AdvantageFn], AdvantageFn]:
     """Register an estimator under ``name``. It is called with keyword arguments only
-    (``rewards``, ``mask``, ``values``, ``dones``, ``gamma``, ``lam``, ``group_size``, ``groups``, ...;
-    time-major as this module describes), must accept ``**kwargs`` it does not use, and
-    returns ``(advantages, returns)`` shaped like ``rewards``."""
+    (``rewards``, ``mask``, ``values``, ``dones``, ``gamma``, ``lam``, ``group_size``,
+    ``groups``, ...; time-major as this module describes), must accept ``**kwargs`` it does not
+    use, and returns ``(advantages, returns)`` shaped like ``rewards``."""
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
         spec = EstimatorSpec(fn, needs_critic, needs_groups, needs_bootstrap, whiten)

@@ -166,8 +166,14 @@ class LLMBatch:
     group_ids: torch.Tensor | None = None
 
     def __post_init__(self):
-        if self.group_ids is None:
-            self.group_ids = torch.zeros(self.input_ids.shape[0], dtype=torch.long)
+        n = self.input_ids.shape[0]
+        if self.group_ids is None:  # a workflow call's batch is one group unless it says
+            self.group_ids = torch.zeros(n, dtype=torch.long, device=self.input_ids.device)
+        if tuple(self.group_ids.shape) != (n,):
+            raise ValueError(
+                f"LLMBatch.group_ids: expected one id per row, shape ({n},), "
+                f"got {tuple(self.group_ids.shape)}"
+            )
 
     @classmethod
     def from_sequences(

@@ -13,8 +13,8 @@ field that would change the answer and is not implemented (penalties, ...) is a 
 cut short by training.
 
 This module holds the routes and the generation behind them; the requests are read in
-``openai_request``, the responses shaped in ``openai_response``, and chat messages rendered in
-``chat_template``.
+``openai_request``, the responses shaped in ``openai_response``, and chat messages rendered by
+``tidal.models.chat_template``.
 """
 
 from __future__ import annotations

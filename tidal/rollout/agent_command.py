@@ -149,7 +149,7 @@ class ServiceAgent:
 
     @staticmethod
     def parse_reward(answer: str) -> float:
-        """The reward of the answer's body (all of it, however it is laid out): ``{"reward": r}``."""
+        """The reward of the answer's whole body (however it is laid out): ``{"reward": r}``."""
         try:
             reward = json.loads(answer)["reward"]
         except (json.JSONDecodeError, TypeError, KeyError):

@@ -14,8 +14,9 @@ per-token weight versions; they become training sequences in the format of
   episode's reward discounted by ``turn_discount`` per later call.
 - ``auto``: ``concat`` where the prompts extend each other, else ``individual``.
 
-With ``group_size > 1`` and a group-normalised advantage, use ``concat``: it gives exactly one
-row per agent run. Pausing, staleness and versions apply as to any episode (generation goes
+With ``group_size > 1`` a group-normalised advantage baselines every row of a call's runs together
+(``LLMBatch.group_ids``); with ``individual`` a run of more calls gives its group more rows, and
+``concat`` (one row per run) weighs the runs alike. Pausing, staleness and versions apply as to any episode (generation goes
 through ``InferenceClient.agenerate``).
 """
 
