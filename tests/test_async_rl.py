@@ -177,6 +177,25 @@ def test_padded_episodes_and_merging():
     assert LLMBatch.concat([merged, ep]).group_ids.tolist() == [0, 0, 1, 2, 2]
 
 
+def test_each_actor_rank_trains_its_share_of_a_minibatch_and_no_row_is_dropped():
+    """An agent's episodes give a row per call: a minibatch's rows need not divide over the
+    ranks (they were cut to equal blocks, the rest dropped)."""
+    from types import SimpleNamespace
+
+    from tidal.workers.llm_actor import LLMActor
+
+    def shares(rows: int, ranks: int) -> list[list[int]]:
+        return [
+            LLMActor.my_rows(SimpleNamespace(rank=r, world_size=ranks), torch.arange(rows)).tolist()
+            for r in range(ranks)
+        ]
+
+    assert shares(8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert shares(7, 2) == [[0, 1, 2, 3], [4, 5, 6]]
+    with pytest.raises(RuntimeError, match="a minibatch of 1 rows cannot feed 2 actor ranks"):
+        shares(1, 2)
+
+
 def test_tasks_and_rewards():
     p = arithmetic_problems(50, digits=2, seed=3)
     assert all(int(x["prompt"][:2]) + int(x["prompt"][3:5]) == int(x["answer"]) for x in p)

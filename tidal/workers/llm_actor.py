@@ -150,9 +150,15 @@ class LLMActor(Worker, WeightLinks, ActorOffload):
         return self.model.state_dict()
 
     def my_rows(self, minibatch: torch.Tensor) -> torch.Tensor:
-        """This rank's contiguous block of a global minibatch's rows."""
-        per_rank = len(minibatch) // self.world_size
-        return minibatch[self.rank * per_rank : (self.rank + 1) * per_rank]
+        """This rank's contiguous block of a global minibatch's rows: equal blocks, or one row
+        more on the first ranks where they do not divide (an agent's episodes give a row per
+        call), so that no row is dropped; the loss divides by the whole minibatch's counts."""
+        if len(minibatch) < self.world_size:  # a rank without rows would skip the gradient sync
+            raise RuntimeError(
+                f"a minibatch of {len(minibatch)} rows cannot feed {self.world_size} actor ranks: "
+                "lower actor.ppo_minibatches or the actor's ranks"
+            )
+        return minibatch.tensor_split(self.world_size)[self.rank]
 
     @torch.no_grad()
     def compute_logp(
