@@ -542,5 +542,6 @@ def test_an_agent_that_always_crashes_stops_the_run_naming_its_command(
     with runner, pytest.raises(EpisodeError) as stopped:  # the episode's AgentError
         runner.run()
     message = str(stopped.value)
-    assert f"rollout.agent: {shlex.join(command)!r} failed 2 times in a row" in message
+    first = message.splitlines()[0]  # the cause leads, the traceback follows
+    assert f"rollout.agent: {shlex.join(command)!r} failed 2 times in a row" in first
     assert "exited with status 3" in message and "agent broke" in message

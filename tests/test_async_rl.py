@@ -124,7 +124,8 @@ def test_rejections_are_counted_and_failures_name_the_episode():
         assert staleness.snapshot()["rejected"] == 1
         staleness.set_version(1)
         with pytest.raises(
-            EpisodeError, match=r"episode 4 failed:(.|\n)*ZeroDivisionError: bad episode"
+            EpisodeError,
+            match=r"episode 4 failed: ZeroDivisionError: bad episode\n(.|\n)*Traceback",
         ):
             d.prepare_batch(iter([3, 4, 5, 6]), 2, timeout=30)
     finally:

@@ -153,8 +153,8 @@ class RolloutDispatcher:
         result = None
         try:
             result = fut.result()
-        except BaseException as exc:
-            error = "".join(traceback.format_exception(exc))
+        except BaseException as exc:  # its own line first: the traceback can be long
+            error = f"{type(exc).__name__}: {exc}\n" + "".join(traceback.format_exception(exc))
         return _Finished(task_id, result, error, version, time.monotonic())
 
     def _consume(self) -> None:
@@ -208,7 +208,7 @@ class RolloutDispatcher:
             raise EpisodeError(f"a dispatcher thread failed:\n{self._thread_error}")
         failed = [r for r in self._accepted.values() if r.error is not None]
         if failed:
-            raise EpisodeError(f"episode {failed[0].task_id} failed:\n{failed[0].error}")
+            raise EpisodeError(f"episode {failed[0].task_id} failed: {failed[0].error}")
 
     def prepare_batch(self, data: Iterable, batch_size: int, timeout: float = 600.0) -> list[Any]:
         """Keep enough episodes in flight and return ``batch_size`` accepted results, oldest
