@@ -135,7 +135,7 @@ def bench_collection(
     for name, overrides in collection_configs(envs, backends, stages).items():
         ray = name.startswith("ray")
         configs[name] = (overrides, False, RAY_WARMUP_S if ray else 0.0)
-        if ray and channel_actor:
+        if name.startswith("ray_stages") and channel_actor:
             configs[name.replace("ray", "ray_channel_actor")] = (overrides, True, RAY_WARMUP_S)
     hand_round = make_hand_loop(envs, steps)
     out = {}
@@ -169,17 +169,23 @@ def collection_configs(envs: int, backends, stages) -> dict[str, list[str]]:
         "actor.micro_batch_size=512",
         "env.eval_num_envs=8",
     ]
-    ray = [
-        "cluster.backend=ray",
-        "cluster.devices_per_node=3",
-        "cluster.placement={env: '0', rollout: '1', actor: '2'}",
-    ]
+    layouts = {
+        "local": ["cluster.backend=local"],
+        "ray": [
+            "cluster.backend=ray",
+            "cluster.devices_per_node=3",
+            "cluster.placement={env: '0', rollout: '1', actor: '2'}",
+        ],
+        # env and rollout in one process (cluster.same_process), the actor in another
+        "ray_same_process": [
+            "cluster.backend=ray",
+            "cluster.devices_per_node=2",
+            "cluster.placement={'env,rollout': '0', actor: '1'}",
+            "cluster.same_process=['env,rollout']",
+        ],
+    }
     return {
-        f"{backend}_stages{n}": [
-            *base,
-            *(ray if backend == "ray" else ["cluster.backend=local"]),
-            f"env.pipeline_stage_num={n}",
-        ]
+        f"{backend}_stages{n}": [*base, *layouts[backend], f"env.pipeline_stage_num={n}"]
         for n in stages
         for backend in backends
     }
@@ -312,6 +318,21 @@ SCALEOUT_CONFIGS = {
     "ray_2env_2rollout": [
         "cluster.devices_per_node=2",
         "cluster.placement={env: '0-1', rollout: '0-1', actor: '1'}",
+        "env.pipeline_stage_num=1",
+    ],
+    # the same pairs, each env rank and its rollout rank in one process (cluster.same_process):
+    # an action reaches its env rank in memory instead of as a message
+    "ray_2env_2rollout_same_process_pinned": [
+        "cluster.devices_per_node=2",
+        "cluster.pin_cpus=true",
+        "cluster.placement={'env,rollout': '0-1', actor: '1'}",
+        "cluster.same_process=['env,rollout']",
+        "env.pipeline_stage_num=1",
+    ],
+    "ray_2env_2rollout_same_process": [
+        "cluster.devices_per_node=2",
+        "cluster.placement={'env,rollout': '0-1', actor: '1'}",
+        "cluster.same_process=['env,rollout']",
         "env.pipeline_stage_num=1",
     ],
 }
@@ -452,7 +473,11 @@ def main() -> None:
         "--envs", type=int, nargs="+", default=[32, 128], help="collection: env counts"
     )
     parser.add_argument(
-        "--backends", nargs="+", default=["local", "ray"], help="collection: backends to run"
+        "--backends",
+        nargs="+",
+        default=["local", "ray"],
+        choices=["local", "ray", "ray_same_process"],
+        help="collection, train: layouts to run (ray_same_process: env and rollout in one process)",
     )
     parser.add_argument(
         "--stages", type=int, nargs="+", default=[1, 2], help="collection: pipeline stages"

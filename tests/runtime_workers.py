@@ -113,6 +113,19 @@ class EchoWorker(Worker):
         )
         return out["x"].tolist()
 
+    def owns_loop(self):
+        return self.owns_event_loop
+
+    def put_tensor(self, channel, key):
+        """Put a tensor (kept, so its memory stays this one's) and return where its data is."""
+        self.kept = torch.arange(4.0) + self.rank
+        channel.put(self.kept, key=key)
+        return self.kept.data_ptr()
+
+    async def get_tensor(self, channel, key):
+        t = await channel.get(key=key, async_op=True, timeout=30)
+        return t.data_ptr(), t.tolist()
+
     def load_weights(self, channel):
         model = torch.nn.Linear(3, 2)
         update = recv_weights(channel, self.rank, timeout=60)

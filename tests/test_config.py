@@ -76,6 +76,28 @@ def test_overrides_apply_with_types():
             ["cluster.placement={env: '0', rollout: '0', actor: '0-1'}"],
             r"cluster.placement: a data-parallel actor .* needs cluster.backend=ray",
         ),
+        (
+            ["cluster.same_process=['rollout,actor']"],
+            r"cluster.same_process: 'rollout,actor': the actor joins torch.distributed",
+        ),
+        (
+            [
+                "cluster.placement={env: '0', rollout: '1', actor: '1'}",
+                "cluster.same_process=[env]",
+            ],
+            r"cluster.same_process: 'env' names 1 component\(s\); .* e.g. 'env,rollout'",
+        ),
+        (
+            [
+                "cluster.placement={env: '0', rollout: '1', actor: '1'}",
+                "cluster.same_process=['env,rollout']",
+            ],
+            r"cluster.same_process: 'env,rollout': 'rollout' is placed on devices \[1\], 'env' on \[0\]",
+        ),
+        (
+            ["cluster.same_process=['env,reward']"],
+            r"cluster.same_process: 'env,reward': component 'reward' is not placed",
+        ),
         (["cluster.backend=slurm"], r"cluster.backend: expected one of local, ray, got 'slurm'"),
         (
             ["cluster.pin_cpus=true"],

@@ -466,6 +466,31 @@ def test_resume_on_ray_continues_exactly_as_the_uninterrupted_run(ray_session, t
     )
 
 
+@pytest.mark.ray
+def test_env_and_rollout_in_one_process_train_exactly_as_in_two(ray_session, tmp_path):
+    """``cluster.same_process``: the rollout in its env rank's process (actions reach the env in
+    memory) takes the same steps, episodes and evaluations as in a process of its own; with
+    two pipeline stages the env steps off the shared event loop."""
+    layout = [
+        "cluster.backend=ray",
+        "cluster.devices_per_node=2",
+        "runner.timeout_s=60",
+        "cluster.placement={'env,rollout': '0-1', actor: '1'}",
+    ]
+    runs = {}
+    for shared in ("[]", "['env,rollout']"):
+        summary = run(
+            EXAMPLES / "cartpole_ppo.yaml",
+            tmp_path,
+            *TINY,
+            *layout,
+            f"cluster.same_process={shared}",
+            f"runner.experiment=shared-{len(shared)}",
+        )
+        runs[shared] = [_without_timings(r) for r in read_metrics(summary["run_dir"])]
+    assert len(runs["[]"]) == 2 and runs["[]"] == runs["['env,rollout']"]
+
+
 # -- non-finite values from envs and reward models ---------------------------------------
 
 

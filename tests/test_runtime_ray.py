@@ -79,6 +79,46 @@ def test_pinned_ranks_run_on_the_core_of_their_cpu_slot(two_nodes):
         free.shutdown()
 
 
+def test_groups_in_the_same_process_pass_items_in_memory_and_end_one_by_one(two_nodes):
+    """``same_process``: rank i of the guest runs in rank i's process of its host (one process
+    per rank pair, on each node); a put between them reaches the bound channel's mailbox by
+    reference, while a rank in another process still gets a copy by ZeroMQ. Neither owns its
+    event loop (a blocking step would hold up the other). The guest shutting down leaves the
+    host serving; a guest launched before its host is refused."""
+    from tidal.runtime.placement import PlacementError
+
+    placement = two_nodes.placement({"host,guest,apart": "1-2"}, same_process=["host,guest"])
+    with pytest.raises(ValueError, match="shares a process with 'host'.*launched first"):
+        EchoWorker.create_group().launch(two_nodes, placement, name="guest")
+    host = EchoWorker.create_group().launch(two_nodes, placement, name="host")
+    guest = EchoWorker.create_group().launch(two_nodes, placement, name="guest")
+    apart = EchoWorker.create_group().launch(two_nodes, placement, name="apart")
+    try:
+        pids = [[i["pid"] for i in g.info().wait(timeout=60)] for g in (host, guest, apart)]
+        assert pids[0] == pids[1] and not set(pids[2]) & set(pids[0])
+        assert [g.owns_loop().wait(timeout=60) for g in (host, guest, apart)] == [
+            [False, False],
+            [False, False],
+            [True, True],
+        ]
+        ch = Channel.create(f"same-process-{time.monotonic_ns()}", two_nodes, consumer=guest)
+        for src, by_reference in ((host, True), (apart, False)):
+            keys = [CommMapper.build_channel_key(r, r, "t") for r in range(2)]
+            getting = [guest.execute_on(r).get_tensor(ch, keys[r]) for r in range(2)]
+            put_ptrs = [src.execute_on(r).put_tensor(ch, keys[r]).wait(60)[0] for r in range(2)]
+            got = [g.wait(60)[0] for g in getting]
+            assert [values for _, values in got] == [[0, 1, 2, 3], [1, 2, 3, 4]]
+            same_memory = [ptr == put for (ptr, _), put in zip(got, put_ptrs)]
+            assert same_memory == [by_reference] * 2
+        guest.shutdown()
+        assert host.add(1).wait(timeout=60) == [1, 2]  # the process lives on with its host
+    finally:
+        host.shutdown()
+        apart.shutdown()
+    with pytest.raises(PlacementError, match="'guest' is placed on devices \\[1\\].*the same"):
+        two_nodes.placement({"host": "1-2", "guest": "1"}, same_process=["host,guest"])
+
+
 def test_one_rank_dying_fails_fast_naming_it(two_nodes):
     group = EchoWorker.create_group().launch(two_nodes, placement="0-2", name="fragile")
     start = time.monotonic()

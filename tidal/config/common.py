@@ -63,6 +63,10 @@ class ClusterConfig:
         factory=dict,
         help="component(s) -> devices, e.g. {env: '0', 'rollout,actor': '1'}; empty: all on 0",
     )
+    same_process: list[str] = setting(
+        factory=list,
+        help="ray: groups whose rank i shares one process, e.g. ['env,rollout'] (placed alike): items between them pass in memory, not as messages; local: every rank shares one process already",
+    )
 
     def resolved_placement(self, components: list[str]) -> dict[str, str]:
         return dict(self.placement) or {",".join(components): "0"}
@@ -294,6 +298,13 @@ def validate_common(
         "cluster.connect_timeout_s",
         f"must be > 0, got {cluster.connect_timeout_s}",
     )
+    for entry in cluster.same_process:
+        require(
+            "actor" not in [n.strip() for n in str(entry).split(",")],
+            "cluster.same_process",
+            f"{entry!r}: the actor joins torch.distributed, which is one per process; "
+            "share processes between the other groups (e.g. 'env,rollout')",
+        )
     require(runner.max_steps >= 1, "runner.max_steps", f"must be >= 1, got {runner.max_steps}")
     require(runner.timeout_s > 0, "runner.timeout_s", f"must be > 0, got {runner.timeout_s}")
     for key in ("eval_interval", "save_interval", "keep_checkpoints", "max_restarts"):

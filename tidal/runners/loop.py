@@ -153,6 +153,11 @@ class RunLoop(ABC):
             raise
         return cluster
 
+    def place(self, components: list[str]):
+        """Where each worker group runs (``cluster.placement``, ``cluster.same_process``)."""
+        c = self.cfg.cluster
+        return self.cluster.placement(c.resolved_placement(components), same_process=c.same_process)
+
     @contextlib.contextmanager
     def actor_offloaded(self, actor):
         """``actor.offload``: the actor's state in host memory for the block (the rollout has

@@ -94,7 +94,9 @@ def world_sizes(cluster: ClusterConfig, names: list[str]) -> dict[str, int]:
     """Ranks per component from the placement, checked before the cluster exists."""
     try:
         placement = ComponentPlacement(
-            cluster.resolved_placement(names), _num_devices_hint(cluster)
+            cluster.resolved_placement(names),
+            _num_devices_hint(cluster),
+            same_process=cluster.same_process,
         )
         return {c: placement.get_world_size(c) for c in names}
     except PlacementError as exc:

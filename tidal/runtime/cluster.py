@@ -48,13 +48,33 @@ class Cluster:
         self.namespace = namespace
         self.backend_impl = backend_class(backend)(options)
         self.nodes = self.backend_impl.start()
+        self._launched: dict[str, list] = {}  # group name -> its rank handles (process hosts)
 
     @property
     def num_devices(self) -> int:
         return sum(n.num_devices for n in self.nodes)
 
-    def placement(self, mapping: Mapping, exclusive: bool = False) -> ComponentPlacement:
-        return ComponentPlacement(mapping, self.num_devices, exclusive=exclusive)
+    def placement(
+        self, mapping: Mapping, exclusive: bool = False, same_process: tuple | list = ()
+    ) -> ComponentPlacement:
+        return ComponentPlacement(
+            mapping, self.num_devices, exclusive=exclusive, same_process=same_process
+        )
+
+    def launched(self, name: str, ranks: list) -> None:
+        """Record a launched group's rank handles (a later group may join their processes)."""
+        self._launched[name] = list(ranks)
+
+    def host_ranks(self, placement, name: str) -> list | None:
+        """The rank handles whose processes group ``name`` joins (``same_process``), if any."""
+        host = placement.process_host(name) if isinstance(placement, ComponentPlacement) else None
+        if host is None:
+            return None
+        if host not in self._launched:
+            raise ValueError(
+                f"{name}: shares a process with {host!r} (same_process), which must be launched first"
+            )
+        return self._launched[host]
 
     def rank_placements(self, devices: list[int]) -> list[RankPlacement]:
         """One ``RankPlacement`` per device, rank i on the i-th device listed."""

@@ -115,6 +115,11 @@ class ComponentPlacement:
 
     Components in one key share the devices. With ``exclusive=True`` different keys must not
     share a device (a disaggregated layout); otherwise overlap between keys is allowed.
+
+    ``same_process``: entries such as ``"env,rollout"`` whose components run rank ``i`` in one
+    process (on a backend with a process per rank): items between them then pass in memory, not
+    as messages. They must be placed on the same devices; the first one named hosts the process
+    and is launched first.
     """
 
     def __init__(
@@ -122,6 +127,7 @@ class ComponentPlacement:
         mapping: Mapping[str, str | int | list[int]],
         num_devices: int,
         exclusive: bool = False,
+        same_process: list[str] | tuple[str, ...] = (),
     ):
         if not mapping:
             raise PlacementError("placement: no component is placed")
@@ -140,6 +146,40 @@ class ComponentPlacement:
                 self._devices[name] = devices
         if exclusive:
             self._check_disjoint(mapping)
+        self._hosts = self._process_hosts(same_process)
+
+    def _process_hosts(self, entries) -> dict[str, str]:
+        """Each guest component and the component whose processes it joins."""
+        hosts: dict[str, str] = {}
+        for entry in entries:
+            names = [n.strip() for n in str(entry).split(",") if n.strip()]
+            what = f"same_process: {entry!r}"
+            if len(names) < 2:
+                raise PlacementError(
+                    f"{what} names {len(names)} component(s); an entry names two or more, "
+                    "comma-separated, e.g. 'env,rollout'"
+                )
+            for name in names:
+                if name not in self._devices:
+                    raise PlacementError(
+                        f"{what}: component {name!r} is not placed; placed: {', '.join(self._devices)}"
+                    )
+                if name in hosts or name in hosts.values():
+                    raise PlacementError(f"{what}: component {name!r} is in two entries")
+                if self._devices[name] != self._devices[names[0]]:
+                    raise PlacementError(
+                        f"{what}: {name!r} is placed on devices {self._devices[name]}, "
+                        f"{names[0]!r} on {self._devices[names[0]]}; a shared process needs the same"
+                    )
+            hosts.update({name: names[0] for name in names[1:]})
+        return hosts
+
+    def shares_process(self, component: str) -> bool:
+        return component in self._hosts or component in self._hosts.values()
+
+    def process_host(self, component: str) -> str | None:
+        """The component whose rank ``i`` processes this one's rank ``i`` joins, if any."""
+        return self._hosts.get(component)
 
     def _check_disjoint(self, mapping: Mapping) -> None:
         seen: dict[int, str] = {}

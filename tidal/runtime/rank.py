@@ -27,6 +27,7 @@ class RankInfo:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     env: tuple[tuple[str, str], ...] = ()
+    shares_process: bool = False  # another group's rank runs in this rank's process
 
     def dist_env(self) -> dict[str, str]:
         """What ``torch.distributed``'s env:// initialisation reads, plus the device pinning."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from tidal.runtime.backends import backend_class
 from tidal.runtime.defaults import LAUNCH_TIMEOUT_S
 from tidal.runtime.handle import Handle
+from tidal.runtime.placement import ComponentPlacement
 from tidal.runtime.rank import RankInfo
 from tidal.runtime.sections import ConfigSections
 
@@ -83,9 +84,9 @@ class Worker:
 
     @property
     def owns_event_loop(self) -> bool:
-        """This rank's event loop serves no other rank (a process per rank): blocking work on
+        """This rank's event loop serves no other rank (a process of its own): blocking work on
         it then holds up this rank alone, and its messages still arrive meanwhile."""
-        return backend_class(self._tidal.backend).multi_process
+        return backend_class(self._tidal.backend).multi_process and not self._tidal.shares_process
 
     async def offload(self, fn, *args, **kwargs):
         """Run blocking work (a simulator step, a forward pass) on this rank's compute thread,
@@ -149,11 +150,15 @@ class GroupSpec:
     ) -> WorkerGroup:
         """Start one rank per placed device and construct the worker on each.
 
-        ``placement``: a ``ComponentPlacement`` (looked up by ``name``), a device spec such as
+        ``placement``: a ``ComponentPlacement`` (looked up by ``name``; with ``same_process``,
+        rank ``i`` joins the process of its host group's rank ``i``), a device spec such as
         ``"0-3"`` / ``"0,2"`` / ``"all"``, or a number of ranks. ``env`` is set in every rank's
         process on the ray backend."""
         name = name or self.cls.__name__
         ranks = cluster.rank_placements(cluster.resolve_devices(placement, name))
+        shares_process = isinstance(placement, ComponentPlacement) and placement.shares_process(
+            name
+        )
         per_node: dict[int, list[int]] = {}
         for r in ranks:
             per_node.setdefault(r.node.index, []).append(r.rank)
@@ -167,13 +172,18 @@ class GroupSpec:
                 local_rank=per_node[r.node.index].index(r.rank),
                 local_world_size=len(per_node[r.node.index]),
                 backend=cluster.backend,
+                shares_process=shares_process,
                 env=tuple(
                     {**r.device_env(cluster.backend_impl.options.pin_cpus), **(env or {})}.items()
                 ),
             )
             for r in ranks
         ]
-        handles, infos = cluster.backend_impl.launch_ranks(name, ranks, infos, launch_timeout)
+        hosts = cluster.host_ranks(placement, name)
+        handles, infos = cluster.backend_impl.launch_ranks(
+            name, ranks, infos, launch_timeout, hosts
+        )
+        cluster.launched(name, handles)
         constructing = [h.construct(self.cls, self.args, self.kwargs) for h in handles]
         group = WorkerGroup(name, self.cls, handles, cluster)
         try:

@@ -97,7 +97,7 @@ class OffPolicyRunner(EmbodiedRunner):
         self.check_offpolicy()
         cfg, spaces, timeout = self.cfg, self.spaces, self.cfg.runner.timeout_s
         self.cluster = self.start_cluster()
-        placement = self.cluster.placement(cfg.cluster.resolved_placement(components(cfg)))
+        placement = self.place(components(cfg))
         self.env = TransitionEnvWorker.create_group(cfg, self.topo).launch(
             self.cluster, placement, name="env"
         )

@@ -72,7 +72,7 @@ class EmbodiedRunner(RunLoop):
     def build(self) -> None:
         cfg, spaces = self.cfg, self.spaces
         self.cluster = self.start_cluster()
-        placement = self.cluster.placement(cfg.cluster.resolved_placement(components(cfg)))
+        placement = self.place(components(cfg))
         self.env = EnvWorker.create_group(cfg, self.topo).launch(
             self.cluster, placement, name="env"
         )

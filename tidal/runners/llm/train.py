@@ -58,7 +58,7 @@ class LLMRunner(RunLoop):
         cfg, r = self.cfg, self.cfg.rollout
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.cluster = self.start_cluster()
-        placement = self.cluster.placement(cfg.cluster.resolved_placement(["rollout", "actor"]))
+        placement = self.place(["rollout", "actor"])
         self.rollout = ROLLOUT_ENGINES.get(r.engine)(cfg, self.cluster, placement, self.run_dir)
         addresses = self.rollout.launch()
         self.actor = LLMActor.create_group(cfg).launch(

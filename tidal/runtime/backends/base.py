@@ -102,10 +102,16 @@ class Backend(ABC):
 
     @abstractmethod
     def launch_ranks(
-        self, group: str, ranks: list[RankPlacement], infos: list[RankInfo], timeout: float
+        self,
+        group: str,
+        ranks: list[RankPlacement],
+        infos: list[RankInfo],
+        timeout: float,
+        hosts: list[RankHandle] | None = None,
     ) -> tuple[list[RankHandle], list[RankInfo]]:
         """Start one rank per placement; returns their handles and their final ``RankInfo``s
-        (a backend may fill in e.g. the rendezvous address)."""
+        (a backend may fill in e.g. the rendezvous address). With ``hosts`` (another group's
+        ranks, one per placement) rank ``i`` runs in the process of ``hosts[i]``."""
 
     @abstractmethod
     def create_channel(

@@ -94,7 +94,8 @@ class LocalBackend(Backend):
             sys.setswitchinterval(self._saved_switch_interval)
             self._saved_switch_interval = None
 
-    def launch_ranks(self, group, ranks, infos, timeout):
+    def launch_ranks(self, group, ranks, infos, timeout, hosts=None):
+        # every rank is in this process: a host changes nothing
         return [LocalRank(info, self.shared_loop()) for info in infos], infos
 
     def create_channel(self, name: str, maxsize: int, consumer: list | None) -> LocalTransport:

@@ -28,10 +28,11 @@ def _free_port() -> int:
 
 
 class RayRankActor:
-    """The Ray actor behind one rank (an async actor: its event loop serves every call)."""
+    """The Ray actor behind one rank (an async actor: its event loop serves every call), or
+    behind rank ``i`` of several groups that share its process (``same_process``)."""
 
     def __init__(self):
-        self.runner: RankRunner | None = None
+        self.runners: dict[str, RankRunner] = {}  # group name -> its rank here
         if CPU_SLOT_ENV in os.environ:  # before the rank builds anything (its threads inherit)
             pin_to_cpu_slot(int(os.environ[CPU_SLOT_ENV]))
 
@@ -44,12 +45,19 @@ class RayRankActor:
         from tidal.runtime.serialization import register_tensor_serializer
 
         register_tensor_serializer()
-        os.environ.update(info.dist_env())
-        self.runner = RankRunner(info)
-        return await self.runner.construct(cls, args, kwargs)
+        # torch.distributed is one per process: a guest group keeps its host's rendezvous
+        os.environ.update(dict(info.env) if self.runners else info.dist_env())
+        runner = self.runners[info.group] = RankRunner(info)
+        return await runner.construct(cls, args, kwargs)
 
-    async def call(self, method: str, args: tuple, kwargs: dict) -> CallResult:
-        return await self.runner.call(method, args, kwargs)
+    async def call(self, group: str, method: str, args: tuple, kwargs: dict) -> CallResult:
+        return await self.runners[group].call(method, args, kwargs)
+
+    def release(self, group: str) -> None:
+        """A group sharing this process shut down; the others go on."""
+        runner = self.runners.pop(group, None)
+        if runner is not None:
+            runner.close()
 
     async def inbox_address(self) -> str:
         """The inbox of group calls and of the items of channels bound to this rank's group
@@ -64,8 +72,8 @@ class RayRankActor:
         request = loads(frames)
         asyncio.get_running_loop().create_task(self._answer(call_id, reply_to, *request))
 
-    async def _answer(self, call_id: int, reply_to: str, method: str, args, kwargs) -> None:
-        result = await self.runner.call(method, args, kwargs)
+    async def _answer(self, call_id: int, reply_to: str, group, method: str, args, kwargs) -> None:
+        result = await self.call(group, method, args, kwargs)
         try:
             frames = dumps(result)
         except Exception as exc:  # the caller learns why, instead of waiting for its timeout
@@ -75,20 +83,24 @@ class RayRankActor:
 
 class RayRank:
     """The driver's grip on one rank: calls go by ZeroMQ into its inbox (``ray_pipe``), or as a
-    Ray call when their arguments cannot be pickled that way; Ray watches the process."""
+    Ray call when their arguments cannot be pickled that way; Ray watches the process.
+    ``tenants``: the groups whose rank runs in this process (one set per process)."""
 
-    def __init__(self, actor, info: RankInfo, inbox: str):
+    def __init__(self, actor, info: RankInfo, inbox: str, tenants: set[str] | None = None):
         self.actor, self.info, self.inbox = actor, info, inbox
+        self.tenants = {info.group} if tenants is None else tenants
+        self.tenants.add(info.group)
         self._watch: DeathWatch | None = None  # per process: made on first use
 
     def construct(self, cls, args, kwargs) -> cf.Future:
         return self.actor.construct.remote(cls, args, kwargs, self.info).future()
 
     def submit(self, method: str, args: tuple, kwargs: dict) -> cf.Future:
+        group = self.info.group
         try:
-            request = dumps((method, args, kwargs))
+            request = dumps((group, method, args, kwargs))
         except Exception:  # e.g. an object only Ray's serializer handles
-            return self.actor.call.remote(method, args, kwargs).future()
+            return self.actor.call.remote(group, method, args, kwargs).future()
         if self._watch is None:
             self._watch = DeathWatch(self.actor, self, _rank_death)
         return REPLIES.ask(
@@ -101,9 +113,14 @@ class RayRank:
         return {**self.__dict__, "_watch": None}
 
     def kill(self) -> None:
+        """End this rank; its process ends with the last group in it."""
         import ray
 
-        ray.kill(self.actor, no_restart=True)
+        self.tenants.discard(self.info.group)
+        if self.tenants:
+            self.actor.release.remote(self.info.group)
+        else:
+            ray.kill(self.actor, no_restart=True)
 
 
 def _rank_death(cause: BaseException | None) -> BaseException:
@@ -188,8 +205,11 @@ class RayBackend(Backend):
             return RoutedTransport(name, consumer)
         return ChannelActorTransport(name, create_channel_actor(name, self.options.namespace))
 
-    def launch_ranks(self, group, ranks, infos, timeout):
+    def launch_ranks(self, group, ranks, infos, timeout, hosts=None):
         import ray
+
+        if hosts is not None:
+            return self._join_processes(infos, hosts)
 
         actors = [self._start_actor(r, info) for r, info in zip(ranks, infos)]
         refs = [a.node_address.remote() for a in actors]
@@ -212,6 +232,15 @@ class RayBackend(Backend):
         infos = [replace(i, master_addr=master_addr, master_port=master_port) for i in infos]
         inboxes = ray.get([a.inbox_address.remote() for a in actors], timeout=timeout)
         return [RayRank(a, i, box) for a, i, box in zip(actors, infos, inboxes)], infos
+
+    @staticmethod
+    def _join_processes(infos: list[RankInfo], hosts: list[RayRank]):
+        """Ranks in their hosts' processes: no process to start, the host's inbox serves both."""
+        infos = [
+            replace(i, master_addr=h.info.master_addr, master_port=h.info.master_port)
+            for i, h in zip(infos, hosts)
+        ]
+        return [RayRank(h.actor, i, h.inbox, h.tenants) for i, h in zip(infos, hosts)], infos
 
     @staticmethod
     def _start_actor(placement, info: RankInfo):

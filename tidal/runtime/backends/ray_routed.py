@@ -5,7 +5,9 @@ Every key of such a channel is routed (``RouteKey``, ``"src->dst:tag"``) and liv
 process into that rank's inbox (``ray_pipe``), with no Ray task and no answer: the channel is
 unbounded, so a put never waits for room. ZeroMQ keeps each connection's order, so items come
 out FIFO per producer and key. The rank's gets and qsize read its mailbox in place, without a
-call at all; no other process reads them.
+call at all; no other process reads them. A producer in the reading rank's own process (groups
+that share it, ``same_process``) puts straight into the mailbox: the item passes by reference,
+as on the local backend.
 """
 
 from __future__ import annotations
@@ -35,13 +37,21 @@ class RoutedTransport(ChannelTransport):
         self.home_ids = [h.actor._actor_id.hex() for h in rank_handles]
 
     def put(self, key: Hashable, item: Any, weight: float, async_op: bool, timeout: float | None):
-        self._send(self._home_rank(key), key, ray_pipe.dumps(item), weight)
+        dst = self._home_rank(key)
+        if self.home_ids[dst] == current_actor_id():
+            MAILBOX.store(self.channel_id).put(key, item, weight)
+        else:
+            self._send(dst, key, ray_pipe.dumps(item), weight)
         return PUT_DONE_WORK
 
     def put_shared(self, item: Any, keys: list, weight: float, timeout: float | None) -> None:
         homes = [self._home_rank(key) for key in keys]  # every key checked before any is sent
-        frames = ray_pipe.dumps(item)  # pickled once, sent to each rank
+        frames = None  # pickled once, for the ranks in other processes
         for key, dst in zip(keys, homes):
+            if self.home_ids[dst] == current_actor_id():
+                MAILBOX.store(self.channel_id).put(key, item, weight)
+                continue
+            frames = frames or ray_pipe.dumps(item)
             self._send(dst, key, frames, weight)
 
     def get(self, key: Hashable, async_op: bool, timeout: float | None):
