@@ -98,7 +98,10 @@ def test_discrete_chunk_policy_shapes_and_consistency():
     assert pol.env_actions(step.actions).shape == (7, 5)
 
 
-def test_squashed_gaussian_logprob_is_exact():
+@pytest.mark.parametrize("autograd", [True, False], ids=["autograd", "inference"])
+def test_squashed_gaussian_logprob_is_exact(autograd):
+    """Both ways ``act`` draws: ``Normal`` with autograd on, by hand (log-prob from the noise)
+    under inference mode, as the rollout runs it."""
     low, high = np.array([-2.0, 0.0], dtype=np.float32), np.array([2.0, 1.0], dtype=np.float32)
     pol = MLPActorCritic(
         gym.spaces.Box(-1, 1, (3,)),
@@ -108,7 +111,8 @@ def test_squashed_gaussian_logprob_is_exact():
         init_log_std=-0.5,
     )
     inputs = pol.prepare(torch.randn(5, 3))
-    step = pol.act(inputs)
+    with torch.inference_mode(not autograd):
+        step = pol.act(inputs)
     u = step.actions.double()
     with torch.no_grad():
         mean = pol.actor(inputs["obs"]).view(5, 2, 2).double()
@@ -119,6 +123,24 @@ def test_squashed_gaussian_logprob_is_exact():
     torch.testing.assert_close(step.logprobs.double(), ref, atol=1e-4, rtol=1e-4)
     env_a = pol.env_actions(step.actions)
     assert (env_a >= low - 1e-6).all() and (env_a <= high + 1e-6).all()
+
+
+def test_gaussian_drawn_by_hand_matches_normal():
+    """The rollout's draw (inference mode): mean + std * noise, its log-prob what ``evaluate``
+    (``Normal.log_prob``) gives the same action; the mode is the mean, sampled actions spread
+    by std around it."""
+    pol = MLPActorCritic(
+        gym.spaces.Box(-1, 1, (3,)), gym.spaces.Box(-1.0, 1.0, (2,)), 2, init_log_std=-0.7
+    )
+    inputs = pol.prepare(torch.randn(4000, 3))
+    with torch.inference_mode():
+        step, mode = pol.act(inputs), pol.act(inputs, deterministic=True)
+        mean = pol.actor(inputs["obs"]).view(-1, 2, 2)
+    again = pol.evaluate(inputs, step.actions.clone())["logprobs"]
+    torch.testing.assert_close(step.logprobs, again, atol=1e-5, rtol=1e-5)
+    assert torch.equal(mode.actions, mean)
+    std = (step.actions - mean).std(0)
+    torch.testing.assert_close(std, torch.full((2, 2), math.exp(-0.7)), atol=0.03, rtol=0)
 
 
 def test_gaussian_clips_env_actions_to_bounds():

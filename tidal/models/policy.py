@@ -215,6 +215,9 @@ def _mlp(
     return nn.Sequential(*layers)
 
 
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
 @register_policy("mlp")
 class MLPActorCritic(EmbodiedPolicy):
     """Separate actor and critic MLPs (orthogonal init). Discrete actions: a categorical per
@@ -305,24 +308,39 @@ class MLPActorCritic(EmbodiedPolicy):
         if self.discrete:
             return dist.gather(-1, actions.long().unsqueeze(-1))
         logp = dist.log_prob(actions)
-        if self.squash:  # a = tanh(u): log p(a) = log p(u) - log(1 - tanh(u)^2), stably
-            logp = logp - 2.0 * (
-                math.log(2.0) - actions - torch.nn.functional.softplus(-2.0 * actions)
-            )
-            logp = logp - torch.log((self.high - self.low) / 2.0)  # the affine map into the bounds
-        return logp
+        return logp - self._squash_log_det(actions) if self.squash else logp
+
+    def _squash_log_det(self, actions: torch.Tensor) -> torch.Tensor:
+        """a = tanh(u) mapped into the bounds: log p(a) = log p(u) - this, stably."""
+        tanh_term = 2.0 * (math.log(2.0) - actions - torch.nn.functional.softplus(-2.0 * actions))
+        return tanh_term + torch.log((self.high - self.low) / 2.0)
+
+    def _sample_gaussian(self, obs: torch.Tensor, deterministic: bool):
+        """Actions ``u = mean + std * eps`` and their log-probs. Drawn by hand, the log-prob is
+        ``-eps^2 / 2 - log std - log sqrt(2 pi)``, with no second pass over ``u``: a third of
+        ``Normal``'s ``sample`` plus ``log_prob`` on a chunk step's batch (measured 9 against
+        28 us for 16 rows, ~3% of a HalfCheetah env step). The mode: ``eps = 0``. With autograd
+        on, ``Normal``'s: a sample carries no gradient, its log-prob the full one."""
+        mean = self.actor(obs).view(-1, self.chunks, self.action_dim)
+        if torch.is_grad_enabled():
+            dist = Normal(mean, self.log_std.exp().expand_as(mean), validate_args=False)
+            actions = dist.mean if deterministic else dist.sample()
+            return actions, self._logprob(dist, actions)
+        noise = torch.zeros_like(mean) if deterministic else torch.randn_like(mean)
+        actions = torch.addcmul(mean, self.log_std.exp(), noise)
+        logp = noise.square().mul_(-0.5).sub_(self.log_std + _LOG_SQRT_2PI)
+        return actions, logp - self._squash_log_det(actions) if self.squash else logp
 
     def act(self, inputs, deterministic=False) -> PolicyStep:
         obs = self.features(inputs)
-        dist = self._dist(obs)
         if self.discrete:
-            actions = dist.argmax(-1) if deterministic else sample_categorical(dist)
+            logits = self._dist(obs)
+            actions = logits.argmax(-1) if deterministic else sample_categorical(logits)
+            logprobs = self._logprob(logits, actions)
         else:
-            actions = dist.mean if deterministic else dist.sample()
+            actions, logprobs = self._sample_gaussian(obs, deterministic)
         values = self._critic_value(obs) if self.critic is not None else None
-        return PolicyStep(
-            actions=actions, logprobs=self._logprob(dist, actions), values=values, inputs=inputs
-        )
+        return PolicyStep(actions=actions, logprobs=logprobs, values=values, inputs=inputs)
 
     def evaluate(self, inputs, actions):
         obs = self.features(inputs)
@@ -355,7 +373,7 @@ class MLPActorCritic(EmbodiedPolicy):
             return (self.low + (torch.tanh(actions) + 1.0) * 0.5 * (self.high - self.low)).numpy(
                 force=True
             )
-        return torch.maximum(torch.minimum(actions, self.high), self.low).numpy(force=True)
+        return actions.clamp(self.low, self.high).numpy(force=True)
 
     def policy_actions(self, env_actions: torch.Tensor) -> torch.Tensor:
         if self.discrete:

@@ -62,12 +62,13 @@ class EnvWorker(Worker):
         if not prefetched:
             await self._start_epoch(outbox, rollout_ch)
         recorders = [StageRecorder(d) for d in train.last_dones]
-        needs = [torch.zeros(self.stage_envs, dtype=torch.bool) for _ in range(self.stages)]
+        nothing_ended = torch.zeros(self.stage_envs, dtype=torch.bool)  # shared, read-only
+        needs = [nothing_ended] * self.stages
         for t in range(steps + 1):
             for s in range(self.stages):
                 act: ChunkActions = await self._recv_actions(env_ch, "train", s, timeout)
                 rec = recorders[s]
-                if t > 0 and act.final_values is not None:
+                if t > 0 and act.final_values is not None and needs[s] is not nothing_ended:
                     rec.add_bootstrap(needs[s], act.final_values, self.gamma)
                 if t == steps:
                     continue
@@ -81,10 +82,12 @@ class EnvWorker(Worker):
                     )
                     bad |= train.guards[s].check(out, ("rewards",), "reward model", where)
                 train.restart_bad(s, out, bad, rec, t, where)
+                # an episode that ended left a final observation (ChunkedEnv.step)
+                ended = out.final_obs is not None
                 needs[s] = (
                     getattr(out, self.bootstrap_on).any(-1)
-                    if self.bootstrap
-                    else torch.zeros_like(needs[s])
+                    if self.bootstrap and ended
+                    else nothing_ended
                 )
                 rec.add_env(out)
                 train.obs[s] = out.obs
