@@ -112,6 +112,8 @@ def test_groups_in_the_same_process_pass_items_in_memory_and_end_one_by_one(two_
             assert same_memory == [by_reference] * 2
         guest.shutdown()
         assert host.add(1).wait(timeout=60) == [1, 2]  # the process lives on with its host
+        with pytest.raises(WorkerError, match="no rank of group 'guest' runs here"):
+            guest.add(1).wait(timeout=10)  # answered at once, not at the timeout
     finally:
         host.shutdown()
         apart.shutdown()

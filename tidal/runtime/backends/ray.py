@@ -51,7 +51,10 @@ class RayRankActor:
         return await runner.construct(cls, args, kwargs)
 
     async def call(self, group: str, method: str, args: tuple, kwargs: dict) -> CallResult:
-        return await self.runners[group].call(method, args, kwargs)
+        runner = self.runners.get(group)
+        if runner is None:  # answered, so the caller does not wait out its timeout
+            return CallResult(error=f"no rank of group {group!r} runs here (it was shut down)")
+        return await runner.call(method, args, kwargs)
 
     def release(self, group: str) -> None:
         """A group sharing this process shut down; the others go on."""
