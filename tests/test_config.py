@@ -95,6 +95,14 @@ def test_overrides_apply_with_types():
             r"cluster.same_process: 'env,rollout': 'rollout' is placed on devices \[1\], 'env' on \[0\]",
         ),
         (
+            ["cluster.same_process=['env,env']"],
+            r"cluster.same_process: 'env,env' names a component twice",
+        ),
+        (
+            ["cluster.same_process=['env,rollout', 'rollout,env']"],
+            r"cluster.same_process: 'rollout,env': component 'rollout' is in two entries",
+        ),
+        (
             ["cluster.same_process=['env,reward']"],
             r"cluster.same_process: 'env,reward': component 'reward' is not placed",
         ),

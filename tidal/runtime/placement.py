@@ -159,6 +159,8 @@ class ComponentPlacement:
                     f"{what} names {len(names)} component(s); an entry names two or more, "
                     "comma-separated, e.g. 'env,rollout'"
                 )
+            if len(set(names)) != len(names):
+                raise PlacementError(f"{what} names a component twice")
             for name in names:
                 if name not in self._devices:
                     raise PlacementError(
