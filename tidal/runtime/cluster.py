@@ -66,15 +66,14 @@ class Cluster:
         self._launched[name] = list(ranks)
 
     def host_ranks(self, placement, name: str) -> list | None:
-        """The rank handles whose processes group ``name`` joins (``same_process``), if any."""
-        host = placement.process_host(name) if isinstance(placement, ComponentPlacement) else None
-        if host is None:
+        """The rank handles whose processes group ``name`` joins (``same_process``): those of
+        its first partner already launched; None when it starts processes of its own."""
+        if not isinstance(placement, ComponentPlacement):
             return None
-        if host not in self._launched:
-            raise ValueError(
-                f"{name}: shares a process with {host!r} (same_process), which must be launched first"
-            )
-        return self._launched[host]
+        for partner in placement.process_partners(name):
+            if partner in self._launched:
+                return self._launched[partner]
+        return None
 
     def rank_placements(self, devices: list[int]) -> list[RankPlacement]:
         """One ``RankPlacement`` per device, rank i on the i-th device listed."""

@@ -118,8 +118,8 @@ class ComponentPlacement:
 
     ``same_process``: entries such as ``"env,rollout"`` whose components run rank ``i`` in one
     process (on a backend with a process per rank): items between them then pass in memory, not
-    as messages. They must be placed on the same devices; the first one named hosts the process
-    and is launched first.
+    as messages. They must be placed on the same devices; whichever is launched first starts the
+    processes, the others join them.
     """
 
     def __init__(
@@ -146,11 +146,11 @@ class ComponentPlacement:
                 self._devices[name] = devices
         if exclusive:
             self._check_disjoint(mapping)
-        self._hosts = self._process_hosts(same_process)
+        self._partners = self._process_partners(same_process)
 
-    def _process_hosts(self, entries) -> dict[str, str]:
-        """Each guest component and the component whose processes it joins."""
-        hosts: dict[str, str] = {}
+    def _process_partners(self, entries) -> dict[str, list[str]]:
+        """Each component of an entry and the others it shares its processes with."""
+        partners: dict[str, list[str]] = {}
         for entry in entries:
             names = [n.strip() for n in str(entry).split(",") if n.strip()]
             what = f"same_process: {entry!r}"
@@ -166,22 +166,22 @@ class ComponentPlacement:
                     raise PlacementError(
                         f"{what}: component {name!r} is not placed; placed: {', '.join(self._devices)}"
                     )
-                if name in hosts or name in hosts.values():
+                if name in partners:
                     raise PlacementError(f"{what}: component {name!r} is in two entries")
                 if self._devices[name] != self._devices[names[0]]:
                     raise PlacementError(
                         f"{what}: {name!r} is placed on devices {self._devices[name]}, "
                         f"{names[0]!r} on {self._devices[names[0]]}; a shared process needs the same"
                     )
-            hosts.update({name: names[0] for name in names[1:]})
-        return hosts
+            partners.update({name: [n for n in names if n != name] for name in names})
+        return partners
 
     def shares_process(self, component: str) -> bool:
-        return component in self._hosts or component in self._hosts.values()
+        return component in self._partners
 
-    def process_host(self, component: str) -> str | None:
-        """The component whose rank ``i`` processes this one's rank ``i`` joins, if any."""
-        return self._hosts.get(component)
+    def process_partners(self, component: str) -> list[str]:
+        """The components whose rank ``i`` shares a process with this one's rank ``i``."""
+        return list(self._partners.get(component, ()))
 
     def _check_disjoint(self, mapping: Mapping) -> None:
         seen: dict[int, str] = {}

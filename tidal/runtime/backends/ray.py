@@ -57,9 +57,16 @@ class RayRankActor:
         return await runner.call(method, args, kwargs)
 
     def release(self, group: str) -> None:
-        """A group sharing this process shut down; the others go on."""
+        """A group sharing this process shut down; the others go on. Its worker's ``close``
+        runs (envs, servers); an ``async`` call of it still waiting ends at its own timeout."""
         runner = self.runners.pop(group, None)
-        if runner is not None:
+        if runner is None:
+            return
+        close = getattr(runner.worker, "close", None)
+        try:
+            if callable(close):
+                close()
+        finally:
             runner.close()
 
     async def inbox_address(self) -> str:
