@@ -83,8 +83,12 @@ def group_normalize(
     if groups is not None:
         check_shape("groups", groups, (n,))
         ids, inverse = torch.unique(groups, return_inverse=True)
-        blocks = torch.arange(n, device=groups.device) // group_size
-        if n % group_size or not torch.equal(inverse, blocks):  # else: the blocks below
+        contiguous = (
+            group_size >= 1
+            and n % group_size == 0
+            and torch.equal(inverse, torch.arange(n, device=groups.device) // group_size)
+        )
+        if not contiguous:  # else: the blocks below, bit for bit
             return _normalize_by_id(scores, inverse, len(ids), std, leave_one_out, unbiased, eps)
     if group_size < 1 or n % group_size != 0:
         raise ValueError(

@@ -176,9 +176,6 @@ class ComponentPlacement:
             partners.update({name: [n for n in names if n != name] for name in names})
         return partners
 
-    def shares_process(self, component: str) -> bool:
-        return component in self._partners
-
     def process_partners(self, component: str) -> list[str]:
         """The components whose rank ``i`` shares a process with this one's rank ``i``."""
         return list(self._partners.get(component, ()))

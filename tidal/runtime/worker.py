@@ -156,8 +156,8 @@ class GroupSpec:
         process on the ray backend."""
         name = name or self.cls.__name__
         ranks = cluster.rank_placements(cluster.resolve_devices(placement, name))
-        shares_process = isinstance(placement, ComponentPlacement) and placement.shares_process(
-            name
+        shares_process = isinstance(placement, ComponentPlacement) and bool(
+            placement.process_partners(name)
         )
         per_node: dict[int, list[int]] = {}
         for r in ranks:

@@ -245,11 +245,8 @@ class RayBackend(Backend):
 
     @staticmethod
     def _join_processes(infos: list[RankInfo], hosts: list[RayRank]):
-        """Ranks in their hosts' processes: no process to start, the host's inbox serves both."""
-        infos = [
-            replace(i, master_addr=h.info.master_addr, master_port=h.info.master_port)
-            for i, h in zip(infos, hosts)
-        ]
+        """Ranks in their hosts' processes: no process to start, the host's inbox serves both
+        (no rendezvous of their own: torch.distributed is the host's)."""
         return [RayRank(h.actor, i, h.inbox, h.tenants) for i, h in zip(infos, hosts)], infos
 
     @staticmethod
