@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from tidal.config import ConfigError, EmbodiedConfig, load_config
+from tidal.config.embodied import same_process
 from tidal.runners.llm.preflight import check_llm
 from tidal.runners.preflight import check_embodied
 
@@ -145,6 +146,30 @@ def test_overrides_apply_with_types():
 def test_bad_values_name_key_and_rule(overrides, message):
     with pytest.raises(ConfigError, match=message):
         check(overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides,shared",
+    [
+        (["cluster.backend=ray"], ["env,rollout"]),  # the default placement: all on 0
+        (
+            ["cluster.backend=ray", "cluster.placement={'env,rollout': '0-1', actor: '1'}"],
+            ["env,rollout"],
+        ),
+        (["cluster.backend=ray", "cluster.placement={env: '0-1', rollout: '0-1', actor: '1'}"], []),
+        (["cluster.backend=ray", "env.pipeline_stage_num=2"], []),
+        (["cluster.backend=ray", "cluster.same_process=[]"], []),
+        ([], []),  # local: every rank is in this process already
+    ],
+)
+def test_env_and_rollout_share_processes_by_default_on_ray_when_placed_in_one_entry(
+    overrides, shared
+):
+    """``cluster.same_process`` unset: env and rollout share their processes on ray when one
+    placement entry names both and they take turns (one pipeline stage)."""
+    cfg = load_config(EmbodiedConfig, None, overrides)
+    assert same_process(cfg) == shared
+    check_embodied(cfg)
 
 
 def test_missing_and_malformed_files(tmp_path):

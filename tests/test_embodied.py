@@ -469,26 +469,38 @@ def test_resume_on_ray_continues_exactly_as_the_uninterrupted_run(ray_session, t
 @pytest.mark.ray
 def test_env_and_rollout_in_one_process_train_exactly_as_in_two(ray_session, tmp_path):
     """``cluster.same_process``: the rollout in its env rank's process (actions reach the env in
-    memory) takes the same steps, episodes and evaluations as in a process of its own; with
-    two pipeline stages the env steps off the shared event loop."""
+    memory) takes the same steps, episodes and evaluations as in a process of its own. Unset,
+    that is where it runs when one placement entry names both (one pipeline stage)."""
     layout = [
+        *TINY,
         "cluster.backend=ray",
         "cluster.devices_per_node=2",
         "runner.timeout_s=60",
         "cluster.placement={'env,rollout': '0-1', actor: '1'}",
+        "env.pipeline_stage_num=1",
     ]
-    runs = {}
-    for shared in ("[]", "['env,rollout']"):
-        summary = run(
+    runs, shared = {}, {}
+    for setting in ("[]", "['env,rollout']", None):
+        overrides = [*layout, f"runner.experiment=shared-{setting is None}-{len(setting or '')}"]
+        if setting is not None:
+            overrides.append(f"cluster.same_process={setting}")
+        cfg = load_config(
+            EmbodiedConfig,
             EXAMPLES / "cartpole_ppo.yaml",
-            tmp_path,
-            *TINY,
-            *layout,
-            f"cluster.same_process={shared}",
-            f"runner.experiment=shared-{len(shared)}",
+            [f"runner.run_dir={tmp_path}", "runner.progress=false", *overrides],
         )
-        runs[shared] = [_without_timings(r) for r in read_metrics(summary["run_dir"])]
-    assert len(runs["[]"]) == 2 and runs["[]"] == runs["['env,rollout']"]
+        runner = EmbodiedRunner(cfg)
+        try:
+            summary = runner.run()
+        finally:
+            runner.close()
+        shared[setting] = [
+            env.actor._actor_id == rollout.actor._actor_id
+            for env, rollout in zip(runner.env._ranks, runner.rollout._ranks, strict=True)
+        ]
+        runs[setting] = [_without_timings(r) for r in read_metrics(summary["run_dir"])]
+    assert shared == {"[]": [False, False], "['env,rollout']": [True, True], None: [True, True]}
+    assert len(runs["[]"]) == 2 and runs["[]"] == runs["['env,rollout']"] == runs[None]
 
 
 # -- non-finite values from envs and reward models ---------------------------------------

@@ -63,9 +63,9 @@ class ClusterConfig:
         factory=dict,
         help="component(s) -> devices, e.g. {env: '0', 'rollout,actor': '1'}; empty: all on 0",
     )
-    same_process: list[str] = setting(
-        factory=list,
-        help="ray: groups whose rank i shares one process, e.g. ['env,rollout'] (placed alike): items between them pass in memory, not as messages; local: every rank shares one process already",
+    same_process: list[str] | None = setting(
+        None,
+        "ray: groups whose rank i shares one process, e.g. ['env,rollout'] (placed alike): items between them pass in memory, not as messages; [] for none; null: env and rollout share when one placement entry names both and env.pipeline_stage_num is 1; local: every rank shares one process already",
     )
 
     def resolved_placement(self, components: list[str]) -> dict[str, str]:
@@ -298,7 +298,7 @@ def validate_common(
         "cluster.connect_timeout_s",
         f"must be > 0, got {cluster.connect_timeout_s}",
     )
-    for entry in cluster.same_process:
+    for entry in cluster.same_process or []:
         require(
             "actor" not in [n.strip() for n in str(entry).split(",")],
             "cluster.same_process",

@@ -249,6 +249,23 @@ def components(cfg: EmbodiedConfig) -> list[str]:
     return ["env", "rollout", "actor"] + (["reward"] if cfg.reward.enabled else [])
 
 
+def same_process(cfg: EmbodiedConfig) -> list[str]:
+    """The groups whose ranks share processes: ``cluster.same_process`` as set. Unset (null),
+    env and rollout share theirs on ray when one placement entry names both and there is one
+    pipeline stage: the two then take turns, so a process boundary only adds a message to every
+    chunk step. With several stages, processes apart let one stage simulate while the other
+    infers."""
+    cluster = cfg.cluster
+    if cluster.same_process is not None:
+        return list(cluster.same_process)
+    if cluster.backend != "ray" or cfg.env.pipeline_stage_num != 1:
+        return []
+    for key in cluster.resolved_placement(components(cfg)):
+        if {"env", "rollout"} <= {name.strip() for name in str(key).split(",")}:
+            return ["env,rollout"]
+    return []
+
+
 def validate_embodied(cfg: EmbodiedConfig) -> None:
     """The rules between keys of an embodied config (no registry, env or placement needed)."""
     env, alg, act = cfg.env, cfg.algorithm, cfg.actor

@@ -154,9 +154,13 @@ class RunLoop(ABC):
         return cluster
 
     def place(self, components: list[str]):
-        """Where each worker group runs (``cluster.placement``, ``cluster.same_process``)."""
-        c = self.cfg.cluster
-        return self.cluster.placement(c.resolved_placement(components), same_process=c.same_process)
+        """Where each worker group runs (``cluster.placement``, ``shared_processes``)."""
+        placement = self.cfg.cluster.resolved_placement(components)
+        return self.cluster.placement(placement, same_process=self.shared_processes())
+
+    def shared_processes(self) -> list[str]:
+        """``cluster.same_process`` entries; a runner with a default of its own overrides it."""
+        return list(self.cfg.cluster.same_process or [])
 
     @contextlib.contextmanager
     def actor_offloaded(self, actor):

@@ -27,6 +27,7 @@ from tidal.config.embodied import (
     EnvConfig,
     ModelConfig,
     components,
+    same_process,
     validate_embodied,
     validate_groups,
     validate_layout,
@@ -90,13 +91,16 @@ def check_common(cfg) -> None:
         )
 
 
-def world_sizes(cluster: ClusterConfig, names: list[str]) -> dict[str, int]:
-    """Ranks per component from the placement, checked before the cluster exists."""
+def world_sizes(
+    cluster: ClusterConfig, names: list[str], same_process: list[str] | None = None
+) -> dict[str, int]:
+    """Ranks per component from the placement (and ``same_process``, by default the cluster's
+    own), checked before the cluster exists."""
     try:
         placement = ComponentPlacement(
             cluster.resolved_placement(names),
             _num_devices_hint(cluster),
-            same_process=cluster.same_process,
+            same_process=list(cluster.same_process or []) if same_process is None else same_process,
         )
         return {c: placement.get_world_size(c) for c in names}
     except PlacementError as exc:
@@ -170,7 +174,7 @@ def check_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
         f"adv_type {alg.adv_type} needs a critic",
     )
     validate_embodied(cfg)
-    worlds = world_sizes(cfg.cluster, components(cfg))
+    worlds = world_sizes(cfg.cluster, components(cfg), same_process(cfg))
     validate_layout(cfg, worlds)
     if spec.needs_groups:
         validate_groups(cfg, worlds["actor"])

@@ -18,7 +18,7 @@ import numpy as np
 from tidal.asynchrony import StalenessManager
 from tidal.checkpoint import load_extra
 from tidal.config import EmbodiedConfig
-from tidal.config.embodied import components
+from tidal.config.embodied import components, same_process
 from tidal.envs import success_metrics
 from tidal.envs.video import write_video
 from tidal.runners.collection import Collection
@@ -68,6 +68,9 @@ class EmbodiedRunner(RunLoop):
 
     def check_checkpoint(self, checkpoint: Path) -> None:
         check_trainer_checkpoint(self.cfg, checkpoint)
+
+    def shared_processes(self) -> list[str]:
+        return same_process(self.cfg)
 
     def build(self) -> None:
         cfg, spaces = self.cfg, self.spaces
