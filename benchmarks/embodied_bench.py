@@ -161,7 +161,7 @@ def bench_collection(
 
 def collection_configs(envs: int, backends, stages) -> dict[str, list[str]]:
     """The overrides of each configuration both collection modes measure (4,096 env steps per
-    round, the ranks of ray in three processes)."""
+    round; ``ray``: the ranks in three processes)."""
     base = [
         f"env.total_num_envs={envs}",
         f"rollout.num_steps={4096 // envs}",
@@ -176,6 +176,9 @@ def collection_configs(envs: int, backends, stages) -> dict[str, list[str]]:
             "cluster.devices_per_node=3",
             "cluster.placement={env: '0', rollout: '1', actor: '2'}",
         ],
+        # what `cluster.backend=ray` alone runs: everything placed on 0, so with one pipeline
+        # stage env and rollout share a process (cluster.same_process unset), the actor apart
+        "ray_default": ["cluster.backend=ray"],
         # env and rollout in one process (cluster.same_process), the actor in another
         "ray_same_process": [
             "cluster.backend=ray",
@@ -476,7 +479,7 @@ def main() -> None:
         "--backends",
         nargs="+",
         default=["local", "ray"],
-        choices=["local", "ray", "ray_same_process"],
+        choices=["local", "ray", "ray_default", "ray_same_process"],
         help="collection, train: layouts to run (ray_same_process: env and rollout in one process)",
     )
     parser.add_argument(
