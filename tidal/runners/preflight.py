@@ -92,15 +92,15 @@ def check_common(cfg) -> None:
 
 
 def world_sizes(
-    cluster: ClusterConfig, names: list[str], same_process: list[str] | None = None
+    cluster: ClusterConfig, names: list[str], shared: list[str] | None = None
 ) -> dict[str, int]:
-    """Ranks per component from the placement (and ``same_process``, by default the cluster's
-    own), checked before the cluster exists."""
+    """Ranks per component from the placement (and ``shared``: the ``same_process`` entries,
+    by default the cluster's own), checked before the cluster exists."""
     try:
         placement = ComponentPlacement(
             cluster.resolved_placement(names),
             _num_devices_hint(cluster),
-            same_process=list(cluster.same_process or []) if same_process is None else same_process,
+            same_process=list(cluster.same_process or []) if shared is None else shared,
         )
         return {c: placement.get_world_size(c) for c in names}
     except PlacementError as exc:
