@@ -42,6 +42,7 @@ RAY_OVERRIDES = [
     "cluster.devices_per_node=2",
     "cluster.pin_cpus=true",
     "cluster.placement={'env,rollout': '0', actor: '1'}",
+    "cluster.same_process=[]",  # env and rollout in processes of their own, as measured
 ]
 
 

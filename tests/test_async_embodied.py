@@ -274,7 +274,14 @@ def test_wait_admission_bounds_the_lag_between_start_and_training(eta, monkeypat
 
 
 @pytest.mark.ray
-def test_async_run_on_ray_with_two_env_and_two_actor_ranks(tmp_path):
+@pytest.mark.parametrize(
+    "placement",
+    [
+        "{env: '0-1', rollout: '2', actor: '2-3'}",
+        "{'env,rollout': '0-1', actor: '2-3'}",  # each env rank with a rollout rank in its process
+    ],
+)
+def test_async_run_on_ray_with_two_env_and_two_actor_ranks(tmp_path, placement):
     import ray
 
     ray.init(address="local", num_cpus=2, include_dashboard=False)
@@ -283,7 +290,7 @@ def test_async_run_on_ray_with_two_env_and_two_actor_ranks(tmp_path):
             tmp_path,
             "cluster.backend=ray",
             "cluster.devices_per_node=4",
-            "cluster.placement={env: '0-1', rollout: '2', actor: '2-3'}",
+            f"cluster.placement={placement}",
             "runner.timeout_s=120",
             "env.total_num_envs=8",
             "env.pipeline_stage_num=1",

@@ -469,19 +469,19 @@ def test_resume_on_ray_continues_exactly_as_the_uninterrupted_run(ray_session, t
 @pytest.mark.ray
 def test_env_and_rollout_in_one_process_train_exactly_as_in_two(ray_session, tmp_path):
     """``cluster.same_process``: the rollout in its env rank's process (actions reach the env in
-    memory) takes the same steps, episodes and evaluations as in a process of its own. Unset,
-    that is where it runs when one placement entry names both (one pipeline stage)."""
+    memory) takes the same steps, episodes and evaluations as in a process of its own; with
+    two pipeline stages the env steps off the shared event loop. Unset, env and rollout share
+    their processes when one placement entry names both and there is one stage."""
     layout = [
         *TINY,
         "cluster.backend=ray",
         "cluster.devices_per_node=2",
         "runner.timeout_s=60",
         "cluster.placement={'env,rollout': '0-1', actor: '1'}",
-        "env.pipeline_stage_num=1",
     ]
     runs, shared = {}, {}
-    for setting in ("[]", "['env,rollout']", None):
-        overrides = [*layout, f"runner.experiment=shared-{setting is None}-{len(setting or '')}"]
+    for setting, stages in (("[]", 2), ("['env,rollout']", 2), (None, 1)):
+        overrides = [*layout, f"env.pipeline_stage_num={stages}", f"runner.experiment=s{len(runs)}"]
         if setting is not None:
             overrides.append(f"cluster.same_process={setting}")
         cfg = load_config(
@@ -494,13 +494,12 @@ def test_env_and_rollout_in_one_process_train_exactly_as_in_two(ray_session, tmp
             summary = runner.run()
         finally:
             runner.close()
-        shared[setting] = [
-            env.actor._actor_id == rollout.actor._actor_id
-            for env, rollout in zip(runner.env._ranks, runner.rollout._ranks, strict=True)
-        ]
+        pairs = zip(runner.env.rank_handles, runner.rollout.rank_handles, strict=True)
+        shared[setting] = [env.actor == rollout.actor for env, rollout in pairs]
         runs[setting] = [_without_timings(r) for r in read_metrics(summary["run_dir"])]
     assert shared == {"[]": [False, False], "['env,rollout']": [True, True], None: [True, True]}
-    assert len(runs["[]"]) == 2 and runs["[]"] == runs["['env,rollout']"] == runs[None]
+    assert len(runs["[]"]) == 2 and runs["[]"] == runs["['env,rollout']"]
+    assert len(runs[None]) == 2
 
 
 # -- non-finite values from envs and reward models ---------------------------------------

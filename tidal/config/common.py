@@ -65,7 +65,7 @@ class ClusterConfig:
     )
     same_process: list[str] | None = setting(
         None,
-        "ray: groups whose rank i shares one process, e.g. ['env,rollout'] (placed alike): items between them pass in memory, not as messages; [] for none; null: env and rollout share when one placement entry names both and env.pipeline_stage_num is 1; local: every rank shares one process already",
+        "ray: groups whose rank i shares one process, e.g. ['env,rollout'] (placed alike): items between them pass in memory, not as messages; [] for none; null: embodied runs share env and rollout when one placement entry names both and env.pipeline_stage_num is 1, llm runs share none; local: every rank shares one process already",
     )
 
     def resolved_placement(self, components: list[str]) -> dict[str, str]:

@@ -155,8 +155,10 @@ class RunLoop(ABC):
 
     def place(self, components: list[str]):
         """Where each worker group runs (``cluster.placement``, ``shared_processes``)."""
-        placement = self.cfg.cluster.resolved_placement(components)
-        return self.cluster.placement(placement, same_process=self.shared_processes())
+        placement, shared = self.cfg.cluster.resolved_placement(components), self.shared_processes()
+        if shared and self.cfg.cluster.backend == "ray":
+            log.info("groups sharing processes (cluster.same_process): %s", ", ".join(shared))
+        return self.cluster.placement(placement, same_process=shared)
 
     def shared_processes(self) -> list[str]:
         """``cluster.same_process`` entries; a runner with a default of its own overrides it."""
