@@ -71,6 +71,10 @@ class ClusterConfig:
     def resolved_placement(self, components: list[str]) -> dict[str, str]:
         return dict(self.placement) or {",".join(components): "0"}
 
+    def same_process_entries(self) -> list[str]:
+        """``same_process`` as set, null read as none (a half with a default resolves it)."""
+        return list(self.same_process or [])
+
 
 @dataclass
 class RunnerConfig:
@@ -298,7 +302,7 @@ def validate_common(
         "cluster.connect_timeout_s",
         f"must be > 0, got {cluster.connect_timeout_s}",
     )
-    for entry in cluster.same_process or []:
+    for entry in cluster.same_process_entries():
         require(
             "actor" not in [n.strip() for n in str(entry).split(",")],
             "cluster.same_process",

@@ -162,7 +162,7 @@ class RunLoop(ABC):
 
     def shared_processes(self) -> list[str]:
         """``cluster.same_process`` entries; a runner with a default of its own overrides it."""
-        return list(self.cfg.cluster.same_process or [])
+        return self.cfg.cluster.same_process_entries()
 
     @contextlib.contextmanager
     def actor_offloaded(self, actor):

@@ -100,7 +100,7 @@ def world_sizes(
         placement = ComponentPlacement(
             cluster.resolved_placement(names),
             _num_devices_hint(cluster),
-            same_process=list(cluster.same_process or []) if shared is None else shared,
+            same_process=cluster.same_process_entries() if shared is None else shared,
         )
         return {c: placement.get_world_size(c) for c in names}
     except PlacementError as exc:
