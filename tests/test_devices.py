@@ -54,3 +54,19 @@ def test_records_move_to_a_device_and_back_to_the_host_whole():
 def test_micro_batch_metrics_are_read_in_one_transfer_with_plain_floats_kept():
     metrics = {"loss": [torch.tensor(1.5), torch.tensor(2.0)], "kl": [0.25, torch.tensor(0.5)]}
     assert host_floats(metrics) == {"loss": [1.5, 2.0], "kl": [0.25, 0.5]}
+
+
+def test_cuda_with_the_local_backend_asks_this_process_not_the_cluster_nodes(monkeypatch, tmp_path):
+    """The local backend's ranks are threads of the driver: its node is never a "GPU node", so
+    ``cuda`` is checked against the driver's own CUDA (found on an H200: it was refused)."""
+    from tidal.runners.embodied.train import EmbodiedRunner
+    from tidal.runtime import devices
+
+    cfg = load_config(EmbodiedConfig, None, ["cluster.device=cuda"])
+    runner = EmbodiedRunner.__new__(EmbodiedRunner)
+    runner.cfg = cfg
+    monkeypatch.setattr(devices, "cuda_visible", lambda: True)
+    runner.start_cluster().shutdown()  # accepted: this process sees CUDA
+    monkeypatch.setattr(devices, "cuda_visible", lambda: False)
+    with pytest.raises(DeviceError, match="cluster.device: cuda, but this node sees no CUDA"):
+        runner.start_cluster()

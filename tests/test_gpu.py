@@ -28,9 +28,10 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_offload_frees_90_percent():
     assert all(p.dtype == torch.float32 for p in model.parameters())
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    engine.offload()
+    freed = engine.offload()
     after = torch.cuda.memory_allocated()
-    assert after <= 0.1 * before, (before, after)
+    # what stays is the input and cuBLAS's bookkeeping (its 64 MiB of workspaces are released)
+    assert after <= 0.1 * before, dict(before=before, freed=freed, after=after)
     engine.onload()
     engine.train_batch([x], lambda m, micro: (m(micro).float().pow(2).mean(), {}))
 

@@ -146,8 +146,11 @@ class RunLoop(ABC):
             gil_switch_interval=c.gil_switch_interval,
             pin_cpus=c.pin_cpus,
         )
-        try:  # a joined cluster's nodes are known only now, before any worker starts
-            check_device_setting(c.device, sum(n.device_kind == "gpu" for n in cluster.nodes))
+        # a joined cluster's nodes are known only now, before any worker starts; the local
+        # backend's ranks are threads of this process, so this process's CUDA is theirs
+        gpu_nodes = sum(n.device_kind == "gpu" for n in cluster.nodes)
+        try:
+            check_device_setting(c.device, gpu_nodes if cluster.backend_impl.multi_process else None)
         except Exception:
             cluster.shutdown()
             raise
