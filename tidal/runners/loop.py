@@ -150,7 +150,9 @@ class RunLoop(ABC):
         # backend's ranks are threads of this process, so this process's CUDA is theirs
         gpu_nodes = sum(n.device_kind == "gpu" for n in cluster.nodes)
         try:
-            check_device_setting(c.device, gpu_nodes if cluster.backend_impl.multi_process else None)
+            check_device_setting(
+                c.device, gpu_nodes if cluster.backend_impl.multi_process else None
+            )
         except Exception:
             cluster.shutdown()
             raise
