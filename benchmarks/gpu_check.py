@@ -4,7 +4,7 @@
    collective weight link between processes, offload freeing >= 90% of the actor's memory);
 2. a short GRPO run of a ~100M-parameter model (built by ``tidal sft``), on CUDA, with the
    collective weight sync: generated tokens/s and the weight-sync time;
-3. a short embodied PPO run (CartPole) on CUDA: env-steps/s;
+3. a short embodied PPO run (CartPole) on CUDA, on the local backend and on ray: env-steps/s;
 4. a short SAC run (Pendulum) with the actor and its replay buffer on CUDA: updates/s.
 
 Each part runs on its own (one that fails does not stop the others) and prints one JSON line;
@@ -102,18 +102,19 @@ def grpo(args, tmp: Path) -> dict:
     }
 
 
-def ppo(args, tmp: Path) -> dict:
+def ppo(args, tmp: Path, backend: str = "local") -> dict:
     overrides = [
         f"runner.run_dir={tmp}",
         f"cluster.device={args.device}",
-        "runner.experiment=gpu-ppo",
+        f"cluster.backend={backend}",
+        f"runner.experiment=gpu-ppo-{backend}",
         "runner.max_steps=10",
         "runner.eval_interval=0",
         "runner.save_interval=0",
         "runner.progress=false",
     ]
     seconds = run([*TIDAL, "train", "examples/embodied/cartpole_ppo.yaml", *overrides], 150)
-    rows = last_metrics(tmp, "gpu-ppo")
+    rows = last_metrics(tmp, f"gpu-ppo-{backend}")
     return {
         "seconds": seconds,
         "env_steps_per_s": mean(rows, "env_steps_per_s"),
@@ -140,7 +141,18 @@ def sac(args, tmp: Path) -> dict:
     }
 
 
-PARTS = {"gpu tests": gpu_tests, "grpo": grpo, "embodied ppo": ppo, "sac": sac}
+def ppo_ray(args, tmp: Path) -> dict:
+    """The same on ray: env, rollout and actor ranks in processes placed on the GPU node."""
+    return ppo(args, tmp, backend="ray")
+
+
+PARTS = {
+    "gpu tests": gpu_tests,
+    "grpo": grpo,
+    "embodied ppo": ppo,
+    "embodied ppo (ray)": ppo_ray,
+    "sac": sac,
+}
 
 
 def main() -> int:
