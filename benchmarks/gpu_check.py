@@ -52,6 +52,20 @@ def mean(rows: list[dict], key: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def train(args, tmp: Path, example: str, name: str, overrides: list[str], timeout: float):
+    """``tidal train`` of an example on the device, its evaluation and checkpoints off:
+    the seconds it took and its metric rows."""
+    common = [
+        f"runner.run_dir={tmp}",
+        f"cluster.device={args.device}",
+        f"runner.experiment={name}",
+        "runner.eval_interval=0",
+        "runner.progress=false",
+    ]
+    seconds = run([*TIDAL, "train", f"examples/{example}", *common, *overrides], timeout)
+    return seconds, last_metrics(tmp, name)
+
+
 def gpu_tests(args, tmp: Path) -> dict:
     return {
         "seconds": run(
@@ -81,17 +95,13 @@ def grpo(args, tmp: Path) -> dict:
         180,
     )
     overrides = [
-        *common,
-        "runner.experiment=gpu-grpo",
+        f"model.path={model}",
         f"runner.max_steps={args.steps}",
-        "runner.eval_interval=0",
         "runner.save_interval=0",
-        "runner.progress=false",
         "rollout.max_staleness=0",
         "rollout.weight_sync=collective",
     ]
-    seconds = run([*TIDAL, "train", "examples/llm/arith_grpo.yaml", *overrides], 240)
-    rows = last_metrics(tmp, "gpu-grpo")
+    seconds, rows = train(args, tmp, "llm/arith_grpo.yaml", "gpu-grpo", overrides, 240)
     return {
         "sft_s": sft_s,
         "grpo_s": seconds,
@@ -103,18 +113,9 @@ def grpo(args, tmp: Path) -> dict:
 
 
 def ppo(args, tmp: Path, backend: str = "local") -> dict:
-    overrides = [
-        f"runner.run_dir={tmp}",
-        f"cluster.device={args.device}",
-        f"cluster.backend={backend}",
-        f"runner.experiment=gpu-ppo-{backend}",
-        "runner.max_steps=10",
-        "runner.eval_interval=0",
-        "runner.save_interval=0",
-        "runner.progress=false",
-    ]
-    seconds = run([*TIDAL, "train", "examples/embodied/cartpole_ppo.yaml", *overrides], 150)
-    rows = last_metrics(tmp, f"gpu-ppo-{backend}")
+    overrides = [f"cluster.backend={backend}", "runner.max_steps=10", "runner.save_interval=0"]
+    name = f"gpu-ppo-{backend}"
+    seconds, rows = train(args, tmp, "embodied/cartpole_ppo.yaml", name, overrides, 150)
     return {
         "seconds": seconds,
         "env_steps_per_s": mean(rows, "env_steps_per_s"),
@@ -123,16 +124,8 @@ def ppo(args, tmp: Path, backend: str = "local") -> dict:
 
 
 def sac(args, tmp: Path) -> dict:
-    overrides = [
-        f"runner.run_dir={tmp}",
-        f"cluster.device={args.device}",
-        "runner.experiment=gpu-sac",
-        f"runner.max_env_steps={1500 if args.small else 4000}",
-        "runner.eval_interval=0",
-        "runner.progress=false",
-    ]
-    seconds = run([*TIDAL, "train", "examples/embodied/pendulum_sac.yaml", *overrides], 150)
-    rows = last_metrics(tmp, "gpu-sac")
+    overrides = [f"runner.max_env_steps={1500 if args.small else 4000}"]
+    seconds, rows = train(args, tmp, "embodied/pendulum_sac.yaml", "gpu-sac", overrides, 150)
     return {
         "seconds": seconds,
         "env_steps": rows[-1].get("env_steps"),
