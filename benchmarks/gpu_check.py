@@ -169,7 +169,7 @@ def main() -> int:
     for name in args.parts:
         try:
             report[name] = PARTS[name](args, tmp)
-        except (subprocess.SubprocessError, OSError, ValueError) as error:
+        except Exception as error:  # a part that fails in any way is reported, the rest run
             report[name] = {"error": f"{type(error).__name__}: {error}"}
             report["failed"].append(name)
         print(json.dumps({"part": name, **report[name]}), flush=True)

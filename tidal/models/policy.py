@@ -19,7 +19,6 @@ import torch
 from torch import nn
 from torch.distributions import Normal
 
-from tidal.models.fused_heads import FusedHeads
 from tidal.registry import Registry
 
 POLICIES: Registry[Callable[..., EmbodiedPolicy]] = Registry("policy", "model.name")
@@ -316,44 +315,31 @@ class MLPActorCritic(EmbodiedPolicy):
         tanh_term = 2.0 * (math.log(2.0) - actions - torch.nn.functional.softplus(-2.0 * actions))
         return tanh_term + torch.log((self.high - self.low) / 2.0)
 
-    def _sample_gaussian(self, head: torch.Tensor, deterministic: bool):
-        """Actions ``u = mean + std * eps`` for the actor's output ``head``, and their
-        log-probs, at inference. Drawn by hand, the log-prob is ``-eps^2 / 2 - log std - log
-        sqrt(2 pi)``, with no second pass over ``u``: a third of ``Normal``'s ``sample`` plus
-        ``log_prob`` on a chunk step's batch (measured 9 against 28 us for 16 rows, ~3% of a
-        HalfCheetah env step). The mode: ``eps = 0``."""
-        mean = head.view(-1, self.chunks, self.action_dim)
+    def _sample_gaussian(self, obs: torch.Tensor, deterministic: bool):
+        """Actions ``u = mean + std * eps`` and their log-probs. Drawn by hand, the log-prob is
+        ``-eps^2 / 2 - log std - log sqrt(2 pi)``, with no second pass over ``u``: a third of
+        ``Normal``'s ``sample`` plus ``log_prob`` on a chunk step's batch (measured 9 against
+        28 us for 16 rows, ~3% of a HalfCheetah env step). The mode: ``eps = 0``. With autograd
+        on, ``Normal``'s: a sample carries no gradient, its log-prob the full one."""
+        if torch.is_grad_enabled():
+            dist = self._dist(obs)
+            actions = dist.mean if deterministic else dist.sample()
+            return actions, self._logprob(dist, actions)
+        mean = self.actor(obs).view(-1, self.chunks, self.action_dim)
         noise = torch.zeros_like(mean) if deterministic else torch.randn_like(mean)
         actions = torch.addcmul(mean, self.log_std.exp(), noise)
         logp = noise.square().mul_(-0.5).sub_(self.log_std + _LOG_SQRT_2PI)
         return actions, logp - self._squash_log_det(actions) if self.squash else logp
 
-    def _inference_heads(self, features: torch.Tensor):
-        """The actor's output and the critic's value (None without a critic), the two MLPs as
-        one stacked forward where they allow it (tidal.models.fused_heads)."""
-        if self.critic is None:
-            return self.actor(features), None
-        fused = self.__dict__.setdefault("_fused_heads", FusedHeads())
-        heads = fused(features, self.actor, self.critic)
-        return heads if heads is not None else (self.actor(features), self._critic_value(features))
-
     def act(self, inputs, deterministic=False) -> PolicyStep:
         obs = self.features(inputs)
-        if torch.is_grad_enabled():  # a sample carries no gradient, its log-prob the full one
-            dist = self._dist(obs)
-            if self.discrete:
-                actions = dist.argmax(-1) if deterministic else sample_categorical(dist)
-            else:
-                actions = dist.mean if deterministic else dist.sample()
-            values = self._critic_value(obs) if self.critic is not None else None
-            return PolicyStep(actions, self._logprob(dist, actions), values, inputs)
-        head, values = self._inference_heads(obs)
         if self.discrete:
-            logits = head.view(-1, self.chunks, self.num_actions).log_softmax(-1)
+            logits = self._dist(obs)
             actions = logits.argmax(-1) if deterministic else sample_categorical(logits)
             logprobs = self._logprob(logits, actions)
         else:
-            actions, logprobs = self._sample_gaussian(head, deterministic)
+            actions, logprobs = self._sample_gaussian(obs, deterministic)
+        values = self._critic_value(obs) if self.critic is not None else None
         return PolicyStep(actions=actions, logprobs=logprobs, values=values, inputs=inputs)
 
     def evaluate(self, inputs, actions):

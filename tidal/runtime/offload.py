@@ -62,7 +62,7 @@ class HostOffload:
             freed += storage.nbytes()
             storage.resize_(0)
         if torch.cuda.is_available():
-            release_device_caches()
+            torch.cuda.empty_cache()
         return freed
 
     @torch.no_grad()
@@ -77,16 +77,6 @@ class HostOffload:
             torch.cuda.synchronize()
         self._held = []
         return restored
-
-
-def release_device_caches() -> None:
-    """Hand the cached blocks back to the driver, and cuBLAS's workspaces with them: on an H200
-    those are 64 MiB a process (two 32 MiB workspaces, counted as allocated), which a collocated
-    worker would otherwise never get; cuBLAS makes them again at the next matrix product."""
-    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear_workspaces is not None:
-        clear_workspaces()
-    torch.cuda.empty_cache()
 
 
 def _owning(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
