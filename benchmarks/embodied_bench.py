@@ -347,18 +347,21 @@ def halfcheetah_runner(overrides: list[str]):
     )
 
 
-def bench_scaleout(rounds: int, names: list[str] | None = None) -> dict:
+def bench_scaleout(
+    rounds: int, names: list[str] | None = None, steps_per_round: int = SCALEOUT_STEPS
+) -> dict:
     """Env scale-out on HalfCheetah-v5, 32 envs: tidal on ray with 2 env ranks feeding one
     rollout rank, against the hand loop in one process with ``SyncVectorEnv`` and with
     ``AsyncVectorEnv`` (its default: a process per env), the three alternating round by round;
     the ratios are medians of the per-round ratios."""
-    sync = HandLoop(SCALEOUT_ENVS, SCALEOUT_STEPS, "HalfCheetah-v5", "sync")
-    asyn = HandLoop(SCALEOUT_ENVS, SCALEOUT_STEPS, "HalfCheetah-v5", "async")
-    steps = SCALEOUT_ENVS * SCALEOUT_STEPS
+    sync = HandLoop(SCALEOUT_ENVS, steps_per_round, "HalfCheetah-v5", "sync")
+    asyn = HandLoop(SCALEOUT_ENVS, steps_per_round, "HalfCheetah-v5", "async")
+    steps = SCALEOUT_ENVS * steps_per_round
     out = {}
     try:
         for name in names or list(SCALEOUT_CONFIGS):
-            with halfcheetah_runner(SCALEOUT_CONFIGS[name]) as runner:
+            overrides = [*SCALEOUT_CONFIGS[name], f"rollout.num_steps={steps_per_round}"]
+            with halfcheetah_runner(overrides) as runner:
                 times = {"sync": [], "async": [], "tidal": []}
                 for _ in range(rounds):
                     for key, fn in (
@@ -499,6 +502,12 @@ def main() -> None:
         choices=list(SCALEOUT_CONFIGS),
         help="scaleout: the tidal layouts to run (default: all)",
     )
+    parser.add_argument(
+        "--scaleout-steps",
+        type=int,
+        default=SCALEOUT_STEPS,
+        help="scaleout: chunk steps per round (the HalfCheetah example collects 256)",
+    )
     parser.add_argument("--out", default="benchmarks/results/embodied_bench.json")
     args = parser.parse_args()
     torch.set_num_threads(
@@ -519,7 +528,7 @@ def main() -> None:
     if "collection" in args.which or "train" in args.which:
         print("ratios to the hand loop, side by side:\n" + side_by_side(result), flush=True)
     if "scaleout" in args.which:
-        result["scaleout"] = bench_scaleout(args.rounds, args.scaleout_configs)
+        result["scaleout"] = bench_scaleout(args.rounds, args.scaleout_configs, args.scaleout_steps)
     if "pipeline" in args.which:
         result["pipeline"] = bench_pipeline(args.rounds)
         print("pipeline:", json.dumps(result["pipeline"], indent=2), flush=True)

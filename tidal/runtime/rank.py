@@ -87,11 +87,26 @@ class RankRunner:
         self.compute.shutdown(wait=False, cancel_futures=True)
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (a dependency of tidal on Linux and macOS),
+    else asyncio's. A chunk step hands off between env and rollout through the loop twice, and
+    uvloop's pass costs a fraction of asyncio's pure-Python one (measured: a HalfCheetah pair
+    ~3% faster a step on either backend). Ray's async actors, where a ray rank's coroutines
+    run, choose uvloop the same way (``RAY_USE_UVLOOP``). The dispatcher's episodes keep
+    asyncio's loop: uvloop's ``communicate`` with an agent that exited before reading its stdin
+    raises a RuntimeError where asyncio's ignores the broken pipe."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 class EventLoopThread:
-    """An asyncio event loop running in a daemon thread."""
+    """An event loop (``new_event_loop``) running in a daemon thread."""
 
     def __init__(self, name: str):
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self.thread.start()
 
