@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import logging
 import os
 import socket
 import sys
@@ -19,6 +20,9 @@ from tidal.runtime.errors import ClusterUnreachable, WorkerError
 from tidal.runtime.handle import CallResult
 from tidal.runtime.placement import CPU_SLOT_ENV, NodeInfo, pin_to_cpu_slot
 from tidal.runtime.rank import RankInfo, RankRunner
+
+log = logging.getLogger(__name__)
+RELEASE_TIMEOUT_S = 60.0  # a guest group's worker closing (envs, servers) in a shared process
 
 
 def _free_port() -> int:
@@ -127,10 +131,15 @@ class RayRank:
         import ray
 
         self.tenants.discard(self.info.group)
-        if self.tenants:
-            self.actor.release.remote(self.info.group)
-        else:
+        if not self.tenants:
             ray.kill(self.actor, no_restart=True)
+            return
+        # waited for: the release is a Ray call and later calls go by ZeroMQ, so unwaited, a
+        # call made after shutdown could overtake it and be cancelled half-run by the release
+        try:
+            ray.get(self.actor.release.remote(self.info.group), timeout=RELEASE_TIMEOUT_S)
+        except Exception as exc:  # its process already ended, or the close hangs: go on
+            log.warning("%s rank %d: release: %r", self.info.group, self.info.rank, exc)
 
 
 def _rank_death(cause: BaseException | None) -> BaseException:
