@@ -89,12 +89,10 @@ class RankRunner:
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """uvloop's event loop where it is installed (a dependency of tidal on Linux and macOS),
-    else asyncio's. A chunk step hands off between env and rollout through the loop twice, and
-    uvloop's pass costs a fraction of asyncio's pure-Python one (measured: a local HalfCheetah
-    pair 3% faster a step; on ray within the benchmark's spread). Ray's async actors, where a ray rank's coroutines
-    run, choose uvloop the same way (``RAY_USE_UVLOOP``). The dispatcher's episodes keep
-    asyncio's loop: uvloop's ``communicate`` with an agent that exited before reading its stdin
-    raises a RuntimeError where asyncio's ignores the broken pipe."""
+    else asyncio's. A chunk step passes between env and rollout through the loop twice, and a
+    uvloop pass costs less than asyncio's pure-Python one (a local HalfCheetah pair 3% faster a
+    step). Ray's async actors, where a ray rank's coroutines run, pick uvloop the same way
+    (``RAY_USE_UVLOOP``)."""
     try:
         import uvloop
     except ImportError:
