@@ -62,9 +62,6 @@ class RolloutDispatcher:
         self._paused = threading.Event()
         self._shutdown = threading.Event()
         self._thread_error: str | None = None
-        # asyncio's loop, not the ranks' uvloop (tidal.runtime.rank.new_event_loop): uvloop's
-        # ``communicate`` with an agent command that exited before reading its stdin raises a
-        # RuntimeError where asyncio's ignores the broken pipe
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(
             target=self._loop.run_forever, name="tidal-episodes", daemon=True

@@ -87,24 +87,11 @@ class RankRunner:
         self.compute.shutdown(wait=False, cancel_futures=True)
 
 
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's event loop where it is installed (a dependency of tidal on Linux and macOS),
-    else asyncio's. A chunk step passes between env and rollout through the loop twice, and a
-    uvloop pass costs less than asyncio's pure-Python one (a local HalfCheetah pair 3% faster a
-    step). Ray's async actors, where a ray rank's coroutines run, pick uvloop the same way
-    (``RAY_USE_UVLOOP``)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
 class EventLoopThread:
-    """An event loop (``new_event_loop``) running in a daemon thread."""
+    """An asyncio event loop running in a daemon thread."""
 
     def __init__(self, name: str):
-        self.loop = new_event_loop()
+        self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self.thread.start()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import faulthandler
 import logging
 import os
 import socket
@@ -36,6 +37,8 @@ class RayRankActor:
     behind rank ``i`` of several groups that share its process (``same_process``)."""
 
     def __init__(self):
+        # a rank killed by a signal prints every thread's Python stack, not only the loop's
+        faulthandler.enable(all_threads=True)
         self.runners: dict[str, RankRunner] = {}  # group name -> its rank here
         if CPU_SLOT_ENV in os.environ:  # before the rank builds anything (its threads inherit)
             pin_to_cpu_slot(int(os.environ[CPU_SLOT_ENV]))
@@ -263,7 +266,13 @@ class RayBackend(Backend):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        env_vars = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **dict(info.env)}
+        env_vars = {
+            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+            # asyncio's loop even where uvloop is installed: under uvloop a rank process died of
+            # heap corruption mid-training (CI, once), for 2-3% of a chunk step (collect.md)
+            "RAY_USE_UVLOOP": "0",
+            **dict(info.env),
+        }
         if placement.node.device_kind == "gpu":
             env_vars["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
         return (
