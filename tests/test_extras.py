@@ -129,6 +129,27 @@ def test_the_llm_half_needs_the_llm_extra(tmp_path):
     assert not list(tmp_path.iterdir())  # no run folder
 
 
+def test_the_llm_half_runs_without_the_agents_extra():
+    """openai missing: the language runner imports (GRPO on the llm extra alone), and only an
+    agent workflow asks for the 'agents' extra, when it is built."""
+    probe = """
+import sys
+sys.modules['openai'] = sys.modules['agents'] = None
+import tidal.runners.llm.train
+from tidal.extras import MissingExtraError
+from tidal.rollout.workflows import WORKFLOWS
+try:
+    WORKFLOWS.get('agent')(None)
+except MissingExtraError as error:
+    print(error)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "needs the 'agents' extra" in done.stdout, done.stdout
+
+
 def test_tensorboard_is_a_default_logger_only_where_it_is_installed(monkeypatch):
     assert default_loggers() == ["jsonl", "tensorboard"]
     hide(monkeypatch, "tensorboard")

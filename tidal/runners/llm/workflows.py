@@ -7,14 +7,16 @@ a user's ``rollout.workflow: module.path:factory`` returning ``in_process_agent(
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 from tidal.config.llm import LLMConfig
-from tidal.inference.sessions import SessionProxy
-from tidal.rollout.agent_command import CommandAgent, ExternalAgentWorkflow, ServiceAgent
-from tidal.rollout.agent_workflow import AgentFn, AgentWorkflow
 from tidal.rollout.tasks import TASKS, is_multi_turn
 from tidal.rollout.workflows import WORKFLOWS, MultiTurnWorkflow, RLVRWorkflow, overlong_penalty
 from tidal.runners.llm.common import prompt_renderer, warmed_reward
+
+if TYPE_CHECKING:  # the agent workflows need the 'agents' extra: imported where they are built
+    from tidal.rollout.agent_command import ExternalAgentWorkflow
+    from tidal.rollout.agent_workflow import AgentFn, AgentWorkflow
 
 
 def workflow_name(cfg: LLMConfig) -> str:
@@ -67,6 +69,9 @@ def multi_turn_workflow(runner) -> MultiTurnWorkflow:
 @WORKFLOWS.register("agent")
 def agent_workflow(runner) -> ExternalAgentWorkflow:
     """An agent command (or service) per episode, against a recording session endpoint."""
+    from tidal.inference.sessions import SessionProxy
+    from tidal.rollout.agent_command import CommandAgent, ExternalAgentWorkflow, ServiceAgent
+
     cfg, r = runner.cfg, runner.cfg.rollout
     a = r.agent
     agent = (
@@ -93,6 +98,8 @@ def in_process_agent(runner, agent: AgentFn) -> AgentWorkflow:
     """``agent`` (``async def agent(client, data) -> reward``) as the run's workflow, with the
     run's inference client, tokenizer and generation defaults, and rollout.group_size,
     agent_mode, turn_discount and tool_parser."""
+    from tidal.rollout.agent_workflow import AgentWorkflow
+
     r = runner.cfg.rollout
     return AgentWorkflow(
         agent,
