@@ -16,6 +16,8 @@ from tidal.inference import (
     InferenceServer,
     ModelRequest,
 )
+from tidal.inference.engine import EngineDied
+from tidal.inference.protocol import generate_all
 from tidal.inference.tiny import save_tiny_model, tiny_llama
 
 KEY = "secret-key"
@@ -374,6 +376,38 @@ def test_client_facing_a_dead_server_fails_within_its_bound():
     ):
         run(main())
     assert time.monotonic() - start < 5
+
+
+def test_an_engine_whose_thread_dies_fails_every_request_naming_the_error(model_dir):
+    """The engine's forward raises (a CUDA fault, a model bug): the requests in it, later ones,
+    a pause and the server's answers all fail naming the error, none waits for ever."""
+    engine = GenerationEngine(model_dir)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    engine.model.forward = broken
+    srv = InferenceServer(engine).start()
+    jobs = [([1, 2, 3], GenerationConfig(max_new_tokens=4), None)] * 3
+    try:
+        with pytest.raises(EngineDied, match="RuntimeError: CUDA error: an illegal memory"):
+            run(asyncio.wait_for(generate_all(engine, jobs), 30))
+        with pytest.raises(EngineDied, match="illegal memory access"):
+            engine.submit([1, 2], GenerationConfig(max_new_tokens=2), lambda result: None)
+        with pytest.raises(EngineDied):
+            engine.pause(timeout=5)
+
+        async def ask():
+            c = InferenceClient([srv.address], max_retries=1, backoff_s=0.05)
+            try:
+                await c.agenerate(ModelRequest([1, 2]))
+            finally:
+                await c.aclose()
+
+        with pytest.raises(InferenceError, match="HTTP 500.*illegal memory access"):
+            run(asyncio.wait_for(ask(), 30))
+    finally:
+        srv.stop()
 
 
 def test_requests_of_one_session_stick_to_one_server():

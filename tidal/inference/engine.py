@@ -20,6 +20,8 @@ while paused; every token is stamped with the weight version that sampled it.
 
 from __future__ import annotations
 
+import inspect
+import logging
 import queue
 import threading
 import uuid
@@ -42,6 +44,8 @@ from tidal.runtime.weight_sync.validation import (  # noqa: F401 (re-exported)
     load_checked,
 )
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class GenerationResult:
@@ -60,6 +64,11 @@ class EngineError(RuntimeError):
     pass
 
 
+class EngineDied(EngineError):
+    """The engine's thread ended on an error: every request in it and every later one fails
+    with this, naming the cause (none waits for an answer that cannot come)."""
+
+
 PAUSE_MODES = ("abort", "in_place")
 PREFILL_CHUNK = 32  # requests prefilled in one forward pass
 
@@ -69,7 +78,7 @@ class _Request:
     rid: str
     prompt: list[int]
     params: GenerationConfig
-    on_done: Callable[[GenerationResult], None]
+    on_done: Callable[[GenerationResult | EngineDied], None]
     generator: torch.Generator | None = None
     on_token: Callable[[int], None] | None = None  # called with each new token (streaming)
     output: list[int] = field(default_factory=list)
@@ -92,6 +101,7 @@ class GenerationEngine:
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
         self.model.to(self.device).eval()
+        self._cache_key = _cache_key(self.model)
         self.vocab_size = self.model.config.vocab_size
         self.max_positions = getattr(self.model.config, "max_position_embeddings", 4096)
         self.tokenizer = load_tokenizer(self.model_dir)  # None when the folder has none
@@ -107,6 +117,7 @@ class GenerationEngine:
         self._lock = threading.Lock()  # model forward vs weight update
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._died: EngineDied | None = None
         self.stats = {"generated_tokens": 0, "requests": 0, "aborted": 0}
         self._thread = threading.Thread(target=self._loop, name="tidal-engine", daemon=True)
         self._thread.start()
@@ -117,12 +128,15 @@ class GenerationEngine:
         self,
         prompt: list[int],
         params: GenerationConfig,
-        on_done: Callable[[GenerationResult], None],
+        on_done: Callable[[GenerationResult | EngineDied], None],
         rid: str | None = None,
         on_token: Callable[[int], None] | None = None,
     ) -> str:
         """Queue a request; ``on_done(result)`` (and ``on_token(token)`` for every token) run on
-        the engine's thread and must be quick."""
+        the engine's thread and must be quick. ``on_done`` gets an ``EngineDied`` instead of a
+        result if the engine's thread ends on an error first."""
+        if self._died is not None:
+            raise self._died
         self.validate(prompt, params)
         rid = rid or uuid.uuid4().hex
         gen = None
@@ -132,6 +146,8 @@ class GenerationEngine:
             )
         self._incoming.put(_Request(rid, list(prompt), params, on_done, gen, on_token))
         self._wake.set()
+        if self._died is not None:  # it died while this one was queued: answer it too
+            self._fail_waiting()
         return rid
 
     def validate(self, prompt: list[int], params: GenerationConfig) -> None:
@@ -171,11 +187,15 @@ class GenerationEngine:
         ``in_place`` keeps them (and their cache) for ``resume()``. New requests wait."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode: expected one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        if self._died is not None:
+            raise self._died
         self._pause_mode = mode
         self._paused.set()
         self._wake.set()
         if not self._idle.wait(timeout):
             raise EngineError(f"the engine did not pause within {timeout:g} s")
+        if self._died is not None:
+            raise self._died
 
     def resume(self) -> None:
         self._idle.clear()
@@ -225,6 +245,27 @@ class GenerationEngine:
     # -- the loop -------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # the thread's end: every waiter is told why
+            log.exception("the generation engine's thread died")
+            self._died = EngineDied(
+                f"the generation engine stopped on an error: {type(exc).__name__}: {exc}"
+            )
+            self._idle.set()  # a pause waiting for the loop ends, with this error
+            for req in self._active:
+                req.on_done(self._died)
+            self._active = []
+            self._fail_waiting()
+
+    def _fail_waiting(self) -> None:
+        while True:
+            try:
+                self._incoming.get_nowait().on_done(self._died)
+            except queue.Empty:
+                return
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             if self._paused.is_set():
                 if self._pause_mode == "abort":
@@ -270,7 +311,7 @@ class GenerationEngine:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         tokens, logprobs, tops = self._sample(out.logits[:, -1].float(), reqs)
         self.stats["requests"] += len(reqs)
-        self._join(reqs, out.cache, mask)
+        self._join(reqs, getattr(out, self._cache_key), mask)
         for req, tok, lp, top in zip(reqs, tokens.tolist(), logprobs.tolist(), tops):
             self._accept(req, tok, lp, top)
 
@@ -304,10 +345,10 @@ class GenerationEngine:
             input_ids=ids,
             attention_mask=self._mask,
             position_ids=positions,
-            cache=self._cache,
             use_cache=True,
+            **{self._cache_key: self._cache},
         )
-        self._cache = out.cache
+        self._cache = getattr(out, self._cache_key)
         tokens, logprobs, tops = self._sample(out.logits[:, -1].float(), batch)
         for req, tok, lp, top in zip(batch, tokens.tolist(), logprobs.tolist(), tops):
             self._accept(req, tok, lp, top)
@@ -455,3 +496,10 @@ def _left_pad(x: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = missing
     return torch.cat([torch.zeros(shape, dtype=x.dtype, device=x.device), x], dim)
+
+
+def _cache_key(model) -> str:
+    """What the model's forward calls its KV cache, in and out: ``cache`` in newer transformers
+    (5.25, where ``past_key_values`` is deprecated until 5.40), ``past_key_values`` in older
+    ones (5.17, which has no ``cache``)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

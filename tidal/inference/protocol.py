@@ -21,7 +21,7 @@ with needs_extra("llm", "the inference server"):
     from fastapi import Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
-from tidal.inference.engine import GenerationResult
+from tidal.inference.engine import EngineDied, GenerationResult
 from tidal.inference.params import GenerationConfig
 
 # top-level fields that do not change the result here
@@ -385,8 +385,12 @@ def server_sent_event(data: dict) -> str:
     return "data: " + json.dumps(data) + "\n\n"
 
 
-def _settle(fut: asyncio.Future, result: GenerationResult) -> None:
-    if not fut.done():
+def _settle(fut: asyncio.Future, result: GenerationResult | EngineDied) -> None:
+    if fut.done():
+        return
+    if isinstance(result, EngineDied):
+        fut.set_exception(result)
+    else:
         fut.set_result(result)
 
 

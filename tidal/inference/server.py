@@ -30,7 +30,7 @@ with needs_extra("llm", "the inference server"):
     from pydantic import BaseModel, ConfigDict
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tidal.inference.engine import EngineError, GenerationEngine
+from tidal.inference.engine import EngineDied, EngineError, GenerationEngine
 from tidal.inference.http_guard import ConnectionGuard
 from tidal.inference.openai_api import add_openai_routes
 from tidal.inference.protocol import (
@@ -90,6 +90,10 @@ def build_app(
     @app.exception_handler(EngineError)
     async def conflict(request: Request, exc: EngineError):
         return error_json(request.url.path, 409, str(exc))
+
+    @app.exception_handler(EngineDied)
+    async def died(request: Request, exc: EngineDied):
+        return error_json(request.url.path, 500, str(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: HTTPException):
