@@ -174,6 +174,21 @@ def test_policy_registry_errors():
         MLPActorCritic(gym.spaces.Discrete(3), gym.spaces.Discrete(2))
 
 
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [("mlp", {}), ("sac_mlp", {}), ("vla", {"hidden_size": 16, "num_heads": 2, "num_layers": 1})],
+)
+def test_loading_a_policy_leaves_its_action_space_alone(name, kwargs):
+    """The bounds are the policy's own copies: loading a checkpoint's (other) bounds into them
+    writes nothing into the space, whose arrays gymnasium keeps read-only."""
+    obs, act = gym.spaces.Box(-1, 1, (3,)), gym.spaces.Box(-2, 2, (2,), dtype=np.float32)
+    policy = build_policy(name, obs, act, 1, **kwargs)
+    state = {k: v * 3 if k in ("low", "high") else v for k, v in policy.state_dict().items()}
+    policy.load_state_dict(state)
+    assert policy.high.tolist() == [6.0, 6.0]
+    assert act.low.tolist() == [-2.0, -2.0] and act.high.tolist() == [2.0, 2.0]
+
+
 def test_gumbel_max_sampling_draws_the_categorical_distribution_and_never_a_masked_action():
     torch.manual_seed(0)
     probs = torch.tensor([0.05, 0.15, 0.3, 0.5])

@@ -179,6 +179,13 @@ class EmbodiedPolicy(nn.Module, abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot score env actions")
 
 
+def register_action_bounds(module: nn.Module, action_space) -> None:
+    """The Box's ``low`` and ``high`` as float32 buffers, copied: ``torch.as_tensor`` would share
+    the space's read-only arrays, and loading a checkpoint writes into the buffers."""
+    for name in ("low", "high"):
+        module.register_buffer(name, torch.tensor(getattr(action_space, name), dtype=torch.float32))
+
+
 def sample_categorical(logits: torch.Tensor) -> torch.Tensor:
     """One draw per row of ``logits`` ``[..., K]`` by the Gumbel-max trick, argmax(logits + G)
     with G = -log(E), E ~ Exp(1): the distribution of ``Categorical.sample``, at a tenth of its
@@ -280,8 +287,7 @@ class MLPActorCritic(EmbodiedPolicy):
             self.log_std = nn.Parameter(
                 torch.full((self.chunks, self.action_dim), float(init_log_std))
             )
-            self.register_buffer("low", torch.as_tensor(action_space.low, dtype=torch.float32))
-            self.register_buffer("high", torch.as_tensor(action_space.high, dtype=torch.float32))
+            register_action_bounds(self, action_space)
         else:
             raise ValueError(
                 f"model 'mlp': needs a Discrete or flat Box action space, got {action_space}"

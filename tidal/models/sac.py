@@ -24,7 +24,12 @@ from torch.nn import functional as F
 
 from tidal.envs.layout import ObsLayout, layout_of
 from tidal.models.cnn import packed_features, word_embedding
-from tidal.models.policy import EmbodiedPolicy, PolicyStep, register_policy
+from tidal.models.policy import (
+    EmbodiedPolicy,
+    PolicyStep,
+    register_action_bounds,
+    register_policy,
+)
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}
@@ -96,8 +101,7 @@ class SquashedGaussianPolicy(EmbodiedPolicy):
         self.obs_dim = observation_space.shape[0] if self.encoder is None else self.encoder.out_dim
         self.chunks, self.action_dim = num_action_chunks, action_space.shape[0]
         self.net = mlp(self.obs_dim, hidden_sizes, 2 * self.chunks * self.action_dim, activation)
-        self.register_buffer("low", torch.as_tensor(action_space.low, dtype=torch.float32))
-        self.register_buffer("high", torch.as_tensor(action_space.high, dtype=torch.float32))
+        register_action_bounds(self, action_space)
         self.register_buffer("uniform", torch.tensor(True))
 
     @property

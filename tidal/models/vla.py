@@ -25,6 +25,7 @@ from tidal.models.policy import (
     EmbodiedPolicy,
     LeadingNorm,
     PolicyStep,
+    register_action_bounds,
     register_policy,
     sample_categorical,
 )
@@ -81,8 +82,7 @@ class TokenActionPolicy(EmbodiedPolicy):
             action_space.shape[0],
             num_bins,
         )
-        self.register_buffer("low", torch.as_tensor(action_space.low, dtype=torch.float32))
-        self.register_buffer("high", torch.as_tensor(action_space.high, dtype=torch.float32))
+        register_action_bounds(self, action_space)
         d = hidden_size
         self.words = (
             nn.Embedding(layout.vocab_size, d, padding_idx=0) if layout.num_tokens else None
