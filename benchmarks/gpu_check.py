@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 
 ROOT = Path(__file__).resolve().parent.parent
 TIDAL = [sys.executable, "-m", "tidal.cli"]
@@ -164,7 +165,12 @@ def main() -> int:
         )
         return 2
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "none"
-    report: dict = {"gpu": gpu, "torch": torch.__version__, "failed": []}
+    report: dict = {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "failed": [],
+    }
     tmp = Path(tempfile.mkdtemp(prefix="tidal-gpu-check-"))
     for name in args.parts:
         try:
@@ -173,7 +179,7 @@ def main() -> int:
             report[name] = {"error": f"{type(error).__name__}: {error}"}
             report["failed"].append(name)
         print(json.dumps({"part": name, **report[name]}), flush=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+        Path(args.out).write_text(json.dumps(report, indent=2))  # each part: a cut run keeps it
     return 1 if report["failed"] else 0
 
 
