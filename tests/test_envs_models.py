@@ -180,7 +180,7 @@ def test_policy_registry_errors():
 )
 def test_loading_a_policy_leaves_its_action_space_alone(name, kwargs):
     """The bounds are the policy's own copies: loading a checkpoint's (other) bounds into them
-    writes nothing into the space, whose arrays gymnasium keeps read-only."""
+    writes nothing into the env's action space."""
     obs, act = gym.spaces.Box(-1, 1, (3,)), gym.spaces.Box(-2, 2, (2,), dtype=np.float32)
     policy = build_policy(name, obs, act, 1, **kwargs)
     state = {k: v * 3 if k in ("low", "high") else v for k, v in policy.state_dict().items()}

@@ -181,7 +181,8 @@ class EmbodiedPolicy(nn.Module, abc.ABC):
 
 def register_action_bounds(module: nn.Module, action_space) -> None:
     """The Box's ``low`` and ``high`` as float32 buffers, copied: ``torch.as_tensor`` would share
-    the space's read-only arrays, and loading a checkpoint writes into the buffers."""
+    the space's arrays (read-only ones in the MuJoCo envs), and loading a checkpoint writes into
+    the buffers."""
     for name in ("low", "high"):
         module.register_buffer(name, torch.tensor(getattr(action_space, name), dtype=torch.float32))
 
