@@ -379,31 +379,41 @@ def test_client_facing_a_dead_server_fails_within_its_bound():
 
 
 def test_an_engine_whose_thread_dies_fails_every_request_naming_the_error(model_dir):
-    """The engine's forward raises (a CUDA fault, a model bug): the requests in it, later ones,
-    a pause and the server's answers all fail naming the error, none waits for ever."""
+    """The engine's forward raises mid-generation (a CUDA fault, a model bug): the streamed
+    request in it, later ones in-process and over HTTP, and a pause all fail naming the error;
+    none waits for ever."""
     engine = GenerationEngine(model_dir)
+    forward, calls = engine.model.forward, []
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    def dies_on_the_third_pass(*args, **kwargs):
+        calls.append(1)
+        if len(calls) >= 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return forward(*args, **kwargs)
 
-    engine.model.forward = broken
+    engine.model.forward = dies_on_the_third_pass
     srv = InferenceServer(engine).start()
-    jobs = [([1, 2, 3], GenerationConfig(max_new_tokens=4), None)] * 3
+    streamed: list[int] = []
+
+    async def ask(on_tokens=None):
+        c = InferenceClient([srv.address], max_retries=1, backoff_s=0.05)
+        try:
+            req = ModelRequest([1, 2], GenerationConfig(max_new_tokens=10))
+            await c.agenerate(req, on_tokens)
+        finally:
+            await c.aclose()
+
     try:
+        with pytest.raises(InferenceError, match="failed: the generation engine stopped .*CUDA"):
+            run(asyncio.wait_for(ask(streamed.extend), 30))
+        assert len(streamed) == 2  # what it generated before its thread died
+        jobs = [([1, 2, 3], GenerationConfig(max_new_tokens=4), None)] * 3
         with pytest.raises(EngineDied, match="RuntimeError: CUDA error: an illegal memory"):
             run(asyncio.wait_for(generate_all(engine, jobs), 30))
         with pytest.raises(EngineDied, match="illegal memory access"):
             engine.submit([1, 2], GenerationConfig(max_new_tokens=2), lambda result: None)
         with pytest.raises(EngineDied):
             engine.pause(timeout=5)
-
-        async def ask():
-            c = InferenceClient([srv.address], max_retries=1, backoff_s=0.05)
-            try:
-                await c.agenerate(ModelRequest([1, 2]))
-            finally:
-                await c.aclose()
-
         with pytest.raises(InferenceError, match="HTTP 500.*illegal memory access"):
             run(asyncio.wait_for(ask(), 30))
     finally:

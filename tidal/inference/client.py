@@ -266,6 +266,10 @@ class InferenceClient:
                             if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
                                 continue
                             event = json.loads(line[5:])
+                            if "error" in event:  # the server failed mid-stream: not retried
+                                raise InferenceError(
+                                    f"server {address}{endpoint} failed: {event['error']}"
+                                )
                             fresh = event["meta_info"]["completion_tokens"] - seen
                             if fresh > 0:
                                 on_tokens(event["output_ids"][-fresh:])

@@ -135,8 +135,6 @@ class GenerationEngine:
         """Queue a request; ``on_done(result)`` (and ``on_token(token)`` for every token) run on
         the engine's thread and must be quick. ``on_done`` gets an ``EngineDied`` instead of a
         result if the engine's thread ends on an error first."""
-        if self._died is not None:
-            raise self._died
         self.validate(prompt, params)
         rid = rid or uuid.uuid4().hex
         gen = None
@@ -151,7 +149,10 @@ class GenerationEngine:
         return rid
 
     def validate(self, prompt: list[int], params: GenerationConfig) -> None:
-        """Refuse what cannot be generated, naming the field (the server answers 400)."""
+        """Refuse what cannot be generated, naming the field (the server answers 400), and
+        everything once the engine died (``EngineDied``, a 500)."""
+        if self._died is not None:
+            raise self._died
         params.validate()
         if not prompt:
             raise ValueError("input_ids: must not be empty")

@@ -364,7 +364,11 @@ def stream_generate(engine, call: GenerateCall) -> StreamingResponse:
                     count += len(fresh)
                     meta = {"id": rid, "finish_reason": None, "completion_tokens": count}
                     yield server_sent_event({"output_ids": fresh, "meta_info": meta})
-            (result,) = task.result()
+            try:
+                (result,) = task.result()
+            except EngineDied as exc:  # the answer's status is sent: the error is an event
+                yield server_sent_event({"error": str(exc)})
+                return
             whole = result_json(
                 result,
                 engine.tokenizer,
