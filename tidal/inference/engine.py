@@ -20,7 +20,6 @@ while paused; every token is stamped with the weight version that sampled it.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import queue
 import threading
@@ -36,6 +35,7 @@ from tidal.extras import needs_extra
 with needs_extra("llm", "the generation engine"):
     from transformers import AutoModelForCausalLM, DynamicCache
 
+from tidal.inference.kv_cache import cache_key, cache_nbytes, keep_rows, merge_caches
 from tidal.inference.params import GenerationConfig
 from tidal.runtime.weight_sync.validation import (  # noqa: F401 (re-exported)
     WeightsRejected,
@@ -101,7 +101,7 @@ class GenerationEngine:
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
         self.model.to(self.device).eval()
-        self._cache_key = _cache_key(self.model)
+        self._cache_key = cache_key(self.model)
         self.vocab_size = self.model.config.vocab_size
         self.max_positions = getattr(self.model.config, "max_position_embeddings", 4096)
         self.tokenizer = load_tokenizer(self.model_dir)  # None when the folder has none
@@ -228,11 +228,7 @@ class GenerationEngine:
         with self._lock:
             if self._active:
                 return 0
-            held = sum(
-                t.nbytes
-                for layer in (self._cache.layers if self._cache else [])
-                for t in (layer.keys, layer.values)
-            )
+            held = cache_nbytes(self._cache)
             self._cache, self._mask = None, None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -317,22 +313,10 @@ class GenerationEngine:
             self._accept(req, tok, lp, top)
 
     def _join(self, reqs: list[_Request], cache: DynamicCache, mask: torch.Tensor) -> None:
-        """Pad the new requests' cache or the batch's on the left so both have one length."""
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
-        if self._cache is None or not self._active:
-            self._cache, self._mask, self._active = DynamicCache(layers), mask, list(reqs)
-            return
-        old = [(layer.keys, layer.values) for layer in self._cache.layers]
-        width = max(self._mask.shape[1], mask.shape[1])
-        merged = [
-            (
-                torch.cat([_left_pad(k0, width), _left_pad(k1, width)]),
-                torch.cat([_left_pad(v0, width), _left_pad(v1, width)]),
-            )
-            for (k0, v0), (k1, v1) in zip(old, layers)
-        ]
-        self._mask = torch.cat([_left_pad(self._mask, width, dim=1), _left_pad(mask, width, dim=1)])
-        self._cache = DynamicCache(merged)
+        """The new requests' cache merged into the batch's (a fresh batch if none runs)."""
+        if not self._active:
+            self._cache = self._mask = None
+        self._cache, self._mask = merge_caches(self._cache, self._mask, cache, mask)
         self._active.extend(reqs)
 
     @torch.no_grad()
@@ -399,16 +383,7 @@ class GenerationEngine:
         if not keep:
             self._cache, self._mask = None, None
             return
-        index = torch.tensor(keep, device=self.device)
-        self._mask = self._mask[index]
-        first = int((self._mask.sum(0) > 0).nonzero()[0])  # trim columns every row pads
-        self._mask = self._mask[:, first:]
-        self._cache = DynamicCache(
-            [
-                (layer.keys[index][:, :, first:], layer.values[index][:, :, first:])
-                for layer in self._cache.layers
-            ]
-        )
+        self._cache, self._mask = keep_rows(self._cache, self._mask, keep)
 
     def _abort_all(self) -> None:
         for req in self._active:
@@ -488,19 +463,3 @@ def _filtered_probs(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         mask[order[keep]] = True
         probs = torch.where(mask, probs, 0.0)
     return probs / probs.sum()
-
-
-def _left_pad(x: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
-    missing = width - x.shape[dim]
-    if missing <= 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = missing
-    return torch.cat([torch.zeros(shape, dtype=x.dtype, device=x.device), x], dim)
-
-
-def _cache_key(model) -> str:
-    """What the model's forward calls its KV cache, in and out: ``cache`` in newer transformers
-    (5.25, where ``past_key_values`` is deprecated until 5.40), ``past_key_values`` in older
-    ones (5.17, which has no ``cache``)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
