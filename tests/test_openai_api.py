@@ -224,6 +224,45 @@ def test_streaming_gives_the_same_text_as_it_is_generated(client):
     assert [pieces[0], pieces[1]] == [c.text for c in whole.choices]
 
 
+def test_a_stream_whose_engine_dies_ends_with_an_error_naming_it(model_dir):
+    """The engine's forward raises after two tokens (a CUDA fault): a streamed completion and a
+    streamed chat completion get the text so far, then an error event the openai client raises
+    (before, the stream waited for ever for a result that never came)."""
+    engine = GenerationEngine(model_dir)
+    forward, passes = engine.model.forward, []
+
+    def dies_from_the_third_pass(*args, **kwargs):
+        passes.append(1)
+        if len(passes) >= 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return forward(*args, **kwargs)
+
+    engine.model.forward = dies_from_the_third_pass
+    srv = InferenceServer(engine, api_key=KEY, served_model_name=NAME).start()
+    try:
+        with openai.OpenAI(
+            base_url=srv.address + "/v1", api_key=KEY, max_retries=0, timeout=30
+        ) as c:
+            texts = []
+            with pytest.raises(openai.APIError, match="EngineDied.*illegal memory access"):
+                for chunk in c.completions.create(
+                    model=NAME, prompt="ab", max_tokens=10, stream=True
+                ):
+                    texts.append(chunk.choices[0].text)
+            assert "".join(texts)  # what it generated before the engine died
+            with pytest.raises(openai.APIError, match="illegal memory access"):
+                list(
+                    c.chat.completions.create(
+                        model=NAME,
+                        messages=[{"role": "user", "content": "hi"}],
+                        max_tokens=10,
+                        stream=True,
+                    )
+                )
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize(
     "kwargs,error,field",
     [

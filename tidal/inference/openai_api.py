@@ -56,7 +56,7 @@ from tidal.inference.openai_response import (
     with_token_ids,
 )
 from tidal.inference.params import GenerationConfig
-from tidal.inference.protocol import generate_all, json_body, output_text
+from tidal.inference.protocol import error_event, generate_all, json_body, output_text
 from tidal.inference.tool_calls import check_tools
 from tidal.models.chat_template import chat_prompt
 
@@ -186,7 +186,8 @@ def _event_stream(
 ) -> StreamingResponse:
     """Server-sent events: a chunk per piece of new text as tokens arrive, a last chunk per
     choice with its finish reason, the usage when asked, then ``[DONE]``. Text that could be
-    the start of a stop string is held back until it is known not to be one."""
+    the start of a stop string is held back until it is known not to be one. A generation that
+    fails (the engine died) ends the stream with an error event naming it."""
     jobs = _jobs(engine, prompts, cfg, n)
     tok = engine.tokenizer
     hold = max((len(s) for s in cfg.stop), default=0)
@@ -201,9 +202,12 @@ def _event_stream(
         queue: asyncio.Queue = asyncio.Queue()
 
         async def run(index: int, prompt: list[int], job_cfg: GenerationConfig) -> None:
-            result = await generate_resumed(
-                engine, prompt, job_cfg, lambda t: queue.put_nowait((index, t, None))
-            )
+            try:
+                result = await generate_resumed(
+                    engine, prompt, job_cfg, lambda t: queue.put_nowait((index, t, None))
+                )
+            except Exception as exc:  # noqa: BLE001  (reported in the stream, not lost)
+                result = exc
             queue.put_nowait((index, None, result))
 
         tasks = [
@@ -216,6 +220,9 @@ def _event_stream(
         try:
             while any(r is None for r in results):
                 index, token, result = await queue.get()
+                if isinstance(result, Exception):
+                    yield error_event(500, f"{type(result).__name__}: {result}")
+                    return
                 if result is not None:
                     results[index] = result
                     final = output_text(result, tok) if tok is not None else ""

@@ -389,6 +389,13 @@ def server_sent_event(data: dict) -> str:
     return "data: " + json.dumps(data) + "\n\n"
 
 
+def error_event(status: int, message: str) -> str:
+    """An error after an OpenAI-style stream's headers went out (its status was already 200):
+    an event with OpenAI's error object, which the ``openai`` client raises as ``APIError``."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return server_sent_event({"error": {"message": message, "type": kind, "code": status}})
+
+
 def _settle(fut: asyncio.Future, result: GenerationResult | EngineDied) -> None:
     if fut.done():
         return

@@ -21,6 +21,7 @@ with needs_extra("llm", "the session proxy"):
 
 from tidal.inference.agent_client import ChatCall
 from tidal.inference.openai_response import server_sent_event, usage
+from tidal.inference.protocol import error_event
 
 
 class TextDeltas:
@@ -78,10 +79,10 @@ def chat_stream(session, call: ChatCall, include_usage: bool, model: str) -> Str
             try:
                 record = task.result()
             except asyncio.CancelledError:
-                yield _error(409, f"session {session.id} ended during the call")
+                yield error_event(409, f"session {session.id} ended during the call")
                 return
             except Exception as exc:  # the server failed: reported in the stream, as OpenAI does
-                yield _error(500, f"{type(exc).__name__}: {exc}")
+                yield error_event(500, f"{type(exc).__name__}: {exc}")
                 return
             if rest := deltas.rest(record.content):
                 yield chunk({"content": rest})
@@ -96,7 +97,3 @@ def chat_stream(session, call: ChatCall, include_usage: bool, model: str) -> Str
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
-
-def _error(status: int, message: str) -> str:
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    return server_sent_event({"error": {"message": message, "type": kind, "code": status}})
