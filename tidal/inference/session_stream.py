@@ -96,4 +96,3 @@ def chat_stream(session, call: ChatCall, include_usage: bool, model: str) -> Str
             task.cancel()  # the client went away: its generation is not wanted
 
     return StreamingResponse(events(), media_type="text/event-stream")
-
