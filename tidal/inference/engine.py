@@ -104,7 +104,7 @@ class GenerationEngine:
         self._cache_key = cache_key(self.model)
         self.vocab_size = self.model.config.vocab_size
         self.max_positions = getattr(self.model.config, "max_position_embeddings", 4096)
-        self.tokenizer = load_tokenizer(self.model_dir)  # None when the folder has none
+        self.tokenizer = optional_tokenizer(self.model_dir)  # None when the folder has none
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
         self._incoming: queue.Queue[_Request] = queue.Queue()
@@ -441,8 +441,9 @@ class GenerationEngine:
         return tokens, chosen, tops
 
 
-def load_tokenizer(model_dir: str):
-    """The model folder's tokenizer, or ``None`` when it has none (token-id requests only)."""
+def optional_tokenizer(model_dir: str):
+    """The model folder's tokenizer, or ``None`` when it has none (token-id requests only;
+    ``tidal.models.llm.load_tokenizer`` is the one that insists)."""
     from transformers import AutoTokenizer
 
     try:
