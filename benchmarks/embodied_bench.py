@@ -10,7 +10,8 @@ train       what a training run pays: real training steps (``tidal train``'s loo
             first. Printed beside ``collection``'s ratios when both run.
 scaleout    HalfCheetah-v5, 32 envs: tidal on ray with 2 env ranks feeding one rollout
             rank (or one each) against the hand loop on SyncVectorEnv and on AsyncVectorEnv
-            (a process per env), the three alternating round by round.
+            (a process per env), and against the hand loop split over two pinned processes
+            that never talk (what the two cores give it), alternating round by round.
 pipeline    an env that costs about as much per step as policy inference: 2 pipeline
             stages against 1, beside the ideal speedup.
 solve       wall time to solve CartPole-v1 (deterministic eval >= 475) with tidal's demo
@@ -38,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import single_file_ppo  # noqa: E402
-from hand_loop import HandLoop, make_hand_loop  # noqa: E402
+from hand_loop import HandLoop, SplitHandLoop, make_hand_loop  # noqa: E402
 
 from tidal.config import EmbodiedConfig, load_config  # noqa: E402
 from tidal.envs import register_env  # noqa: E402
@@ -351,40 +352,46 @@ def bench_scaleout(
     rounds: int, names: list[str] | None = None, steps_per_round: int = SCALEOUT_STEPS
 ) -> dict:
     """Env scale-out on HalfCheetah-v5, 32 envs: tidal on ray with 2 env ranks feeding one
-    rollout rank, against the hand loop in one process with ``SyncVectorEnv`` and with
-    ``AsyncVectorEnv`` (its default: a process per env), the three alternating round by round;
-    the ratios are medians of the per-round ratios."""
-    sync = HandLoop(SCALEOUT_ENVS, steps_per_round, "HalfCheetah-v5", "sync")
-    asyn = HandLoop(SCALEOUT_ENVS, steps_per_round, "HalfCheetah-v5", "async")
+    rollout rank (or one each), against the hand loop in one process with ``SyncVectorEnv`` and
+    with ``AsyncVectorEnv`` (its default: a process per env), and against the hand loop split
+    over two pinned processes that never talk (``SplitHandLoop``: what the two cores give a hand
+    loop at the moment; shared hosts vary), the four alternating round by round; the ratios are
+    medians of the per-round ratios."""
+    loops = {
+        "sync": HandLoop(SCALEOUT_ENVS, steps_per_round, "HalfCheetah-v5", "sync"),
+        "async": HandLoop(SCALEOUT_ENVS, steps_per_round, "HalfCheetah-v5", "async"),
+        "split": SplitHandLoop(SCALEOUT_ENVS, steps_per_round, "HalfCheetah-v5"),
+    }
     steps = SCALEOUT_ENVS * steps_per_round
     out = {}
     try:
         for name in names or list(SCALEOUT_CONFIGS):
             overrides = [*SCALEOUT_CONFIGS[name], f"rollout.num_steps={steps_per_round}"]
             with halfcheetah_runner(overrides) as runner:
-                times = {"sync": [], "async": [], "tidal": []}
+                times = {key: [] for key in ("sync", "tidal", "async", "split")}
+                fns = {**loops, "tidal": runner.generate_rollouts}
                 for _ in range(rounds):
-                    for key, fn in (
-                        ("sync", sync),
-                        ("tidal", runner.generate_rollouts),
-                        ("async", asyn),
-                    ):
+                    for key, fn in fns.items():
                         start = time.perf_counter()
                         fn()
                         times[key].append(time.perf_counter() - start)
             out[name] = {
                 **{f"{k}_steps_per_s": steps / statistics.median(v) for k, v in times.items()},
-                "vs_sync": statistics.median(s / t for s, t in zip(times["sync"], times["tidal"])),
-                "vs_async": statistics.median(
-                    a / t for a, t in zip(times["async"], times["tidal"])
-                ),
+                **{f"vs_{k}": _paired(times[k], times["tidal"]) for k in loops},
+                # what the two cores gave the hand loop in this run
+                "split_vs_sync": _paired(times["sync"], times["split"]),
                 "rounds_s": times,
             }
             print("scaleout", name, _brief(out[name]), flush=True)
     finally:
-        sync.close()
-        asyn.close()
+        for loop in loops.values():
+            loop.close()
     return out
+
+
+def _paired(baseline_s: list[float], measured_s: list[float]) -> float:
+    """The median over paired rounds of baseline time / measured time (> 1: faster)."""
+    return statistics.median(b / m for b, m in zip(baseline_s, measured_s))
 
 
 def bench_pipeline(rounds: int) -> dict:
