@@ -357,21 +357,26 @@ def bench_scaleout(
     over two pinned processes that never talk (``SplitHandLoop``: what the two cores give a hand
     loop at the moment; shared hosts vary), the four alternating round by round; the ratios are
     medians of the per-round ratios."""
-    loops = {
-        "sync": HandLoop(SCALEOUT_ENVS, steps_per_round, "HalfCheetah-v5", "sync"),
-        "async": HandLoop(SCALEOUT_ENVS, steps_per_round, "HalfCheetah-v5", "async"),
-        "split": SplitHandLoop(SCALEOUT_ENVS, steps_per_round, "HalfCheetah-v5"),
-    }
     steps = SCALEOUT_ENVS * steps_per_round
+    loops: dict = {}
     out = {}
     try:
+        loops["sync"] = HandLoop(SCALEOUT_ENVS, steps_per_round, "HalfCheetah-v5", "sync")
+        loops["split"] = SplitHandLoop(SCALEOUT_ENVS, steps_per_round, "HalfCheetah-v5")
+        loops["async"] = HandLoop(SCALEOUT_ENVS, steps_per_round, "HalfCheetah-v5", "async")
         for name in names or list(SCALEOUT_CONFIGS):
             overrides = [*SCALEOUT_CONFIGS[name], f"rollout.num_steps={steps_per_round}"]
             with halfcheetah_runner(overrides) as runner:
-                times = {key: [] for key in ("sync", "tidal", "async", "split")}
-                fns = {**loops, "tidal": runner.generate_rollouts}
+                # tidal right after the one-process loop and right before the split one
+                order = {
+                    "sync": loops["sync"],
+                    "tidal": runner.generate_rollouts,
+                    "split": loops["split"],
+                    "async": loops["async"],
+                }
+                times = {key: [] for key in order}
                 for _ in range(rounds):
-                    for key, fn in fns.items():
+                    for key, fn in order.items():
                         start = time.perf_counter()
                         fn()
                         times[key].append(time.perf_counter() - start)

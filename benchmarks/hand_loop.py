@@ -79,47 +79,69 @@ class SplitHandLoop:
     process *i* pinned to core *i*, each stepping its share (``SyncVectorEnv``) with its own
     networks; a call runs one round in all of them at once and returns when the slowest is done.
     Its ratio to one process says what the machine's cores give a loop at the moment (the two
-    vCPUs of a shared host give 1.3-1.8x from one minute to the next)."""
+    vCPUs of a shared host gave 1.38-1.69x from one run to the next)."""
 
     def __init__(self, num_envs: int, num_steps: int, env_id: str, parts: int = 2):
         if num_envs % parts:
             raise ValueError(f"{num_envs} envs do not split into {parts} equal parts")
+        if len(os.sched_getaffinity(0)) < parts:
+            raise ValueError(f"{parts} parts need {parts} cores; this process may use fewer")
         ctx = mp.get_context("spawn")
-        self.pipes = []
-        self.procs = []
-        for core in range(parts):
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(
-                target=_split_part,
-                args=(theirs, core, num_envs // parts, num_steps, env_id),
-                daemon=True,
-            )
-            proc.start()
-            self.pipes.append(ours)
-            self.procs.append(proc)
-        for pipe in self.pipes:
-            if not pipe.poll(120):
-                raise TimeoutError("a part of the split hand loop did not start within 120 s")
-            pipe.recv()
+        self.pipes, self.procs = [], []
+        try:
+            for core in range(parts):
+                ours, theirs = ctx.Pipe()
+                proc = ctx.Process(
+                    target=_split_part,
+                    args=(theirs, core, num_envs // parts, num_steps, env_id),
+                    daemon=True,
+                )
+                proc.start()
+                theirs.close()  # a part that dies then reads as end of file here, not a hang
+                self.pipes.append(ours)
+                self.procs.append(proc)
+            self._collect("start")
+        except BaseException:
+            self.close()
+            raise
 
     def __call__(self) -> None:
         for pipe in self.pipes:
-            pipe.send("round")
-        for pipe in self.pipes:
-            if not pipe.poll(120):
-                raise TimeoutError("a part of the split hand loop did not finish its round")
-            pipe.recv()
+            try:
+                pipe.send("round")
+            except OSError:  # that part is gone: _collect names it
+                pass
+        self._collect("round")
+
+    def _collect(self, what: str, timeout_s: float = 120.0) -> None:
+        for i, (pipe, proc) in enumerate(zip(self.pipes, self.procs)):
+            try:
+                if pipe.poll(timeout_s):
+                    pipe.recv()
+                    continue
+            except EOFError:
+                proc.join(5)  # it is exiting: wait for its code
+            raise RuntimeError(
+                f"part {i} of the split hand loop failed its {what} (exit code {proc.exitcode})"
+            )
 
     def close(self) -> None:
         for pipe in self.pipes:
-            pipe.send(None)
-        for proc in self.procs:
+            try:
+                pipe.send(None)
+            except OSError:  # that part is gone already
+                pass
+        for pipe, proc in zip(self.pipes, self.procs):
             proc.join(10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+            pipe.close()
+        self.pipes, self.procs = [], []
 
 
 def _split_part(pipe, core: int, num_envs: int, num_steps: int, env_id: str) -> None:
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[core % len(cores)]})
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[core]})
     torch.set_num_threads(1)
     loop = HandLoop(num_envs, num_steps, env_id, "sync")
     pipe.send("ready")
