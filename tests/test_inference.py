@@ -6,6 +6,7 @@ import time
 import httpx
 import pytest
 import torch
+from engine_faults import engine_that_dies_on_pass
 from transformers import AutoModelForCausalLM
 
 from tidal.inference import (
@@ -382,16 +383,7 @@ def test_an_engine_whose_thread_dies_fails_every_request_naming_the_error(model_
     """The engine's forward raises mid-generation (a CUDA fault, a model bug): the streamed
     request in it, later ones in-process and over HTTP, and a pause all fail naming the error;
     none waits for ever."""
-    engine = GenerationEngine(model_dir)
-    forward, calls = engine.model.forward, []
-
-    def dies_on_the_third_pass(*args, **kwargs):
-        calls.append(1)
-        if len(calls) >= 3:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return forward(*args, **kwargs)
-
-    engine.model.forward = dies_on_the_third_pass
+    engine = engine_that_dies_on_pass(model_dir, 3)
     srv = InferenceServer(engine).start()
     streamed: list[int] = []
 

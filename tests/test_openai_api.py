@@ -4,6 +4,7 @@ import asyncio
 
 import httpx
 import pytest
+from engine_faults import engine_that_dies_on_pass
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tidal.inference import GenerationEngine, InferenceServer
@@ -229,16 +230,7 @@ def test_a_stream_whose_engine_dies_ends_with_an_error_naming_it(model_dir, rout
     """The engine's forward raises on its third pass (a CUDA fault): the stream has sent what
     was generated, then ends with an error event, which the openai client raises (not an HTTP
     status: the headers went out). Before, the stream waited for ever for a result."""
-    engine = GenerationEngine(model_dir)
-    forward, passes = engine.model.forward, []
-
-    def dies_on_the_third_pass(*args, **kwargs):
-        passes.append(1)
-        if len(passes) >= 3:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return forward(*args, **kwargs)
-
-    engine.model.forward = dies_on_the_third_pass
+    engine = engine_that_dies_on_pass(model_dir, 3)
     srv = InferenceServer(engine, api_key=KEY, served_model_name=NAME).start()
     texts: list[str] = []
     try:
