@@ -227,10 +227,11 @@ def test_streaming_gives_the_same_text_as_it_is_generated(client):
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
 def test_a_stream_whose_engine_dies_ends_with_an_error_naming_it(model_dir, route):
-    """The engine's forward raises on its third pass (a CUDA fault): the stream has sent what
-    was generated, then ends with an error event, which the openai client raises (not an HTTP
-    status: the headers went out). Before, the stream waited for ever for a result."""
-    engine = engine_that_dies_on_pass(model_dir, 3)
+    """The engine's forward raises on its sixth pass (a CUDA fault): the stream has sent what
+    was generated (each choice has 4 tokens or more by then, however its prefill was batched),
+    then ends with an error event, which the openai client raises (not an HTTP status: the
+    headers went out). Before, the stream waited for ever for a result."""
+    engine = engine_that_dies_on_pass(model_dir, 6)
     srv = InferenceServer(engine, api_key=KEY, served_model_name=NAME).start()
     texts: list[str] = []
     try:
