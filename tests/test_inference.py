@@ -6,7 +6,7 @@ import time
 import httpx
 import pytest
 import torch
-from engine_faults import engine_that_dies_on_pass
+from engine_faults import engine_that_dies_on_pass, engine_with_slow_passes
 from transformers import AutoModelForCausalLM
 
 from tidal.inference import (
@@ -408,6 +408,56 @@ def test_an_engine_whose_thread_dies_fails_every_request_naming_the_error(model_
             engine.pause(timeout=5)
         with pytest.raises(InferenceError, match="HTTP 500.*illegal memory access"):
             run(asyncio.wait_for(ask(), 30))
+    finally:
+        srv.stop()
+
+
+def test_a_caller_that_goes_away_frees_its_rows_in_the_engine(model_dir):
+    """A generation whose caller went away leaves the batch at the next step instead of running
+    on to its 200 tokens, and the engine serves on: a callback that raises (the caller's event
+    loop closed), a cancelled caller in process, a closed stream over HTTP."""
+    engine = engine_with_slow_passes(model_dir, 0.02)  # 200 tokens: ~4 s each
+    srv = InferenceServer(engine).start()
+    long = {"max_new_tokens": 200}
+
+    def aborted_soon(count: int) -> None:
+        deadline = time.monotonic() + 5
+        while engine.stats["aborted"] < count:
+            assert time.monotonic() < deadline, f"not aborted: {engine.stats}"
+            time.sleep(0.01)
+
+    async def cancel_after_three_tokens():
+        tokens, enough = [], asyncio.Event()
+
+        def on_token(token):
+            tokens.append(token)
+            if len(tokens) == 3:
+                enough.set()
+
+        job = ([1, 2], GenerationConfig(**long), None)
+        task = asyncio.create_task(generate_all(engine, [job], on_token))
+        await asyncio.wait_for(enough.wait(), 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    def loop_closed(token):
+        raise RuntimeError("Event loop is closed")
+
+    try:
+        results = []
+        engine.submit([1, 2], GenerationConfig(**long), results.append, on_token=loop_closed)
+        aborted_soon(1)
+        assert results[0].finish_reason == "abort" and len(results[0].output_ids) == 1
+        run(cancel_after_three_tokens())
+        aborted_soon(2)
+        body = {"input_ids": [1, 2], "sampling_params": long, "stream": True}
+        with httpx.stream("POST", srv.address + "/generate", json=body, timeout=30) as resp:
+            next(line for line in resp.iter_lines() if line.startswith("data:"))
+        aborted_soon(3)
+        assert engine.stats["generated_tokens"] < 60  # of the 600 the three asked for
+        (result,) = run(generate_all(engine, [([1, 2], GenerationConfig(max_new_tokens=3), None)]))
+        assert len(result.output_ids) == 3
     finally:
         srv.stop()
 

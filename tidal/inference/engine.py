@@ -37,6 +37,7 @@ with needs_extra("llm", "the generation engine"):
 
 from tidal.inference.kv_cache import cache_key, cache_nbytes, keep_rows, merge_caches
 from tidal.inference.params import GenerationConfig
+from tidal.inference.sampling import sample_tokens
 from tidal.runtime.weight_sync.validation import (  # noqa: F401 (re-exported)
     WeightsRejected,
     check_weights,
@@ -86,6 +87,7 @@ class _Request:
     versions: list[int] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     next_token: int | None = None
+    aborted: bool = False  # set by ``GenerationEngine.abort`` from any thread
 
 
 class GenerationEngine:
@@ -118,6 +120,8 @@ class GenerationEngine:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._died: EngineDied | None = None
+        self._live: dict[str, list[_Request]] = {}  # by id: queued and running, for ``abort``
+        self._live_lock = threading.Lock()
         self.stats = {"generated_tokens": 0, "requests": 0, "aborted": 0}
         self._thread = threading.Thread(target=self._loop, name="tidal-engine", daemon=True)
         self._thread.start()
@@ -134,7 +138,8 @@ class GenerationEngine:
     ) -> str:
         """Queue a request; ``on_done(result)`` (and ``on_token(token)`` for every token) run on
         the engine's thread and must be quick. ``on_done`` gets an ``EngineDied`` instead of a
-        result if the engine's thread ends on an error first."""
+        result if the engine's thread ends on an error first. A callback that raises (its
+        caller's event loop closed) aborts its request, never the engine."""
         self.validate(prompt, params)
         rid = rid or uuid.uuid4().hex
         gen = None
@@ -142,7 +147,10 @@ class GenerationEngine:
             gen = torch.Generator().manual_seed(
                 params.seed if params.seed is not None else torch.seed() % 2**63
             )
-        self._incoming.put(_Request(rid, list(prompt), params, on_done, gen, on_token))
+        req = _Request(rid, list(prompt), params, on_done, gen, on_token)
+        with self._live_lock:
+            self._live.setdefault(rid, []).append(req)
+        self._incoming.put(req)
         self._wake.set()
         if self._died is not None:  # it died while this one was queued: answer it too
             self._fail_waiting()
@@ -182,6 +190,15 @@ class GenerationEngine:
                 f"{len(prompt)} tokens exceed the model's context of {self.max_positions} tokens; "
                 f"at most {room} fit"
             )
+
+    def abort(self, rid: str) -> None:
+        """End the requests with this id (its caller went away): a queued one never starts, a
+        running one leaves the batch at the next step and returns what it has, ``finish_reason``
+        ``abort``. Thread-safe; an id that is unknown or already done is ignored."""
+        with self._live_lock:
+            for req in self._live.get(rid, ()):
+                req.aborted = True
+        self._wake.set()
 
     def pause(self, mode: str = "abort", timeout: float = 60.0) -> None:
         """Stop generating: ``abort`` returns every in-flight request with what it has,
@@ -251,14 +268,17 @@ class GenerationEngine:
             )
             self._idle.set()  # a pause waiting for the loop ends, with this error
             for req in self._active:
-                req.on_done(self._died)
+                _notify(req, req.on_done, self._died)
             self._active = []
             self._fail_waiting()
+            with self._live_lock:
+                self._live.clear()
 
     def _fail_waiting(self) -> None:
         while True:
             try:
-                self._incoming.get_nowait().on_done(self._died)
+                req = self._incoming.get_nowait()
+                _notify(req, req.on_done, self._died)
             except queue.Empty:
                 return
 
@@ -286,9 +306,13 @@ class GenerationEngine:
             joining = []
             while len(joining) < min(PREFILL_CHUNK, self.max_batch_size - len(self._active)):
                 try:
-                    joining.append(self._incoming.get_nowait())
+                    req = self._incoming.get_nowait()
                 except queue.Empty:
                     break
+                if req.aborted:  # its caller went away before it started
+                    self._complete(req, "abort", None)
+                else:
+                    joining.append(req)
             if not joining:
                 return
             with self._lock:
@@ -306,7 +330,7 @@ class GenerationEngine:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        tokens, logprobs, tops = self._sample(out.logits[:, -1].float(), reqs)
+        tokens, logprobs, tops = sample_tokens(out.logits[:, -1].float(), reqs)
         self.stats["requests"] += len(reqs)
         self._join(reqs, getattr(out, self._cache_key), mask)
         for req, tok, lp, top in zip(reqs, tokens.tolist(), logprobs.tolist(), tops):
@@ -334,15 +358,15 @@ class GenerationEngine:
             **{self._cache_key: self._cache},
         )
         self._cache = getattr(out, self._cache_key)
-        tokens, logprobs, tops = self._sample(out.logits[:, -1].float(), batch)
+        tokens, logprobs, tops = sample_tokens(out.logits[:, -1].float(), batch)
         for req, tok, lp, top in zip(batch, tokens.tolist(), logprobs.tolist(), tops):
             self._accept(req, tok, lp, top)
         self._drop_finished()
 
     def _accept(self, req: _Request, token: int, logprob: float, top: list | None) -> None:
         req.output.append(token)
-        if req.on_token is not None:
-            req.on_token(token)
+        if req.on_token is not None and not req.aborted:  # nobody reads an aborted one
+            _notify(req, req.on_token, token)
         if top is not None:
             req.top.append(top)
         req.logprobs.append(logprob)
@@ -351,6 +375,8 @@ class GenerationEngine:
         self.stats["generated_tokens"] += 1
 
     def _finish_reason(self, req: _Request) -> tuple[str | None, int | str | None]:
+        if req.aborted:
+            return "abort", None
         if req.output and req.output[-1] in req.params.stop_token_ids:
             return "stop", req.output[-1]
         if req.params.stop:
@@ -388,11 +414,20 @@ class GenerationEngine:
     def _abort_all(self) -> None:
         for req in self._active:
             self._complete(req, "abort", None)
-            self.stats["aborted"] += 1
         self._active, self._cache, self._mask = [], None, None
 
     def _complete(self, req: _Request, reason: str, matched: int | None) -> None:
-        req.on_done(
+        with self._live_lock:
+            rest = [r for r in self._live.get(req.rid, ()) if r is not req]
+            if rest:
+                self._live[req.rid] = rest
+            else:
+                self._live.pop(req.rid, None)
+        if reason == "abort":
+            self.stats["aborted"] += 1
+        _notify(
+            req,
+            req.on_done,
             GenerationResult(
                 req.rid,
                 req.output,
@@ -403,42 +438,19 @@ class GenerationEngine:
                 matched,
                 req.versions,
                 req.top,
-            )
+            ),
         )
 
-    def _sample(
-        self, logits: torch.Tensor, reqs: list[_Request]
-    ) -> tuple[torch.Tensor, torch.Tensor, list]:
-        """One token per row: greedy rows take the argmax, the others draw by inverse CDF from
-        one uniform of their own generator (seeded requests repeat)."""
-        temps = torch.tensor(
-            [1.0 if r.params.greedy else r.params.temperature for r in reqs], device=logits.device
-        )
-        logp = torch.log_softmax(logits / temps[:, None], -1)
-        tokens = logits.argmax(-1)
-        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
-            probs = logp[rows].exp()
-            for j, i in enumerate(sampled):
-                p = reqs[i].params
-                if (p.top_k and 0 < p.top_k < probs.shape[-1]) or p.top_p < 1.0:
-                    probs[j] = _filtered_probs(logp[i], p.top_k, p.top_p)
-            cdf = probs.cumsum(-1)
-            # 1 - U(0, 1) lies in (0, 1]: the first index reaching it has a nonzero probability
-            u = torch.cat([1.0 - torch.rand(1, generator=reqs[i].generator) for i in sampled])
-            u = u.to(logits.device)  # drawn on the host: each request's generator is a CPU one
-            picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
-            tokens[rows] = picked.clamp(max=probs.shape[-1] - 1)
-        # a token the model gives probability 0 has log-prob -inf, which JSON cannot carry
-        floor = torch.finfo(logp.dtype).min
-        chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).clamp(min=floor)
-        tops = [None] * len(reqs)
-        for i, r in enumerate(reqs):
-            if r.params.top_logprobs:
-                values, ids = logp[i].topk(min(r.params.top_logprobs, logp.shape[-1]))
-                tops[i] = list(zip(ids.tolist(), values.clamp(min=floor).tolist()))
-        return tokens, chosen, tops
+
+def _notify(req: _Request, callback: Callable, value) -> None:
+    """A caller's callback, on the engine's thread. One that raises (the caller's event loop
+    closed: it went away) aborts its request and is logged; the engine serves on."""
+    try:
+        callback(value)
+    except Exception:
+        if not req.aborted:
+            log.warning("request %s: its callback failed; aborted", req.rid, exc_info=True)
+        req.aborted = True
 
 
 def optional_tokenizer(model_dir: str):
@@ -450,17 +462,3 @@ def optional_tokenizer(model_dir: str):
         return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, TypeError):
         return None
-
-
-def _filtered_probs(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    probs = logp.exp()
-    if top_k and top_k > 0 and top_k < probs.shape[-1]:
-        kth = torch.topk(probs, top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, 0.0)
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p  # keep the smallest set reaching top_p
-        mask = torch.zeros_like(probs, dtype=torch.bool)
-        mask[order[keep]] = True
-        probs = torch.where(mask, probs, 0.0)
-    return probs / probs.sum()

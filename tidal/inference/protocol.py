@@ -315,23 +315,31 @@ async def generate_all(
 ) -> list[GenerationResult]:
     """Run ``(prompt, config, rid)`` jobs on the engine from an event loop. Every job is
     validated before any is submitted, so a refused batch starts nothing. ``on_token(token)``
-    is called on the event loop for every token of a single job (streaming)."""
+    is called on the event loop for every token of a single job (streaming). Cancelled, it
+    aborts its jobs in the engine: nobody waits for them any more."""
     for prompt, cfg, _ in jobs:
         engine.validate(prompt, cfg)
     loop = asyncio.get_running_loop()
-    futures = []
+    futures, rids = [], []
     for prompt, cfg, rid in jobs:
         fut: asyncio.Future[GenerationResult] = loop.create_future()
         token_cb = None if on_token is None else (lambda t: loop.call_soon_threadsafe(on_token, t))
-        engine.submit(
-            prompt,
-            cfg,
-            lambda r, f=fut: loop.call_soon_threadsafe(_settle, f, r),
-            rid=rid,
-            on_token=token_cb,
+        rids.append(
+            engine.submit(
+                prompt,
+                cfg,
+                lambda r, f=fut: loop.call_soon_threadsafe(_settle, f, r),
+                rid=rid,
+                on_token=token_cb,
+            )
         )
         futures.append(fut)
-    return list(await asyncio.gather(*futures))
+    try:
+        return list(await asyncio.gather(*futures))
+    except asyncio.CancelledError:  # the caller went away (a closed stream): free its rows
+        for rid in rids:
+            engine.abort(rid)
+        raise
 
 
 def stream_generate(engine, call: GenerateCall) -> StreamingResponse:
