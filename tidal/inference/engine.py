@@ -16,6 +16,10 @@ in-flight requests keep their KV cache and continue after ``resume()``, with the
 top of a cache the old weights computed — nothing is prefilled twice, at the price of that
 mixed state (which the decoupled loss's proximal policy is there to absorb). Weights change only
 while paused; every token is stamped with the weight version that sampled it.
+
+A request whose caller went away (``abort(rid)``: ``protocol.generate_all`` cancelled, as when a
+client closes its stream) leaves the batch at the next step. If the engine's thread dies, every
+request in it and every later one fails with ``EngineDied``, naming the error.
 """
 
 from __future__ import annotations
