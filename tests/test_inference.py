@@ -415,7 +415,8 @@ def test_an_engine_whose_thread_dies_fails_every_request_naming_the_error(model_
 def test_a_caller_that_goes_away_frees_its_rows_in_the_engine(model_dir):
     """A generation whose caller went away leaves the batch at the next step instead of running
     on to its 200 tokens, and the engine serves on: a callback that raises (the caller's event
-    loop closed), a cancelled caller in process, a closed stream over HTTP."""
+    loop closed), a cancelled caller in process, a closed stream over HTTP, and an HTTP client
+    that stopped waiting for a whole answer."""
     engine = engine_with_slow_passes(model_dir, 0.02)  # 200 tokens: ~4 s each
     srv = InferenceServer(engine).start()
     long = {"max_new_tokens": 200}
@@ -455,7 +456,11 @@ def test_a_caller_that_goes_away_frees_its_rows_in_the_engine(model_dir):
         with httpx.stream("POST", srv.address + "/generate", json=body, timeout=30) as resp:
             next(line for line in resp.iter_lines() if line.startswith("data:"))
         aborted_soon(3)
-        assert engine.stats["generated_tokens"] < 60  # of the 600 the three asked for
+        body["stream"] = False  # a client that gives up waiting for a whole answer
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.address + "/generate", json=body, timeout=httpx.Timeout(30, read=0.3))
+        aborted_soon(4)
+        assert engine.stats["generated_tokens"] < 80  # of the 800 the four asked for
         (result,) = run(generate_all(engine, [([1, 2], GenerationConfig(max_new_tokens=3), None)]))
         assert len(result.output_ids) == 3
     finally:

@@ -1,10 +1,11 @@
 """tidal's OpenAI-compatible API, driven by the official ``openai`` client."""
 
 import asyncio
+import time
 
 import httpx
 import pytest
-from engine_faults import engine_that_dies_on_pass
+from engine_faults import engine_that_dies_on_pass, engine_with_slow_passes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tidal.inference import GenerationEngine, InferenceServer
@@ -257,6 +258,28 @@ def test_a_stream_whose_engine_dies_ends_with_an_error_naming_it(model_dir, rout
         srv.stop()
     assert not isinstance(err.value, openai.APIStatusError)  # an event in a 200 stream
     assert "".join(texts)  # what it generated before the engine died
+
+
+def test_a_client_that_stops_waiting_frees_its_rows(model_dir):
+    """An unstreamed completion whose client times out is aborted in the engine at once,
+    instead of generating its 200 tokens for nobody while the client retries."""
+    engine = engine_with_slow_passes(model_dir, 0.02)  # 200 tokens: ~4 s
+    srv = InferenceServer(engine, api_key=KEY, served_model_name=NAME).start()
+    try:
+        with openai.OpenAI(
+            base_url=srv.address + "/v1", api_key=KEY, max_retries=0, timeout=0.3
+        ) as c:
+            with pytest.raises(openai.APITimeoutError):
+                c.completions.create(
+                    model=NAME, prompt="ab", max_tokens=200, extra_body={"ignore_eos": True}
+                )
+        deadline = time.monotonic() + 5
+        while engine.stats["aborted"] < 1:
+            assert time.monotonic() < deadline, f"not aborted: {engine.stats}"
+            time.sleep(0.01)
+        assert engine.stats["generated_tokens"] < 40
+    finally:
+        srv.stop()
 
 
 @pytest.mark.parametrize(

@@ -56,7 +56,13 @@ from tidal.inference.openai_response import (
     with_token_ids,
 )
 from tidal.inference.params import GenerationConfig
-from tidal.inference.protocol import error_event, generate_all, json_body, output_text
+from tidal.inference.protocol import (
+    error_event,
+    generate_all,
+    json_body,
+    output_text,
+    unless_client_leaves,
+)
 from tidal.inference.tool_calls import check_tools
 from tidal.models.chat_template import chat_prompt
 
@@ -106,7 +112,7 @@ def add_openai_routes(
                 lambda text: {"text": text},
                 wants_usage(body),
             )
-        results = await _generate(engine, prompts, cfg, n)
+        results = await unless_client_leaves(request, _generate(engine, prompts, cfg, n))
         choices = []
         for i, (p, result) in enumerate(results):
             choice = {
@@ -151,7 +157,7 @@ def add_openai_routes(
                 lambda text: {"delta": {"role": "assistant", "content": text}},
                 wants_usage(body),
             )
-        results = await _generate(engine, [prompt], cfg, n)
+        results = await unless_client_leaves(request, _generate(engine, [prompt], cfg, n))
         choices = []
         for i, (_, result) in enumerate(results):
             message, finish, parse_error = chat_choice_message(

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tidal.extras import needs_extra
 
@@ -422,6 +423,36 @@ def error_json(path: str, status: int, message: str, param: str | None = None) -
         body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
         return JSONResponse(body, status_code=status)
     return JSONResponse({"error": message}, status_code=status)
+
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready (answered 499)."""
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """``work`` (a generation), cancelled if the client disconnects before it is done: nobody
+    would read the answer, and its requests leave the engine's batch (``generate_all`` aborts
+    them when cancelled) instead of running on, as a timed-out client's retry arrives."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():  # the client left, or this handler itself was cancelled
+            task.cancel()
+    if task.cancelled():
+        raise ClientGone(f"{request.url.path}: the client closed its connection")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (its body already read, ``receive`` waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def json_body(request: Request):

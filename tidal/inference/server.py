@@ -34,12 +34,14 @@ from tidal.inference.engine import EngineDied, EngineError, GenerationEngine
 from tidal.inference.http_guard import ConnectionGuard
 from tidal.inference.openai_api import add_openai_routes
 from tidal.inference.protocol import (
+    ClientGone,
     error_json,
     generate_all,
     json_body,
     parse_generate,
     result_json,
     stream_generate,
+    unless_client_leaves,
 )
 
 
@@ -95,6 +97,10 @@ def build_app(
     async def died(request: Request, exc: EngineDied):
         return error_json(request.url.path, 500, str(exc))
 
+    @app.exception_handler(ClientGone)
+    async def gone(request: Request, exc: ClientGone):
+        return error_json(request.url.path, 499, str(exc))  # nginx's "client closed request"
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: HTTPException):
         return error_json(request.url.path, exc.status_code, str(exc.detail))
@@ -106,7 +112,8 @@ def build_app(
         if call.stream:
             return stream_generate(engine, call)
         jobs = call.expanded()
-        results = await generate_all(engine, [(prompt, cfg, rid) for _, prompt, cfg, rid in jobs])
+        work = generate_all(engine, [(prompt, cfg, rid) for _, prompt, cfg, rid in jobs])
+        results = await unless_client_leaves(request, work)
         out = [
             result_json(
                 r,
