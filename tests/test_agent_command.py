@@ -19,6 +19,7 @@ import httpx
 import pytest
 from agent_models import ADD_TOOL, QUESTION, tool_loop
 from aiohttp import web
+from engine_faults import engine_with_slow_passes
 from transformers import AutoTokenizer
 
 from tidal.inference import GenerationConfig, GenerationEngine, InferenceClient, InferenceServer
@@ -322,6 +323,41 @@ def test_an_aborted_episode_kills_its_agent_and_refuses_later_calls(server, tok,
     late, live = with_workflow(server, tok, TOOL_AGENT, body)
     assert late.status_code == 409 and "ended" in late.json()["error"]["message"]
     assert live == {}  # nothing of the session is kept: the late call recorded nothing
+
+
+def test_an_agent_that_stops_waiting_frees_its_rows_in_the_engine(tool_model, tok):
+    """An agent's call that times out at the session proxy is cancelled there, which closes the
+    proxy's request to the server, which aborts the generation in the engine: no tokens are
+    generated for nobody while the agent retries."""
+    engine = engine_with_slow_passes(tool_model, 0.02)  # 200 tokens: ~4 s
+    srv = InferenceServer(engine).start()
+
+    async def main():
+        inference = InferenceClient([srv.address], max_retries=0)
+        proxy = SessionProxy(inference, tok, GenerationConfig(max_new_tokens=200))
+        await proxy.start()
+        try:
+            session = proxy.open()
+            async with httpx.AsyncClient(timeout=httpx.Timeout(30, read=0.3)) as http:
+                with pytest.raises(httpx.ReadTimeout):
+                    await http.post(
+                        session.base_url + "/chat/completions",
+                        headers={"Authorization": f"Bearer {session.api_key}"},
+                        json={"model": "tidal", "messages": [{"role": "user", "content": "hi"}]},
+                    )
+            deadline = time.monotonic() + 5
+            while engine.stats["aborted"] < 1:
+                assert time.monotonic() < deadline, f"not aborted: {engine.stats}"
+                await asyncio.sleep(0.01)
+        finally:
+            await proxy.stop()
+            await inference.aclose()
+
+    try:
+        asyncio.run(main())
+        assert engine.stats["generated_tokens"] < 40
+    finally:
+        srv.stop()
 
 
 def test_with_reward_config_the_configured_reward_scores_the_final_answer(server, tok, caplog):

@@ -439,14 +439,14 @@ async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
         if not task.done():  # the client left, or this handler itself was cancelled
             task.cancel()
-    if task.cancelled():
-        raise ClientGone(f"{request.url.path}: the client closed its connection")
-    return task.result()
+    if task in done:
+        return task.result()  # its answer, its error, or its cancellation by another party
+    raise ClientGone(f"{request.url.path}: the client closed its connection")
 
 
 async def _disconnected(request: Request) -> None:

@@ -38,7 +38,7 @@ from tidal.inference.client import InferenceClient, InferenceRefused
 from tidal.inference.openai_request import completion_prompts, openai_names
 from tidal.inference.openai_response import server_sent_event, usage, whole_stream
 from tidal.inference.params import GenerationConfig
-from tidal.inference.protocol import error_json, json_body
+from tidal.inference.protocol import ClientGone, error_json, json_body, unless_client_leaves
 from tidal.inference.responses_api import chat_arguments, response_object
 from tidal.inference.session_stream import chat_stream
 
@@ -178,7 +178,7 @@ class SessionProxy:
         task = asyncio.ensure_future(answer(session, body))
         session.calls.add(task)
         try:
-            return await task
+            return await unless_client_leaves(request, task)
         except asyncio.CancelledError:
             if task.cancelled() and session.ended:
                 raise SessionRefused(409, f"session {session_id} ended during the call") from None
@@ -196,6 +196,10 @@ class SessionProxy:
         async def refused(request: Request, exc: SessionRefused):
             self.refused += 1
             return error_json("/v1/", exc.status, str(exc))  # OpenAI-shaped errors
+
+        @app.exception_handler(ClientGone)
+        async def gone(request: Request, exc: ClientGone):
+            return error_json("/v1/", 499, str(exc))  # nobody reads it
 
         @app.exception_handler(InferenceRefused)
         async def server_refused(request: Request, exc: InferenceRefused):
