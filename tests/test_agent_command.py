@@ -346,7 +346,7 @@ def test_an_agent_that_stops_waiting_frees_its_rows_in_the_engine(tool_model, to
                         json={"model": "tidal", "messages": [{"role": "user", "content": "hi"}]},
                     )
             deadline = time.monotonic() + 5
-            while engine.stats["aborted"] < 1:
+            while engine.stats["cancelled"] < 1:
                 assert time.monotonic() < deadline, f"not aborted: {engine.stats}"
                 await asyncio.sleep(0.01)
         finally:

@@ -421,10 +421,10 @@ def test_a_caller_that_goes_away_frees_its_rows_in_the_engine(model_dir):
     srv = InferenceServer(engine).start()
     long = {"max_new_tokens": 200}
 
-    def aborted_soon(count: int) -> None:
+    def cancelled_soon(count: int) -> None:
         deadline = time.monotonic() + 5
-        while engine.stats["aborted"] < count:
-            assert time.monotonic() < deadline, f"not aborted: {engine.stats}"
+        while engine.stats["cancelled"] < count:
+            assert time.monotonic() < deadline, f"not cancelled: {engine.stats}"
             time.sleep(0.01)
 
     async def cancel_after_three_tokens():
@@ -448,23 +448,68 @@ def test_a_caller_that_goes_away_frees_its_rows_in_the_engine(model_dir):
     try:
         results = []
         engine.submit([1, 2], GenerationConfig(**long), results.append, on_token=loop_closed)
-        aborted_soon(1)
+        deadline = time.monotonic() + 5
+        while not results:
+            assert time.monotonic() < deadline, f"not cancelled: {engine.stats}"
+            time.sleep(0.01)
         assert results[0].finish_reason == "abort" and len(results[0].output_ids) == 1
         run(cancel_after_three_tokens())
-        aborted_soon(2)
+        cancelled_soon(2)
         body = {"input_ids": [1, 2], "sampling_params": long, "stream": True}
         with httpx.stream("POST", srv.address + "/generate", json=body, timeout=30) as resp:
             next(line for line in resp.iter_lines() if line.startswith("data:"))
-        aborted_soon(3)
+        cancelled_soon(3)
         body["stream"] = False  # a client that gives up waiting for a whole answer
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(srv.address + "/generate", json=body, timeout=httpx.Timeout(30, read=0.3))
-        aborted_soon(4)
+        cancelled_soon(4)
         assert engine.stats["generated_tokens"] < 80  # of the 800 the four asked for
         (result,) = run(generate_all(engine, [([1, 2], GenerationConfig(max_new_tokens=3), None)]))
         assert len(result.output_ids) == 3
+        assert engine.stats["aborted"] == 0  # no pause aborted anything
     finally:
         srv.stop()
+
+
+def test_abort_ends_its_own_request_queued_or_running(model_dir):
+    """``Submitted.abort`` ends that request and no other with its id: one queued during a
+    pause never starts; one running leaves the batch; the one beside it runs to its end."""
+    engine = engine_with_slow_passes(model_dir, 0.01)
+    results: dict = {}
+
+    def keep(name):
+        return lambda result: results.__setitem__(name, result)
+
+    long = GenerationConfig(max_new_tokens=100)
+    try:
+        engine.pause("in_place")
+        engine.submit([1, 2], long, keep("queued"), rid="same").abort()
+        engine.resume()
+        running = engine.submit([1, 2], long, keep("running"), rid="same")
+        engine.submit([3, 4], GenerationConfig(max_new_tokens=20), keep("other"), rid="same")
+        deadline = time.monotonic() + 30
+        while engine.stats["generated_tokens"] < 6:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        running.abort()
+        while len(results) < 3:
+            assert time.monotonic() < deadline, results
+            time.sleep(0.005)
+    finally:
+        engine.close()
+    assert results["queued"].finish_reason == "abort" and results["queued"].output_ids == []
+    assert results["running"].finish_reason == "abort"
+    assert 0 < len(results["running"].output_ids) < 100
+    assert results["other"].finish_reason == "length" and len(results["other"].output_ids) == 20
+    assert (engine.stats["cancelled"], engine.stats["aborted"]) == (2, 0)
+
+
+def test_an_engine_that_dies_in_a_prefill_answers_the_requests_it_was_admitting(model_dir):
+    engine = engine_that_dies_on_pass(model_dir, 2)  # the second request's prefill
+    first = run(generate_all(engine, [([1, 2], GenerationConfig(max_new_tokens=1), None)]))
+    assert len(first[0].output_ids) == 1
+    with pytest.raises(EngineDied, match="illegal memory access"):
+        run(asyncio.wait_for(generate_all(engine, [([3, 4], GenerationConfig(), None)]), 10))
 
 
 def test_requests_of_one_session_stick_to_one_server():

@@ -274,7 +274,7 @@ def test_a_client_that_stops_waiting_frees_its_rows(model_dir):
                     model=NAME, prompt="ab", max_tokens=200, extra_body={"ignore_eos": True}
                 )
         deadline = time.monotonic() + 5
-        while engine.stats["aborted"] < 1:
+        while engine.stats["cancelled"] < 1:
             assert time.monotonic() < deadline, f"not aborted: {engine.stats}"
             time.sleep(0.01)
         assert engine.stats["generated_tokens"] < 40

@@ -17,8 +17,8 @@ top of a cache the old weights computed — nothing is prefilled twice, at the p
 mixed state (which the decoupled loss's proximal policy is there to absorb). Weights change only
 while paused; every token is stamped with the weight version that sampled it.
 
-A request whose caller went away (``abort(rid)``: ``protocol.generate_all`` cancelled, as when a
-client closes its stream) leaves the batch at the next step. If the engine's thread dies, every
+A request whose caller went away (``Submitted.abort``: ``protocol.generate_all`` cancelled, as
+when a client closes its stream) leaves the batch before the next step. If the engine's thread dies, every
 request in it and every later one fails with ``EngineDied``, naming the error.
 """
 
@@ -91,7 +91,22 @@ class _Request:
     versions: list[int] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     next_token: int | None = None
-    aborted: bool = False  # set by ``GenerationEngine.abort`` from any thread
+    aborted: bool = False  # its caller went away (``Submitted.abort``, from any thread)
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A request in the engine: its id, and ``abort()`` for a caller that went away (a queued
+    request never starts; a running one leaves the batch before the next step and returns
+    what it has, ``finish_reason`` ``abort``). Thread-safe; after the end, a no-op."""
+
+    rid: str
+    _request: _Request
+    _wake: threading.Event
+
+    def abort(self) -> None:
+        self._request.aborted = True
+        self._wake.set()
 
 
 class GenerationEngine:
@@ -124,9 +139,9 @@ class GenerationEngine:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._died: EngineDied | None = None
-        self._live: dict[str, list[_Request]] = {}  # by id: queued and running, for ``abort``
-        self._live_lock = threading.Lock()
-        self.stats = {"generated_tokens": 0, "requests": 0, "aborted": 0}
+        self._joining: list[_Request] = []  # being prefilled: not in the batch yet
+        # aborted: by a pause (resubmitted by clients); cancelled: by their callers
+        self.stats = {"generated_tokens": 0, "requests": 0, "aborted": 0, "cancelled": 0}
         self._thread = threading.Thread(target=self._loop, name="tidal-engine", daemon=True)
         self._thread.start()
 
@@ -139,11 +154,12 @@ class GenerationEngine:
         on_done: Callable[[GenerationResult | EngineDied], None],
         rid: str | None = None,
         on_token: Callable[[int], None] | None = None,
-    ) -> str:
+    ) -> Submitted:
         """Queue a request; ``on_done(result)`` (and ``on_token(token)`` for every token) run on
         the engine's thread and must be quick. ``on_done`` gets an ``EngineDied`` instead of a
         result if the engine's thread ends on an error first. A callback that raises (its
-        caller's event loop closed) aborts its request, never the engine."""
+        caller's event loop closed) aborts its request, never the engine. Returns the request's
+        id and its ``abort()``."""
         self.validate(prompt, params)
         rid = rid or uuid.uuid4().hex
         gen = None
@@ -152,13 +168,11 @@ class GenerationEngine:
                 params.seed if params.seed is not None else torch.seed() % 2**63
             )
         req = _Request(rid, list(prompt), params, on_done, gen, on_token)
-        with self._live_lock:
-            self._live.setdefault(rid, []).append(req)
         self._incoming.put(req)
         self._wake.set()
         if self._died is not None:  # it died while this one was queued: answer it too
             self._fail_waiting()
-        return rid
+        return Submitted(rid, req, self._wake)
 
     def validate(self, prompt: list[int], params: GenerationConfig) -> None:
         """Refuse what cannot be generated, naming the field (the server answers 400), and
@@ -194,15 +208,6 @@ class GenerationEngine:
                 f"{len(prompt)} tokens exceed the model's context of {self.max_positions} tokens; "
                 f"at most {room} fit"
             )
-
-    def abort(self, rid: str) -> None:
-        """End the requests with this id (its caller went away): a queued one never starts, a
-        running one leaves the batch at the next step and returns what it has, ``finish_reason``
-        ``abort``. Thread-safe; an id that is unknown or already done is ignored."""
-        with self._live_lock:
-            for req in self._live.get(rid, ()):
-                req.aborted = True
-        self._wake.set()
 
     def pause(self, mode: str = "abort", timeout: float = 60.0) -> None:
         """Stop generating: ``abort`` returns every in-flight request with what it has,
@@ -271,12 +276,11 @@ class GenerationEngine:
                 f"the generation engine stopped on an error: {type(exc).__name__}: {exc}"
             )
             self._idle.set()  # a pause waiting for the loop ends, with this error
-            for req in self._active:
+            joining = [r for r in self._joining if not any(r is a for a in self._active)]
+            for req in self._active + joining:  # a prefill may have been what failed
                 _notify(req, req.on_done, self._died)
-            self._active = []
+            self._active, self._joining = [], []
             self._fail_waiting()
-            with self._live_lock:
-                self._live.clear()
 
     def _fail_waiting(self) -> None:
         while True:
@@ -289,8 +293,10 @@ class GenerationEngine:
     def _serve(self) -> None:
         while not self._stop.is_set():
             if self._paused.is_set():
-                if self._pause_mode == "abort":
-                    self._abort_all()
+                with self._lock:
+                    if self._pause_mode == "abort":
+                        self._abort_all()
+                    self._drop_aborted()  # cancelled during an in-place pause: free their rows
                 self._idle.set()
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -301,7 +307,9 @@ class GenerationEngine:
                 self._wake.clear()
                 continue
             with self._lock:
-                self._decode_step()
+                self._drop_aborted()
+                if self._active:
+                    self._decode_step()
 
     def _admit(self) -> None:
         """Prefill the waiting requests that fit in the batch, ``PREFILL_CHUNK`` at a time (a
@@ -319,9 +327,11 @@ class GenerationEngine:
                     joining.append(req)
             if not joining:
                 return
+            self._joining = joining
             with self._lock:
                 self._prefill(joining)
                 self._drop_finished()  # a request may be done after its first token
+            self._joining = []
 
     @torch.no_grad()
     def _prefill(self, reqs: list[_Request]) -> None:
@@ -415,19 +425,20 @@ class GenerationEngine:
             return
         self._cache, self._mask = keep_rows(self._cache, self._mask, keep)
 
+    def _drop_aborted(self) -> None:
+        """Drop the requests whose callers went away, before another step is spent on them."""
+        if any(r.aborted for r in self._active):
+            self._drop_finished()
+
     def _abort_all(self) -> None:
         for req in self._active:
             self._complete(req, "abort", None)
         self._active, self._cache, self._mask = [], None, None
 
     def _complete(self, req: _Request, reason: str, matched: int | None) -> None:
-        with self._live_lock:
-            rest = [r for r in self._live.get(req.rid, ()) if r is not req]
-            if rest:
-                self._live[req.rid] = rest
-            else:
-                self._live.pop(req.rid, None)
-        if reason == "abort":
+        if req.aborted:
+            self.stats["cancelled"] += 1
+        elif reason == "abort":
             self.stats["aborted"] += 1
         _notify(
             req,
@@ -451,9 +462,9 @@ def _notify(req: _Request, callback: Callable, value) -> None:
     closed: it went away) aborts its request and is logged; the engine serves on."""
     try:
         callback(value)
-    except Exception:
+    except Exception as exc:
         if not req.aborted:
-            log.warning("request %s: its callback failed; aborted", req.rid, exc_info=True)
+            log.warning("request %s: its callback raised %r; aborted", req.rid, exc)
         req.aborted = True
 
 

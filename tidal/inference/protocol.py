@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ with needs_extra("llm", "the inference server"):
 
 from tidal.inference.engine import EngineDied, GenerationResult
 from tidal.inference.params import GenerationConfig
+
+log = logging.getLogger(__name__)
 
 # top-level fields that do not change the result here
 IGNORED_FIELDS = frozenset(
@@ -321,11 +324,11 @@ async def generate_all(
     for prompt, cfg, _ in jobs:
         engine.validate(prompt, cfg)
     loop = asyncio.get_running_loop()
-    futures, rids = [], []
+    futures, submitted = [], []
     for prompt, cfg, rid in jobs:
         fut: asyncio.Future[GenerationResult] = loop.create_future()
         token_cb = None if on_token is None else (lambda t: loop.call_soon_threadsafe(on_token, t))
-        rids.append(
+        submitted.append(
             engine.submit(
                 prompt,
                 cfg,
@@ -338,8 +341,8 @@ async def generate_all(
     try:
         return list(await asyncio.gather(*futures))
     except asyncio.CancelledError:  # the caller went away (a closed stream): free its rows
-        for rid in rids:
-            engine.abort(rid)
+        for request in submitted:
+            request.abort()
         raise
 
 
@@ -435,11 +438,17 @@ class ClientGone(Exception):
 async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
     """``work`` (a generation), cancelled if the client disconnects before it is done: nobody
     would read the answer, and its requests leave the engine's batch (``generate_all`` aborts
-    them when cancelled) instead of running on, as a timed-out client's retry arrives."""
+    them when cancelled) instead of running on, as a timed-out client's retry arrives. The
+    request's body must have been read (the watch reads what the client sends next)."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnected(request))
     try:
         done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done and watch.exception() is not None:  # cannot tell: only wait
+            log.warning(
+                "%s: cannot watch for a disconnect: %r", request.url.path, watch.exception()
+            )
+            done, _ = await asyncio.wait({task})
     finally:
         watch.cancel()
         if not task.done():  # the client left, or this handler itself was cancelled
