@@ -355,7 +355,7 @@ def test_an_agent_that_stops_waiting_frees_its_rows_in_the_engine(tool_model, to
 
     try:
         asyncio.run(main())
-        assert engine.stats["generated_tokens"] < 40
+        assert engine.stats["generated_tokens"] < 100  # of 200
     finally:
         srv.stop()
 

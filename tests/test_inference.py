@@ -468,7 +468,7 @@ def test_a_caller_that_goes_away_frees_its_rows_in_the_engine(model_dir):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(srv.address + "/generate", json=body, timeout=httpx.Timeout(30, read=0.3))
         cancelled_soon(4)
-        assert engine.stats["generated_tokens"] < 80  # of the 800 the four asked for
+        assert engine.stats["generated_tokens"] < 200  # of the 800 the four asked for
         (result,) = run(generate_all(engine, [([1, 2], GenerationConfig(max_new_tokens=3), None)]))
         assert len(result.output_ids) == 3
         assert engine.stats["aborted"] == 0  # no pause aborted anything

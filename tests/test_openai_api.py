@@ -282,7 +282,7 @@ def test_a_client_that_stops_waiting_frees_its_rows(model_dir):
         while engine.stats["cancelled"] < 1:
             assert time.monotonic() < deadline, f"not aborted: {engine.stats}"
             time.sleep(0.01)
-        assert engine.stats["generated_tokens"] < 40
+        assert engine.stats["generated_tokens"] < 100  # of 200
     finally:
         srv.stop()
 
