@@ -18,8 +18,8 @@ mixed state (which the decoupled loss's proximal policy is there to absorb). Wei
 while paused; every token is stamped with the weight version that sampled it.
 
 A request whose caller went away (``Submitted.abort``: ``protocol.generate_all`` cancelled, as
-when a client closes its stream) leaves the batch before the next step. If the engine's thread dies, every
-request in it and every later one fails with ``EngineDied``, naming the error.
+when a client closes its stream) leaves the batch before the next step. If the engine's thread
+dies, every request in it and every later one fails with ``EngineDied``, naming the error.
 """
 
 from __future__ import annotations
