@@ -110,6 +110,11 @@ def tidal_collection(overrides: list[str], rounds: int) -> float:
         return (runner.env_steps - before) / (time.perf_counter() - start)
 
 
+def paired_ratio(baseline_s: list[float], measured_s: list[float]) -> float:
+    """The median over paired rounds of baseline time / measured time (> 1: faster)."""
+    return statistics.median(b / m for b, m in zip(baseline_s, measured_s))
+
+
 def paired_rounds(hand_round: Callable, tidal_round: Callable, pairs: int) -> dict:
     """Seconds per round of each, alternating round by round, and the median of the per-pair
     ratios (hand time / tidal time): this machine's speed drifts by tens of percent from one
@@ -120,8 +125,7 @@ def paired_rounds(hand_round: Callable, tidal_round: Callable, pairs: int) -> di
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
-    ratios = [h / t for h, t in zip(hand, tidal)]
-    return {"hand_s": hand, "tidal_s": tidal, "ratio": statistics.median(ratios)}
+    return {"hand_s": hand, "tidal_s": tidal, "ratio": paired_ratio(hand, tidal)}
 
 
 def bench_collection(
@@ -257,7 +261,7 @@ def bench_train(steps: int, envs: int, backends=("local", "ray"), stages=(1, 2))
         out[name] = {
             "steps_per_s": rate(tidal),
             "hand_loop_steps_per_s": rate(hand),
-            "ratio": statistics.median(h / t for h, t in zip(hand, tidal)),
+            "ratio": paired_ratio(hand, tidal),
             "first_step_s": run["tidal_s"][0],
             "rounds_s": {"hand": run["hand_s"], "tidal": run["tidal_s"]},
         }
@@ -382,9 +386,9 @@ def bench_scaleout(
                         times[key].append(time.perf_counter() - start)
             out[name] = {
                 **{f"{k}_steps_per_s": steps / statistics.median(v) for k, v in times.items()},
-                **{f"vs_{k}": _paired(times[k], times["tidal"]) for k in loops},
+                **{f"vs_{k}": paired_ratio(times[k], times["tidal"]) for k in loops},
                 # what the two cores gave the hand loop in this run
-                "split_vs_sync": _paired(times["sync"], times["split"]),
+                "split_vs_sync": paired_ratio(times["sync"], times["split"]),
                 "rounds_s": times,
             }
             print("scaleout", name, _brief(out[name]), flush=True)
@@ -392,11 +396,6 @@ def bench_scaleout(
         for loop in loops.values():
             loop.close()
     return out
-
-
-def _paired(baseline_s: list[float], measured_s: list[float]) -> float:
-    """The median over paired rounds of baseline time / measured time (> 1: faster)."""
-    return statistics.median(b / m for b, m in zip(baseline_s, measured_s))
 
 
 def bench_pipeline(rounds: int) -> dict:

@@ -183,10 +183,8 @@ class SessionProxy:
             if task.cancelled() and session.ended:
                 raise SessionRefused(409, f"session {session_id} ended during the call") from None
             raise
-        finally:
+        finally:  # unless_client_leaves cancelled the task if it is unfinished
             session.calls.discard(task)
-            if not task.done():  # the caller went away: its generation is not wanted
-                task.cancel()
 
     def app(self) -> FastAPI:
         app = FastAPI(title="tidal session proxy")
