@@ -360,6 +360,65 @@ def test_an_agent_that_stops_waiting_frees_its_rows_in_the_engine(tool_model, to
         srv.stop()
 
 
+def test_a_session_that_ends_during_its_calls_answers_them_409_and_frees_their_rows(
+    tool_model, tok
+):
+    """Ending a session (the dispatcher aborting its episode) while a plain and a streamed call
+    are generating: the plain one is answered 409, the stream ends with a 409 error event, and
+    both generations leave the engine instead of running on to their 200 tokens."""
+    engine = engine_with_slow_passes(tool_model, 0.02)  # 200 tokens: ~4 s
+    srv = InferenceServer(engine).start()
+    messages = [{"role": "user", "content": "hi"}]
+
+    async def main():
+        inference = InferenceClient([srv.address], max_retries=0)
+        proxy = SessionProxy(inference, tok, GenerationConfig(max_new_tokens=200))
+        await proxy.start()
+        session = proxy.open()
+        c = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+        try:
+            async with httpx.AsyncClient(timeout=30) as http:
+                plain = asyncio.create_task(
+                    http.post(
+                        session.base_url + "/chat/completions",
+                        headers={"Authorization": f"Bearer {session.api_key}"},
+                        json={"model": "tidal", "messages": messages},
+                    )
+                )
+                stream = await c.chat.completions.create(
+                    model="tidal", messages=messages, stream=True
+                )
+                async for ch in stream:  # both calls are generating once text streams
+                    if ch.choices and ch.choices[0].delta.content:
+                        break
+                deadline = time.monotonic() + 10
+                while len(session.calls) < 2:
+                    assert time.monotonic() < deadline, "the plain call never reached the proxy"
+                    await asyncio.sleep(0.01)
+                await proxy.end(session.id)
+                with pytest.raises(openai.APIError, match="ended during the call"):
+                    async for _ in stream:
+                        pass
+                answered = await plain
+            deadline = time.monotonic() + 5
+            while engine.stats["cancelled"] < 2:
+                assert time.monotonic() < deadline, f"not aborted: {engine.stats}"
+                await asyncio.sleep(0.01)
+            return answered
+        finally:
+            await c.close()
+            await proxy.stop()
+            await inference.aclose()
+
+    try:
+        answered = asyncio.run(main())
+        assert answered.status_code == 409
+        assert "ended during the call" in answered.json()["error"]["message"]
+        assert engine.stats["generated_tokens"] < 200  # of 2 x 200
+    finally:
+        srv.stop()
+
+
 def test_with_reward_config_the_configured_reward_scores_the_final_answer(server, tok, caplog):
     """rollout.agent.reward: config: the agent prints no reward; reward.name scores its final
     assistant message against the record, and an agent that made no call is rejected."""
