@@ -108,6 +108,50 @@ def test_dispatcher_respects_the_staleness_bound_and_keeps_the_stream():
         d.shutdown()
 
 
+def test_no_episode_is_trained_more_than_max_staleness_versions_after_it_started():
+    """Episode 0 is slow: the ones after it finish first and fill batches, but the batch in
+    which episode 0 would reach its staleness budget waits for it."""
+    staleness = StalenessManager(max_staleness=1, consumer_batch_size=1, max_concurrent_rollouts=3)
+
+    async def episode(x):
+        started = staleness.get_version()
+        await asyncio.sleep(0.5 if x == 0 else 0.01)
+        return {"x": x, "started": started}
+
+    d = RolloutDispatcher(episode, staleness)
+    data, trained = iter(range(100)), []
+    try:
+        for version in range(4):
+            staleness.set_version(version)
+            d.wake()
+            (result,) = d.prepare_batch(data, 1, timeout=30)
+            trained.append((result["x"], version - result["started"]))
+    finally:
+        d.shutdown()
+    assert trained[:2] == [(1, 0), (0, 1)]  # episode 0 waited for: 1 version late, not 2
+    assert max(late for _, late in trained) == 1
+
+
+def test_a_checkpoint_rereads_the_inputs_no_batch_has_used():
+    staleness = StalenessManager(max_staleness=0, consumer_batch_size=2, max_concurrent_rollouts=4)
+
+    async def episode(x):
+        await asyncio.sleep(0.01)
+        return None if x == 2 else x  # input 2 is turned away (e.g. dynamic sampling)
+
+    d = RolloutDispatcher(episode, staleness)
+    data = iter(range(100))
+    try:
+        assert d.prepare_batch(data, 2, timeout=30) == [0, 1]
+        assert d.submitted >= 6 and d.inputs_to_reread() == d.submitted - 2  # 2 on: not used
+        staleness.set_version(1)
+        d.wake()
+        assert d.prepare_batch(data, 2, timeout=30) == [3, 4]
+        assert d.inputs_to_reread() == d.submitted - 5  # from 5 on; 2 was used up (rejected)
+    finally:
+        d.shutdown()
+
+
 def test_rejections_are_counted_and_failures_name_the_episode():
     staleness = StalenessManager(0, 2, 4)
 

@@ -245,6 +245,19 @@ def test_iterator_position_is_restored(cache):
         RecordIterator(table.select(range(10)), seed=1).load_state_dict(state)
 
 
+def test_an_iterator_rewinds_over_records_read_but_not_used_even_across_epochs(cache):
+    table = load_prompts(DATA / "eval.parquet", cache, prompt_key="question")  # 64 records
+    it = RecordIterator(table, seed=1)
+    it.next_batch(60)
+    used_up_to_here = it.state_dict()
+    read_ahead = it.next_batch(10)  # into the second epoch: queued or in flight at a save
+    rewound = RecordIterator(table, seed=1)
+    rewound.load_state_dict(it.state_dict(unread=10))
+    assert rewound.state_dict() == used_up_to_here and rewound.next_batch(10) == read_ahead
+    with pytest.raises(ValueError, match="unread: 71 records, but only 70 were read"):
+        it.state_dict(unread=71)
+
+
 def test_checks_before_the_run_folder_exists(tmp_path):
     assert check_prompts(DATA / "eval.parquet", prompt_key="question") == 64
     assert check_conversations(DATA / "sft.jsonl") == 24

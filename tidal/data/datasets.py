@@ -210,14 +210,26 @@ class RecordIterator:
     def next_batch(self, n: int) -> list[dict]:
         return [next(self) for _ in range(n)]
 
-    def state_dict(self) -> dict:
+    def state_dict(self, unread: int = 0) -> dict:
+        """The position; ``unread``: as if the last ``unread`` records had not been read (those
+        a checkpoint's batches have not used yet: a resume reads them again)."""
+        epoch, position = self.epoch, self.position - unread
+        while position < 0 and epoch > 0:  # the permutations are seeded: earlier epochs come back
+            epoch, position = epoch - 1, position + len(self.table)
+        if position < 0:
+            raise ValueError(f"unread: {unread} records, but only {self.read} were read")
         return {
             "seed": self.seed,
             "shuffle": self.shuffle,
-            "epoch": self.epoch,
-            "position": self.position,
+            "epoch": epoch,
+            "position": position,
             "size": len(self.table),
         }
+
+    @property
+    def read(self) -> int:
+        """Records read so far, over every epoch."""
+        return self.epoch * len(self.table) + self.position
 
     def load_state_dict(self, state: dict) -> None:
         if state["size"] != len(self.table):

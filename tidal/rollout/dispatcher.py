@@ -3,7 +3,9 @@
 A producer thread submits pending inputs to an event loop (where episodes run as coroutines)
 while the staleness capacity is positive and the dispatcher is not paused; a consumer thread
 collects finished episodes. ``prepare_batch`` keeps the data stream flowing across training
-steps and returns the oldest accepted results first.
+steps and returns the oldest accepted results first, waiting for any episode whose staleness
+budget ends with this batch (so no result is trained more than ``max_staleness`` versions after
+the one it started under, even when later episodes finish first).
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class RolloutDispatcher:
         self._cv = threading.Condition()
         self._finished: queue.Queue[_Finished] = queue.Queue()
         self._accepted: dict[int, _Finished] = {}
+        self._running: dict[int, int] = {}  # task id → the version it started under
+        self._unconsumed: set[int] = set()  # submitted, neither trained on nor turned away
         self._result_cv = threading.Condition()
         self._paused = threading.Event()
         self._shutdown = threading.Event()
@@ -80,11 +84,12 @@ class RolloutDispatcher:
     # -- inputs ---------------------------------------------------------------------------
 
     def submit(self, data: Any) -> int:
-        with self._cv:
+        with self._result_cv, self._cv:  # this order everywhere: wait_results submits (refill)
             if len(self._pending) >= self.max_queue_size:
                 raise EpisodeError(f"the dispatcher's input queue is full ({self.max_queue_size})")
             task_id = self._submitted
             self._submitted += 1
+            self._unconsumed.add(task_id)
             self._pending.append((task_id, data))
             self.staleness.on_rollout_enqueued()
             self._cv.notify_all()
@@ -142,6 +147,8 @@ class RolloutDispatcher:
                 task_id, data = self._pending.popleft()
                 self.staleness.on_rollout_submitted()
             version = self.staleness.get_version()
+            with self._result_cv:
+                self._running[task_id] = version
             fut = asyncio.run_coroutine_threadsafe(self.episode_fn(data), self._loop)
             fut.add_done_callback(
                 lambda f, t=task_id, v=version: self._finished.put(self._record(t, v, f))
@@ -171,8 +178,11 @@ class RolloutDispatcher:
             else:
                 self.staleness.on_rollout_rejected()
             with self._result_cv:
+                del self._running[item.task_id]
                 if accepted or item.error is not None:
                     self._accepted[item.task_id] = item
+                else:
+                    self._unconsumed.discard(item.task_id)
                 self._result_cv.notify_all()
             self.wake()
 
@@ -181,8 +191,9 @@ class RolloutDispatcher:
     def wait_results(
         self, count: int, timeout: float = 600.0, refill: Callable[[], None] | None = None
     ) -> list[_Finished]:
-        """The ``count`` oldest accepted results (by submission order), waiting for them;
-        ``refill`` runs between waits (episodes turned away leave room for more inputs)."""
+        """The ``count`` oldest accepted results (by submission order), waiting for them and for
+        every running episode that would be too stale for the next batch; ``refill`` runs
+        between waits (episodes turned away leave room for more inputs)."""
         deadline = time.monotonic() + timeout
         with self._result_cv:
             while True:
@@ -190,10 +201,11 @@ class RolloutDispatcher:
                     refill()
                 self._raise_failures()
                 ready = [r for r in self._accepted.values() if r.error is None]
-                if len(ready) >= count:
+                if len(ready) >= count and not self._due_running():
                     chosen = sorted(ready, key=lambda r: r.task_id)[:count]
                     for r in chosen:
                         del self._accepted[r.task_id]
+                        self._unconsumed.discard(r.task_id)
                     return chosen
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -202,6 +214,13 @@ class RolloutDispatcher:
                         f"(staleness counters: {self.staleness.snapshot()})"
                     )
                 self._result_cv.wait(min(left, 0.5))
+
+    def _due_running(self) -> bool:
+        """Whether a running episode must be in this batch: trained any later, it would be
+        more than ``max_staleness`` versions old. Admission leaves at most a batch of them, and
+        they are the oldest by submission order, so the batch takes them first."""
+        last_chance = self.staleness.get_version() - self.staleness.max_staleness
+        return any(started <= last_chance for started in self._running.values())
 
     def _raise_failures(self) -> None:
         if self._thread_error is not None:
@@ -232,8 +251,16 @@ class RolloutDispatcher:
 
     @property
     def submitted(self) -> int:
-        """Episodes taken from the data stream so far (for checkpoints)."""
+        """Episodes taken from the data stream so far."""
         return self._submitted
+
+    def inputs_to_reread(self) -> int:
+        """How many of the inputs read so far a resume must read again: the oldest one that no
+        batch has used (nor turned away) and every one read after it. A checkpoint rewinds the
+        data stream by this many, so a resume skips no input (one that a batch used out of
+        order, past an older one still running, is used again)."""
+        with self._result_cv:
+            return self._submitted - min(self._unconsumed) if self._unconsumed else 0
 
     def shutdown(self) -> None:
         self._shutdown.set()

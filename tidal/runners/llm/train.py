@@ -90,8 +90,9 @@ class LLMRunner(RunLoop):
         return meta
 
     def checkpoint_meta(self) -> dict:
-        # the position counts records taken from the stream: those in flight at a save are skipped
-        return {"data": self.train_data.state_dict(), "staleness": self.staleness.snapshot()}
+        # records read ahead (queued or in flight at the save) are read again after a resume
+        data = self.train_data.state_dict(unread=self.dispatcher.inputs_to_reread())
+        return {"data": data, "staleness": self.staleness.snapshot()}
 
     def progress_info(self, m: dict) -> str:
         evals = {k: round(v, 3) for k, v in m.items() if k.startswith("eval/")}
