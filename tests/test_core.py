@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tidal.checkpoint import complete_checkpoints, resolve_checkpoint
+from tidal.checkpoint import (
+    complete_checkpoints,
+    prune_checkpoints,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from tidal.cli import main
 from tidal.config import ActorConfig, ConfigError, EmbodiedConfig, field_help, load_config
 from tidal.config.common import ClusterConfig, RunnerConfig
@@ -230,6 +235,23 @@ def test_cadence_never_saves_a_step_twice_and_keeps_the_newest(tmp_path):
     )
     assert [s for s, _ in summary["evals"]] == [4, 6]
 
+
+def test_pruning_keeps_the_newest_by_step_number_and_the_one_latest_names(tmp_path):
+    def save(folder, step):
+        save_checkpoint(folder / f"step_{step:06d}", {"w": torch.zeros(1)}, {}, {"step": step})
+
+    def kept(folder):
+        return [p.name for p in complete_checkpoints(folder)]
+
+    for step in (5, 999_999, 1_000_000):  # the name grows past six digits
+        save(tmp_path / "long", step)
+    prune_checkpoints(tmp_path / "long", 1)
+    assert kept(tmp_path / "long") == ["step_1000000"]
+
+    for step in (1, 2, 3, 2):  # resumed from step 1 of a run that had reached step 3
+        save(tmp_path / "resumed", step)
+    prune_checkpoints(tmp_path / "resumed", 1)
+    assert kept(tmp_path / "resumed") == ["step_000002", "step_000003"]  # 2: what latest names
 
 def test_target_metric_stops_the_run(tmp_path):
     summary = run_to_end(

@@ -5,6 +5,7 @@ weight path over NCCL between processes, offload freeing the actor's device memo
 import pytest
 import torch
 
+from tidal.checkpoint import rng_state, set_rng_state
 from tidal.config.common import ActorConfig
 from tidal.engine import TrainEngine
 from tidal.runtime import Cluster
@@ -18,6 +19,15 @@ def test_auto_resolves_to_cuda_and_records_move_there():
     assert device.type == "cuda"
     moved = to_device({"x": torch.ones(3)}, device)
     assert moved["x"].is_cuda
+
+
+def test_a_checkpoints_rng_state_brings_back_what_sampling_on_the_device_draws():
+    torch.randn(1, device="cuda")  # CUDA in use: its generator is part of the state
+    saved = rng_state()
+    drawn = torch.randn(4, device="cuda")
+    torch.cuda.manual_seed(123)  # a resumed process starts from its seed
+    set_rng_state(saved)
+    assert torch.equal(torch.randn(4, device="cuda"), drawn)
 
 
 def test_bf16_autocast_keeps_fp32_master_weights_and_offload_frees_90_percent():

@@ -27,8 +27,12 @@ SHARDS_DIR = "shards"  # torch.distributed.checkpoint files: model and optimizer
 
 
 def rng_state() -> dict[str, Any]:
+    """The RNG states a resume restores: torch's (CPU, and the current CUDA device's once CUDA
+    is in use: sampling there draws from it), NumPy's and Python's."""
     np_state = np.random.get_state()
+    cuda = {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_initialized() else {}
     return {
+        **cuda,
         "torch": torch.get_rng_state(),
         "numpy": {
             "key": np_state[1].tolist(),
@@ -44,6 +48,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     import ast
 
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
     n = state["numpy"]
     np.random.set_state(
         (
@@ -167,9 +173,14 @@ def complete_checkpoints(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    return sorted(
-        (p for p in folder.glob("step_*") if p.is_dir() and is_complete(p)), key=lambda p: p.name
-    )
+    found = (p for p in folder.glob("step_*") if p.is_dir() and is_complete(p))
+    return sorted(found, key=_step_number)
+
+
+def _step_number(path: Path) -> int:
+    """``step_1000000`` comes after ``step_999999``: by the number, not the name."""
+    number = path.name.removeprefix("step_")
+    return int(number) if number.isdigit() else -1
 
 
 def clean_stale(folder: str | Path) -> list[Path]:
@@ -181,10 +192,14 @@ def clean_stale(folder: str | Path) -> list[Path]:
 
 
 def prune_checkpoints(folder: str | Path, keep: int) -> None:
-    """Keep the ``keep`` newest complete checkpoints (0: all)."""
+    """Keep the ``keep`` newest complete checkpoints (0: all), and always the one ``latest``
+    names (a resumed run's newest may be older than an abandoned run's)."""
     if keep > 0:
+        pointer = Path(folder) / "latest"
+        latest = pointer.read_text().strip() if pointer.is_file() else None
         for old in complete_checkpoints(folder)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old.name != latest:
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
