@@ -253,6 +253,7 @@ def test_pruning_keeps_the_newest_by_step_number_and_the_one_latest_names(tmp_pa
     prune_checkpoints(tmp_path / "resumed", 1)
     assert kept(tmp_path / "resumed") == ["step_000002", "step_000003"]  # 2: what latest names
 
+
 def test_target_metric_stops_the_run(tmp_path):
     summary = run_to_end(
         fake(tmp_path, "runner.max_steps=50", "runner.eval_interval=1", "runner.target_value=-3")
