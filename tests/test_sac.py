@@ -29,7 +29,7 @@ from tidal.runners.embodied.eval import run_eval
 from tidal.runners.embodied.offpolicy import OffPolicyRunner
 from tidal.runners.embodied.select import runner_class
 from tidal.runtime import ConfigSections
-from tidal.workers.replay import ReplayBuffer, buffer_layout
+from tidal.workers.replay import ReplayBuffer, buffer_layout, fit_demos
 from tidal.workers.sac_actor import SACActorWorker
 from tidal.workers.sac_env import chunk_transition
 
@@ -187,6 +187,36 @@ def test_the_buffer_wraps_around_and_samples_demos_symmetrically(tmp_path):
     assert not ReplayBuffer(5, 3, (1, 1)).load_state_dict(buf.state_dict(with_data=False))
 
 
+@pytest.mark.parametrize("capacity", [3, 5, 8])
+def test_a_saved_buffer_comes_back_into_another_capacity_newest_first(capacity):
+    """Saved wrapped (rewards 2..6 in a ring of 5, the oldest in slot 2), restored into a
+    smaller, the same or a larger ring: the newest that fit, and the next transition goes
+    after them (into a larger ring, the buffer grew over rows of zeros)."""
+    saved = ReplayBuffer(5, 3, (1, 1))
+    saved.add(_transitions(4))
+    saved.add(_transitions(3, start=4))
+    restored = ReplayBuffer(capacity, 3, (1, 1))
+    assert restored.load_state_dict(saved.state_dict(with_data=True))
+    restored.add(_transitions(1, start=7))
+    held = restored.data["rewards"][: restored.size]
+    if capacity == 5:  # the same ring: slot for slot, so the resume samples as the saved run
+        assert held.tolist() == [5.0, 6.0, 7.0, 3.0, 4.0]
+    else:
+        newest = list(range(max(2, 8 - capacity), 8))
+        assert sorted(held.tolist()) == newest and restored.size == min(6, capacity)
+    assert restored.added == 8
+
+
+def test_demonstrations_that_are_not_finite_or_chunked_are_read_as_such():
+    layout = buffer_layout(3, (4, 1))  # chunks of 4 actions
+    demos = {**_transitions(5), "actions": torch.zeros(5, 4, 1)}
+    del demos["steps"]
+    assert fit_demos(demos, layout, "x")["steps"].tolist() == [4] * 5  # env steps, not 1
+    demos["rewards"][[1, 3]] = float("nan")
+    with pytest.raises(ConfigError, match=r"x: rewards is not finite in 2 of 5 .*first: 1"):
+        fit_demos(demos, layout, "x")
+
+
 def test_a_demo_file_of_the_wrong_shape_is_a_config_error(tmp_path):
     demos = _transitions(4)
     demos["obs"] = torch.zeros(4, 5)
@@ -259,6 +289,36 @@ def test_nan_rewards_are_named_and_never_stored(tmp_path, caplog):
     assert info["finite"] and info["size"] == summary["env_steps"] - 3
 
 
+gym.register(
+    "TidalTestHugeRewardPendulum-v0",
+    entry_point=lambda **kw: gym.wrappers.TransformReward(
+        gym.make("Pendulum-v1", **kw), lambda r: 1e30
+    ),
+)
+
+
+def test_updates_whose_losses_overflow_stop_the_run_after_max_skipped_steps(tmp_path):
+    """Finite rewards whose squared TD error overflows: every update is skipped, and the run
+    stops naming the limit instead of collecting on without ever training."""
+    under_the_limit, _ = run(  # calls whose every update was skipped report so
+        tmp_path,
+        *TINY,
+        "env.id=TidalTestHugeRewardPendulum-v0",
+        "actor.max_skipped_steps=1000",
+        "runner.max_env_steps=100",
+    )
+    last = read_metrics(under_the_limit["run_dir"])[-1]
+    assert last["train/skipped_updates"] >= last["updates"] > 0 and "train/q_mean" not in last
+    with pytest.raises(Exception, match=r"3 optimizer steps in a row .*actor.max_skipped_steps=3"):
+        run(
+            tmp_path,
+            *TINY,
+            "env.id=TidalTestHugeRewardPendulum-v0",
+            "actor.max_skipped_steps=3",
+            "runner.max_env_steps=400",
+        )
+
+
 def test_collection_and_updates_are_paced_and_logged(tmp_path):
     summary, _ = run(
         tmp_path, *TINY, "runner.max_env_steps=200", "algorithm.utd_ratio=2", "replay.max_lead=32"
@@ -281,6 +341,40 @@ def test_collection_and_updates_are_paced_and_logged(tmp_path):
     assert last["updates"] >= 2 * (last["env_steps"] - 64 - 32)
     assert last["updates"] > 0
     assert max(r["replay/lead"] for r in rows) <= 32 + 1
+
+
+def test_a_fractional_utd_ratio_with_a_lead_of_one_segment_never_stalls(tmp_path):
+    """Caught up with the updates, the lead is 0, not the env steps a fraction of an update
+    stands for: with max_lead at one segment (8 env steps) collection stopped after 8 segments
+    then waited for updates nobody owed until runner.timeout_s."""
+    summary, _ = run(
+        tmp_path,
+        *TINY,
+        "replay.max_lead=8",
+        "algorithm.utd_ratio=0.3",
+        "runner.max_env_steps=200",
+        "runner.timeout_s=20",
+    )
+    assert summary["env_steps"] >= 200
+    rows = read_metrics(summary["run_dir"])
+    assert rows[-1]["updates"] == math.floor(0.3 * (rows[-1]["env_steps"] - 64))
+
+
+def test_waiting_for_an_actor_call_that_never_ends_times_out_naming_it():
+    class Hung:
+        def done(self):
+            return False
+
+    runner = SimpleNamespace(
+        cfg=SimpleNamespace(runner=SimpleNamespace(timeout_s=0.2)),
+        actor_call=("update", Hung(), 8),
+        updates=0,
+    )
+    runner.poll_actor = lambda target: OffPolicyRunner.poll_actor(runner, target)
+    with pytest.raises(
+        TimeoutError, match=r"actor group's update of 8 .*runner.timeout_s \(0.2 s\)"
+    ):
+        OffPolicyRunner.wait_actor(runner)
 
 
 @pytest.mark.parametrize(
@@ -384,7 +478,8 @@ def test_two_actor_ranks_train_data_parallel_and_resume_each_with_its_buffer(tmp
             "cluster.placement: a data-parallel actor .* cluster.backend=ray",
         ),
         (["replay.batch_size=33"], "replay.batch_size: 33 must divide evenly over 2"),
-        (["env.total_num_envs=2"], "env.total_num_envs: .* 1 env.* cannot feed 2"),
+        (["env.total_num_envs=2"], r"env.total_num_envs: .* 1 env\(s\) .* evenly over 2 actor"),
+        (["env.total_num_envs=6"], r"env.total_num_envs: .* 3 env\(s\) .* evenly over 2 actor"),
     ],
 )
 def test_data_parallel_sac_configs_are_checked_before_start(tmp_path, overrides, message):

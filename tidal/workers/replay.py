@@ -111,7 +111,8 @@ class ReplayBuffer:
 
     def load_demos(self, path: str) -> int:
         """Demonstration transitions from ``replay.demo_path`` (a ``.pt`` dict of tensors or an
-        ``.npz``: obs, actions, rewards, terminations, next_obs; optional truncations, steps)."""
+        ``.npz``: obs, actions, rewards, terminations, next_obs; optional truncations, and steps:
+        the env steps each took, by default the chunk's length)."""
         return self.set_demos(read_demos(path, self.layout))
 
     def set_demos(self, demos: dict[str, torch.Tensor]) -> int:
@@ -146,16 +147,24 @@ class ReplayBuffer:
     def state_dict(self, with_data: bool) -> dict:
         state = {"pos": self.pos, "size": self.size, "added": self.added}
         if with_data:
+            state["capacity"] = self.capacity
             state["data"] = {k: v[: self.size].cpu().clone() for k, v in self.data.items()}
         return state
 
     def load_state_dict(self, state: dict) -> bool:
-        """Restore the position (and the data, when saved); returns whether the data was."""
+        """Restore the position (and the data, when saved); returns whether the data was. Into
+        another ``replay.capacity``, the newest transitions that fit come back oldest first
+        (the ring's slots differ, so sampling does not repeat the saved run's)."""
         if "data" not in state:
             return False
-        for k, v in state["data"].items():
+        data, pos, size = state["data"], state["pos"], state["size"]
+        if state.get("capacity", self.capacity) != self.capacity:
+            kept = min(size, self.capacity)
+            data = {k: v.roll(-(pos % size), 0)[size - kept :] for k, v in data.items()}
+            pos, size = kept % self.capacity, kept
+        for k, v in data.items():
             self.data[k][: v.shape[0]] = v.to(self.device)
-        self.pos, self.size, self.added = state["pos"], state["size"], state["added"]
+        self.pos, self.size, self.added = pos, size, state["added"]
         return True
 
 
@@ -182,7 +191,8 @@ def fit_demos(raw: dict, layout: dict, source: str) -> dict[str, torch.Tensor]:
     raw = dict(raw)
     n = raw["rewards"].shape[0]
     raw.setdefault("truncations", torch.zeros(n, dtype=torch.bool))
-    raw.setdefault("steps", torch.ones(n, dtype=torch.int64))
+    chunk = layout["actions"][0][0]  # a chunk of actions took that many env steps, unless it ended
+    raw.setdefault("steps", torch.full((n,), chunk, dtype=torch.int64))
     out = {}
     for key, (shape, dtype) in layout.items():
         value = torch.as_tensor(raw[key])
@@ -190,6 +200,12 @@ def fit_demos(raw: dict, layout: dict, source: str) -> dict[str, torch.Tensor]:
             raise ConfigError(
                 f"{source}: {key} has shape {tuple(value.shape)}; this env and policy "
                 f"need ({n}, {', '.join(map(str, shape))})"
+            )
+        if value.is_floating_point() and not (finite := torch.isfinite(value)).all():
+            rows = (~finite).reshape(n, -1).any(1).nonzero().flatten()
+            raise ConfigError(
+                f"{source}: {key} is not finite in {len(rows)} of {n} transitions "
+                f"(the first: {rows[0].item()})"
             )
         out[key] = value.to(dtype)
     return out

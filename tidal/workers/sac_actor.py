@@ -33,6 +33,7 @@ from tidal.checkpoint import (
     staging_path,
 )
 from tidal.config import ConfigError
+from tidal.engine import NonFiniteError, global_grad_norm
 from tidal.envs.layout import layout_of
 from tidal.models.sac import QEnsemble, SquashedGaussianPolicy
 from tidal.models.sac_cnn import shift_observations
@@ -132,7 +133,8 @@ class SACActorWorker(Worker):
         self.sources = topology.env * topology.stages
         self.received = [0] * self.sources  # segments taken from each (env rank, stage)
         self.updates = 0
-        self.skipped = 0  # updates with a non-finite loss, not applied
+        self.skipped = 0  # optimizer steps with a non-finite loss or gradient, not applied
+        self.skipped_in_a_row = 0
 
     def _broadcast_agent(self) -> None:
         """Rank 0's initial weights on every rank (the seeds agree; this makes it certain)."""
@@ -190,7 +192,8 @@ class SACActorWorker(Worker):
             self.updates += 1
             if weights_ch is not None and self.updates % interval == 0:
                 self.send_weights(weights_ch)
-        means = torch.stack([torch.stack(v).float().mean() for v in logs.values()]) if logs else []
+        means = [torch.stack(v).float().mean() for v in logs.values()]  # none: all skipped
+        means = torch.stack(means) if means else torch.zeros(0)
         out = {f"train/{k}": m for k, m in zip(logs, to_host(means).tolist(), strict=True)}
         out["replay/size"] = float(self.buffer.size)
         # (the ranks skip alike, so they log the same keys)
@@ -259,24 +262,40 @@ class SACActorWorker(Worker):
             critics.requires_grad_(True)
 
     def _step(self, name: str, loss: torch.Tensor) -> bool:
-        """One optimizer step of ``name``'s parameters; a non-finite loss is skipped (counted,
-        ``train/skipped_updates``), never applied: on every rank if on any."""
+        """One optimizer step of ``name``'s parameters; a non-finite loss or gradient is skipped
+        (counted, ``train/skipped_updates``), never applied: on every rank if on any; after
+        ``actor.max_skipped_steps`` in a row the run stops (e.g. NaN in the demonstrations)."""
         opt = self.optimizers[name]
         opt.zero_grad(set_to_none=True)
         params = [p for group in opt.param_groups for p in group["params"]]
         finite = bool(torch.isfinite(loss))
         if finite:
-            loss.backward()
+            loss.backward()  # a finite loss may still overflow its gradients
+            finite = math.isfinite(
+                float(global_grad_norm([p for p in params if p.grad is not None]))
+            )
         if self.world_size > 1:
             finite = self._average_gradients(params, finite)
         if not finite:
-            self.skipped += 1
+            self._skipped(name)
             return False
+        self.skipped_in_a_row = 0
         clip = self.cfg.actor.max_grad_norm
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         return True
+
+    def _skipped(self, name: str) -> None:
+        self.skipped += 1
+        self.skipped_in_a_row += 1
+        limit = self.cfg.actor.max_skipped_steps
+        if self.skipped_in_a_row >= limit:
+            raise NonFiniteError(
+                f"sac: {self.skipped_in_a_row} optimizer steps in a row had a non-finite loss or "
+                f"gradient (the last: {name}, update {self.updates + 1}; "
+                f"actor.max_skipped_steps={limit})"
+            )
 
     def _average_gradients(self, params: list[nn.Parameter], finite: bool) -> bool:
         """The mean of the ranks' gradients in place, as one flat all-reduce that also counts

@@ -86,11 +86,11 @@ class OffPolicyRunner(EmbodiedRunner):
                 "actor ranks (each samples its share from its own buffer)"
             )
         stage_envs = self.topo.total_num_envs // (self.worlds["env"] * self.topo.stages)
-        if stage_envs < ranks:
+        if stage_envs % ranks:  # each samples the same share: its envs must be as many
             raise ConfigError(
-                f"env.total_num_envs: each actor rank's buffer is fed by its own envs; "
-                f"{stage_envs} env(s) per env rank and pipeline stage cannot feed {ranks} "
-                "actor ranks"
+                f"env.total_num_envs: each actor rank's buffer is fed by its own envs, and "
+                f"each rank samples an equal share of every minibatch; {stage_envs} env(s) "
+                f"per env rank and pipeline stage do not divide evenly over {ranks} actor ranks"
             )
 
     def build(self) -> None:
@@ -142,11 +142,10 @@ class OffPolicyRunner(EmbodiedRunner):
         return base + max(0, math.floor(self.cfg.algorithm.utd_ratio * (env_steps - start)))
 
     def lead(self) -> float:
-        """Env steps collected beyond what the updates done have consumed."""
-        base, start = self.pace
-        if self.updates <= base:
-            return max(0.0, self.env_steps - start)
-        return self.env_steps - (start + (self.updates - base) / self.cfg.algorithm.utd_ratio)
+        """Env steps collected beyond what the updates done have consumed, in owed updates: 0
+        once they caught up (a fractional ``utd_ratio`` leaves a remainder below one update's
+        worth of env steps, which must not hold collection back for good)."""
+        return (self.owed_updates(self.env_steps) - self.updates) / self.cfg.algorithm.utd_ratio
 
     def poll_collection(self) -> bool:
         """Take a finished segment, admit the next within the lead; whether anything moved."""
@@ -201,8 +200,19 @@ class OffPolicyRunner(EmbodiedRunner):
         return True
 
     def wait_actor(self) -> None:
+        """The actor's call in flight (and the update an ingest leads to) finished; a call that
+        moves on no further within ``runner.timeout_s`` is named, never waited on for ever."""
+        timeout = self.cfg.runner.timeout_s
+        last_move = time.monotonic()
         while self.actor_call is not None:
-            self.poll_actor(self.updates)
+            if self.poll_actor(self.updates):
+                last_move = time.monotonic()
+            elif time.monotonic() - last_move > timeout:
+                kind, _, count = self.actor_call
+                raise TimeoutError(
+                    f"sac: the actor group's {kind} of {count} update(s) did not finish within "
+                    f"runner.timeout_s ({timeout} s)"
+                )
             time.sleep(POLL_S)
 
     def drain(self) -> None:
