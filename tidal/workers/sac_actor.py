@@ -270,19 +270,18 @@ class SACActorWorker(Worker):
         params = [p for group in opt.param_groups for p in group["params"]]
         finite = bool(torch.isfinite(loss))
         if finite:
-            loss.backward()  # a finite loss may still overflow its gradients
-            finite = math.isfinite(
-                float(global_grad_norm([p for p in params if p.grad is not None]))
-            )
-        if self.world_size > 1:
+            loss.backward()
+        if self.world_size > 1:  # the mean of an overflowed gradient overflows on every rank
             finite = self._average_gradients(params, finite)
-        if not finite:
+        with_grad = [p for p in params if p.grad is not None]
+        norm = global_grad_norm(with_grad) if finite else None  # a finite loss may overflow it
+        if norm is None or not math.isfinite(float(norm)):
             self._skipped(name)
             return False
         self.skipped_in_a_row = 0
         clip = self.cfg.actor.max_grad_norm
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, clip)
+            torch.nn.utils.clip_grads_with_norm_(with_grad, clip, norm)
         opt.step()
         return True
 
