@@ -302,6 +302,27 @@ def objective_settings(**overrides):
     return SimpleNamespace(**{**base, **overrides})
 
 
+def test_the_loglinear_proximal_policy_is_the_one_the_trainer_holds():
+    """``PolicyInputs.version`` is the weights the step starts from: the proximal policy itself
+    (what ``recompute`` evaluates). A token sampled one version before is interpolated halfway
+    from its behaviour log-prob towards the trained policy's, which on the step's first
+    minibatch is exactly the proximal one; a token of the held version needs nothing."""
+    from tidal.algorithms.objectives import PolicyInputs, make_objective
+
+    logp, behave, adv, mask = make_batch((4, 9), seed=5)
+    versions = torch.full((4, 9), 6)
+    versions[:2] = 7  # sampled by the held weights: prox == behave up to engine mismatch
+    objective = make_objective(
+        objective_settings(use_decoupled_loss=True, prox_logp_method="metrics")
+    )
+    first_minibatch = PolicyInputs(logp, behave, adv, mask, 7, prox=logp, versions=versions)
+    _, info = objective.policy_loss(first_minibatch)
+    stale = mask & (versions == 6)
+    halfway = ((logp - behave).abs() / 2 * stale).sum() / mask.sum()
+    fresh = ((logp - behave).abs() * (mask & (versions == 7))).sum() / mask.sum()
+    torch.testing.assert_close(info["prox_approx_abs_err"], halfway + fresh)
+
+
 @pytest.mark.parametrize("decoupled", [False, True])
 def test_ppo_objective_sums_its_terms_as_a_float64_reference(decoupled):
     """policy loss - entropy bonus * entropy + kl_coef * KL + vf_coef * value loss, each term

@@ -134,7 +134,9 @@ class PPOObjective:
             return self._standard(p, **agg)
         approx = None
         if self.prox_method in ("loglinear", "metrics"):
-            approx = loglinear_prox_logp(p.behave, p.logp, p.versions, p.version)
+            # p.version: the weights the step starts from, which are the proximal policy; the
+            # approximation's "trainer version" is the one the step makes (the policy trained)
+            approx = loglinear_prox_logp(p.behave, p.logp, p.versions, p.version + 1)
         prox = approx if self.prox_method == "loglinear" else p.prox
         loss, info = decoupled_ppo_loss(
             p.logp,

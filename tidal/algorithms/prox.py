@@ -15,8 +15,9 @@ def loglinear_prox_logp(
 ) -> torch.Tensor:
     """Log-linear interpolation between the behaviour and the current policy.
 
-    A token generated at version ``v_b`` while the trainer is at ``v``: the proximal policy is
-    the one of version ``v - 1``, approximated in log space as
+    A token generated at version ``v_b`` while the trainer makes version ``v`` (the policy
+    trained, ``logp``): the proximal policy is the one of version ``v - 1`` (the weights the
+    step starts from), approximated in log space as
     ``prox = behave + alpha * (logp.detach() - behave)`` with
     ``alpha = clamp(((v - 1) - v_b) / (v - v_b), 0, 1)`` where ``v - v_b > 0`` and ``v_b >= 0``,
     else ``alpha = 0`` (prompt tokens carry ``v_b = -1``). No gradient flows through it.
