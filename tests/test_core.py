@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tidal.checkpoint import (
+    clean_stale,
     complete_checkpoints,
     prune_checkpoints,
     resolve_checkpoint,
@@ -252,6 +253,31 @@ def test_pruning_keeps_the_newest_by_step_number_and_the_one_latest_names(tmp_pa
         save(tmp_path / "resumed", step)
     prune_checkpoints(tmp_path / "resumed", 1)
     assert kept(tmp_path / "resumed") == ["step_000002", "step_000003"]  # 2: what latest names
+
+
+def test_a_save_killed_between_the_renames_of_an_overwrite_keeps_the_old_checkpoint(
+    tmp_path, monkeypatch
+):
+    folder = tmp_path / "checkpoints"
+    save_checkpoint(folder / "step_000002", {"w": torch.zeros(1)}, {}, {"step": 2})
+    real_replace, calls = os.replace, []
+
+    def killed_at_the_second_rename(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the process dies here
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_at_the_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(folder / "step_000002", {"w": torch.ones(1)}, {}, {"step": 2})
+    monkeypatch.undo()
+    assert not (folder / "step_000002").exists()  # moved aside, the new one not yet in place
+    clean_stale(folder)  # what a resume does first
+    assert [p.name for p in complete_checkpoints(folder)] == ["step_000002"] and not list(
+        folder.glob(".step_*")
+    )
+    assert resolve_checkpoint(folder).name == "step_000002"
 
 
 def test_target_metric_stops_the_run(tmp_path):

@@ -184,10 +184,17 @@ def _step_number(path: Path) -> int:
 
 
 def clean_stale(folder: str | Path) -> list[Path]:
-    """Remove the temporary folders a killed save left behind; returns what was removed."""
+    """Remove the temporary folders a killed save left behind; returns what was removed. A save
+    killed between the two renames of an overwrite left the old checkpoint moved aside and
+    none in its place: that one is moved back."""
     stale = [p for p in Path(folder).glob(".step_*") if p.is_dir()] if Path(folder).is_dir() else []
     for p in stale:
-        shutil.rmtree(p, ignore_errors=True)
+        name, _, kind = p.name[1:].rpartition(".")
+        target = p.with_name(name)
+        if kind.startswith("old-") and not target.exists() and is_complete(p):
+            os.replace(p, target)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
     return stale
 
 
