@@ -360,6 +360,27 @@ def test_a_fractional_utd_ratio_with_a_lead_of_one_segment_never_stalls(tmp_path
     assert rows[-1]["updates"] == math.floor(0.3 * (rows[-1]["env_steps"] - 64))
 
 
+def test_the_rollout_loads_only_the_newest_of_the_weights_waiting(tmp_path, monkeypatch):
+    """At 4 updates an env step, each sending its weights, several wait at each chunk step:
+    the rollout loads the newest of them, not each in turn."""
+    import tidal.workers.rollout_worker as rollout_worker
+
+    loaded = []
+
+    def counting(model, state, adopt=False):
+        loaded.append(1)
+        return load_checked(model, state, adopt=adopt)
+
+    load_checked = rollout_worker.load_checked
+    monkeypatch.setattr(rollout_worker, "load_checked", counting)
+    summary, _ = run(
+        tmp_path, *TINY, "algorithm.utd_ratio=4", "runner.max_env_steps=200", "replay.max_lead=64"
+    )
+    updates = read_metrics(summary["run_dir"])[-1]["updates"]
+    assert updates >= 4 * (200 - 64 - 64)  # each sent its weights (weight_sync_interval 1)
+    assert 0 < len(loaded) < updates / 4  # 21 of 380 here; loaded in turn, 349
+
+
 def test_waiting_for_an_actor_call_that_never_ends_times_out_naming_it():
     class Hung:
         def done(self):

@@ -54,20 +54,26 @@ class RolloutWorker(Worker, WeightLinks):
         """The next update over the run's weight link (or a bare channel), checked, then loaded:
         a refused one changes nothing and names the tensor."""
         end = self.weight_end(link, "recv", timeout_s=timeout)
-        update = await end.arecv(self.offload)  # a blocking receive leaves the event loop free
-        load_checked(self.policy, update.state_dict, adopt=update.owned)
-        if update.owned:
-            end.adopted()
-        self.version = update.version
+        self._load(end, await end.arecv(self.offload))  # the receive leaves the event loop free
         return self.version
 
     async def take_weights(self, weights_ch: Channel) -> int:
         """Load the newest update already waiting, without blocking (asynchronous runs: the
-        actor sends after every step, the rollout takes them between chunk steps)."""
+        actor sends after every step or every few SAC updates, the rollout takes them between
+        chunk steps); older ones waiting are received and dropped, never loaded."""
         key = CommMapper.build_channel_key(0, self.rank, "weights")
+        end, newest = self.weight_end(weights_ch, "recv"), None
         while weights_ch.qsize(key) > 0:
-            await self.sync_weights(weights_ch)
+            newest = await end.arecv(self.offload)
+        if newest is not None:
+            self._load(end, newest)
         return self.version
+
+    def _load(self, end, update) -> None:
+        load_checked(self.policy, update.state_dict, adopt=update.owned)
+        if update.owned:
+            end.adopted()
+        self.version = update.version
 
     async def generate(
         self,
