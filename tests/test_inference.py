@@ -127,6 +127,20 @@ def test_greedy_matches_model_generate_and_seeds_repeat(server, model_dir):
     assert sampled[0].output_tokens == sampled[1].output_tokens != sampled[2].output_tokens
 
 
+def test_an_unseeded_request_leaves_the_process_rng_alone(server):
+    """In-process engines share the trainer's process: drawing a request's seed must not reseed
+    the global generator (it did, from the OS, on every unseeded request)."""
+    import threading
+
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    done = threading.Event()
+    server.engine.submit([1, 5], GenerationConfig(max_new_tokens=3), lambda _: done.set())
+    assert done.wait(30)
+    assert torch.equal(torch.rand(3), expected)
+
+
 def test_pause_update_continue_mid_generation(server, model_dir, new_weights_dir):
     old = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     new = AutoModelForCausalLM.from_pretrained(new_weights_dir).eval()

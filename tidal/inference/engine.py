@@ -163,10 +163,9 @@ class GenerationEngine:
         self.validate(prompt, params)
         rid = rid or uuid.uuid4().hex
         gen = None
-        if not params.greedy:
-            gen = torch.Generator().manual_seed(
-                params.seed if params.seed is not None else torch.seed() % 2**63
-            )
+        if not params.greedy:  # its own generator: the process's global one is left alone
+            gen = torch.Generator()
+            gen.manual_seed(params.seed) if params.seed is not None else gen.seed()
         req = _Request(rid, list(prompt), params, on_done, gen, on_token)
         self._incoming.put(req)
         self._wake.set()
