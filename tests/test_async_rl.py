@@ -16,6 +16,7 @@ from tidal.config import ConfigError, load_config
 from tidal.config.llm import LLMConfig
 from tidal.data import LLMBatch, TokenSequence
 from tidal.rollout.dispatcher import EpisodeError, RolloutDispatcher
+from tidal.rollout.rewards import register_reward
 from tidal.rollout.tasks import (
     GuessNumberEnv,
     arithmetic_problems,
@@ -393,6 +394,54 @@ def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
             runner.close()
         assert resumed["steps"] == 4
     assert torch.isfinite(torch.tensor([r["train/policy_loss"] for r in steps])).all()
+
+
+@register_reward("test_digit_share")
+def _digit_share(completion: str, answer: str, **_) -> float:
+    """A reward with spread for a model that rarely answers right: every step trains."""
+    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+
+
+def test_a_synchronous_run_resumed_mid_way_ends_as_one_run_straight_through(arith_model, tmp_path):
+    """8 episodes in flight read records ahead of each batch: the checkpoint rewinds over them,
+    and each episode samples with seeds drawn from runner.seed and its record's place in the
+    data stream, so the resumed run makes the same rollouts, rewards and weights."""
+    from safetensors.torch import load_file
+
+    from tidal.runners.llm.train import LLMRunner
+
+    def run(name, steps, *extra):
+        cfg = load_config(
+            LLMConfig,
+            Path(__file__).parent.parent / "examples" / "llm" / "presets" / "sync.yaml",
+            [
+                f"model.path={arith_model}",
+                f"runner.run_dir={tmp_path / name}",
+                "runner.progress=false",
+                "runner.eval_interval=0",
+                "runner.save_interval=2",
+                f"runner.max_steps={steps}",
+                "rollout.batch_size=4",
+                "rollout.group_size=4",
+                "rollout.max_concurrent_rollouts=8",
+                "reward.name=test_digit_share",
+                "actor.lr=1e-3",
+                *extra,
+            ],
+        )
+        with LLMRunner(cfg) as runner:
+            summary = runner.run()
+        rows = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+        rewards = [json.loads(r)["rollout/reward_mean"] for r in rows if json.loads(r)["step"] >= 0]
+        weights = load_file(Path(summary["checkpoint"]) / "model.safetensors")
+        return rewards, weights
+
+    straight = run("straight", 4)
+    first_half = run("resumed", 2)[0]
+    resumed = run("resumed", 4, "runner.resume_from=auto")
+    assert len(set(straight[0])) > 1  # the rewards differ: the steps trained
+    assert resumed[0] == straight[0] and first_half == straight[0][:2]
+    assert all(torch.equal(straight[1][k], resumed[1][k]) for k in straight[1])
 
 
 def test_the_same_experiment_twice_makes_two_run_folders(arith_model, tmp_path):

@@ -8,7 +8,7 @@ import hashlib
 import json
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -19,7 +19,7 @@ from tidal.extras import needs_extra
 with needs_extra("llm", "the inference client"):
     import aiohttp
 
-from tidal.inference.params import GenerationConfig
+from tidal.inference.params import GenerationConfig, with_episode_seed
 
 StopReason = Literal["stop", "length", "abort"]
 
@@ -32,6 +32,12 @@ class ModelRequest:
     # requests of one session (e.g. the turns of an episode) go to one server, where a prefix
     # cache can reuse their shared context; without one, a request goes to the least loaded
     session_id: str | None = None
+
+
+def _episode_seeded(req: ModelRequest) -> ModelRequest:
+    """Inside an episode with seeds, an unseeded sampling request takes the next one."""
+    gconfig = with_episode_seed(req.gconfig)
+    return req if gconfig is req.gconfig else replace(req, gconfig=gconfig)
 
 
 @dataclass
@@ -224,6 +230,7 @@ class InferenceClient:
         so far and the remaining budget, until the request stops or its budget is spent.
         ``on_tokens(ids)`` is called with the new tokens as the server streams them (once per
         answer where the protocol does not stream)."""
+        req = _episode_seeded(req)
         address = self.pick_server(req.session_id)
         if on_tokens is None or not getattr(self.protocol, "supports_stream", False):
             out = (await self.agenerate_n(req, 1))[0]
@@ -289,6 +296,7 @@ class InferenceClient:
     async def agenerate_n(self, req: ModelRequest, n: int) -> list[ModelResponse]:
         """``n`` samples of one prompt in one request (SGLang's ``sampling_params.n``); a sample
         aborted by a weight update is resumed on its own."""
+        req = _episode_seeded(req)
         address = self.pick_server(req.session_id)
         self._in_flight[address] += n
         try:

@@ -4,8 +4,11 @@ validates requests into them, and the client sends them."""
 from __future__ import annotations
 
 import math
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
+
+import numpy as np
 
 # Below this temperature sampling is greedy: ``logits / 1e-45`` overflows to inf and the
 # log-probs to NaN, while any temperature this small is argmax in all but name.
@@ -80,6 +83,32 @@ class GenerationConfig:
                 f"(supported: {', '.join(sorted(known))})"
             )
         return cls(**{k: v for k, v in data.items() if k in known}).validate(where)
+
+
+class EpisodeSeeds:
+    """The sampling seeds of one episode's model calls, in the order it makes them, drawn from
+    the run's seed and the episode's place in the data stream: a run repeats its rollouts, and
+    a resumed one continues them (``with_episode_seeds``; calls that carry a seed keep it)."""
+
+    def __init__(self, run_seed: int, episode: int):
+        self.key, self.calls = (run_seed, episode), 0
+
+    def next(self) -> int:
+        self.calls += 1
+        state = np.random.SeedSequence([*self.key, self.calls]).generate_state(1, np.uint64)
+        return int(state[0] >> 2)  # room for ``seeded``'s offsets below 2**63
+
+
+EPISODE_SEEDS: ContextVar[EpisodeSeeds | None] = ContextVar("tidal_episode_seeds", default=None)
+
+
+def with_episode_seed(gconfig: GenerationConfig) -> GenerationConfig:
+    """``gconfig`` seeded by the running episode's next seed, when it samples unseeded inside an
+    episode that has seeds (a dispatcher's, with ``sampling_seed``); else unchanged."""
+    seeds = EPISODE_SEEDS.get()
+    if seeds is None or gconfig.seed is not None or gconfig.greedy:
+        return gconfig
+    return replace(gconfig, seed=seeds.next())
 
 
 def _check_int(value: Any, name: str, low: int | None = None) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidal.asynchrony import StalenessManager
+from tidal.inference.params import EPISODE_SEEDS, EpisodeSeeds
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,13 @@ class RolloutDispatcher:
         staleness: StalenessManager,
         max_queue_size: int = 4096,
         should_accept: Callable[[Any], bool] | None = None,
+        sampling_seed: int | None = None,
     ):
+        """``sampling_seed``: each episode's unseeded sampling draws its seeds from this and the
+        episode's place in the data stream (``stream_offset`` + its task id; a resumed run sets
+        the offset to the records it had used), so a run repeats its rollouts."""
         self.episode_fn, self.staleness = episode_fn, staleness
+        self.sampling_seed, self.stream_offset = sampling_seed, 0
         self.should_accept = should_accept
         self.filtered = 0  # finished episodes should_accept turned away (e.g. dynamic sampling)
         self.max_queue_size = max_queue_size
@@ -149,10 +155,15 @@ class RolloutDispatcher:
             version = self.staleness.get_version()
             with self._result_cv:
                 self._running[task_id] = version
-            fut = asyncio.run_coroutine_threadsafe(self.episode_fn(data), self._loop)
+            fut = asyncio.run_coroutine_threadsafe(self._episode(task_id, data), self._loop)
             fut.add_done_callback(
                 lambda f, t=task_id, v=version: self._finished.put(self._record(t, v, f))
             )
+
+    async def _episode(self, task_id: int, data: Any) -> Any:
+        if self.sampling_seed is not None:  # this task's context: its calls, not another's
+            EPISODE_SEEDS.set(EpisodeSeeds(self.sampling_seed, self.stream_offset + task_id))
+        return await self.episode_fn(data)
 
     @staticmethod
     def _record(task_id: int, version: int, fut) -> _Finished:

@@ -28,6 +28,9 @@ class RolloutEngine:
 
     # the weight transports (rollout.weight_sync) this engine takes; the first is its default
     weight_syncs: tuple[str, ...] = ("channel",)
+    # whether its servers take a seed per request (then each rollout's are drawn from
+    # runner.seed: a run repeats its rollouts)
+    seeds_requests: bool = True
 
     def __init__(self, cfg: LLMConfig, cluster, placement, run_dir: Path):
         self.cfg, self.cluster, self.placement, self.run_dir = cfg, cluster, placement, run_dir
@@ -168,6 +171,7 @@ class VLLMEngine(RolloutEngine):
     safetensors folder the servers reload (vLLM's CPU build has no NCCL weight-transfer path)."""
 
     weight_syncs = ("disk",)
+    seeds_requests = False  # vLLM 0.32's CPU build dies on a seeded chunked prefill (vllm.py)
 
     @classmethod
     def validate(cls, cfg: LLMConfig) -> None:

@@ -74,6 +74,7 @@ class LLMRunner(RunLoop):
             self.workflow,
             self.staleness,
             should_accept=has_reward_spread if cfg.rollout.dynamic_sampling else None,
+            sampling_seed=cfg.runner.seed if self.rollout.seeds_requests else None,
         )
         self.evaluator = (
             None
@@ -86,6 +87,7 @@ class LLMRunner(RunLoop):
         self.staleness.restore(meta["version"])
         if "data" in meta:  # older checkpoints start the data over
             self.train_data.load_state_dict(meta["data"])
+        self.dispatcher.stream_offset = self.train_data.read  # the episodes' sampling seeds
         self._update_weights()
         return meta
 
