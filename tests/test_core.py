@@ -8,12 +8,12 @@ import os
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tidal.checkpoint import (
-    clean_stale,
     complete_checkpoints,
     prune_checkpoints,
     resolve_checkpoint,
@@ -25,6 +25,7 @@ from tidal.config.common import ClusterConfig, RunnerConfig
 from tidal.config.llm import LLMConfig
 from tidal.engine import NonFiniteError, TrainEngine
 from tidal.runners.loop import Interrupted, RunLoop
+from tidal.runners.run_folder import find_resume_checkpoint
 from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker
 from tidal.workers.llm_actor import LLMActor
 
@@ -273,11 +274,8 @@ def test_a_save_killed_between_the_renames_of_an_overwrite_keeps_the_old_checkpo
         save_checkpoint(folder / "step_000002", {"w": torch.ones(1)}, {}, {"step": 2})
     monkeypatch.undo()
     assert not (folder / "step_000002").exists()  # moved aside, the new one not yet in place
-    clean_stale(folder)  # what a resume does first
-    assert [p.name for p in complete_checkpoints(folder)] == ["step_000002"] and not list(
-        folder.glob(".step_*")
-    )
-    assert resolve_checkpoint(folder).name == "step_000002"
+    resumed = find_resume_checkpoint(SimpleNamespace(resume_from=str(folder)))
+    assert resumed.name == "step_000002" and not list(folder.glob(".step_*"))
 
 
 def test_target_metric_stops_the_run(tmp_path):

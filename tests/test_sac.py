@@ -205,6 +205,9 @@ def test_a_saved_buffer_comes_back_into_another_capacity_newest_first(capacity):
         newest = list(range(max(2, 8 - capacity), 8))
         assert sorted(held.tolist()) == newest and restored.size == min(6, capacity)
     assert restored.added == 8
+    empty = ReplayBuffer(capacity, 3, (1, 1))  # saved before any transition was stored
+    assert empty.load_state_dict(ReplayBuffer(5, 3, (1, 1)).state_dict(with_data=True))
+    assert (empty.size, empty.pos) == (0, 0)
 
 
 def test_demonstrations_that_are_not_finite_or_chunked_are_read_as_such():
@@ -309,7 +312,9 @@ def test_updates_whose_losses_overflow_stop_the_run_after_max_skipped_steps(tmp_
     )
     last = read_metrics(under_the_limit["run_dir"])[-1]
     assert last["train/skipped_updates"] >= last["updates"] > 0 and "train/q_mean" not in last
-    with pytest.raises(Exception, match=r"3 optimizer steps in a row .*actor.max_skipped_steps=3"):
+    with pytest.raises(
+        Exception, match=r"3 critic optimizer steps in a row .*actor.max_skipped_steps=3"
+    ):
         run(
             tmp_path,
             *TINY,

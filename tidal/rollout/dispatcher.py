@@ -3,9 +3,10 @@
 A producer thread submits pending inputs to an event loop (where episodes run as coroutines)
 while the staleness capacity is positive and the dispatcher is not paused; a consumer thread
 collects finished episodes. ``prepare_batch`` keeps the data stream flowing across training
-steps and returns the oldest accepted results first, waiting for any episode whose staleness
-budget ends with this batch (so no result is trained more than ``max_staleness`` versions after
-the one it started under, even when later episodes finish first).
+steps and returns the oldest accepted results first, waiting for running episodes when taking
+the batch now would leave more episodes near the end of their staleness budget than the next
+batches hold (so no result is trained more than ``max_staleness`` versions after the one it
+started under, even when later episodes finish first).
 """
 
 from __future__ import annotations
@@ -212,8 +213,8 @@ class RolloutDispatcher:
                     refill()
                 self._raise_failures()
                 ready = [r for r in self._accepted.values() if r.error is None]
-                if len(ready) >= count and not self._due_running():
-                    chosen = sorted(ready, key=lambda r: r.task_id)[:count]
+                chosen = sorted(ready, key=lambda r: r.task_id)[:count]
+                if len(chosen) == count and not self._leaves_some_too_stale(chosen, count):
                     for r in chosen:
                         del self._accepted[r.task_id]
                         self._unconsumed.discard(r.task_id)
@@ -226,12 +227,18 @@ class RolloutDispatcher:
                     )
                 self._result_cv.wait(min(left, 0.5))
 
-    def _due_running(self) -> bool:
-        """Whether a running episode must be in this batch: trained any later, it would be
-        more than ``max_staleness`` versions old. Admission leaves at most a batch of them, and
-        they are the oldest by submission order, so the batch takes them first."""
-        last_chance = self.staleness.get_version() - self.staleness.max_staleness
-        return any(started <= last_chance for started in self._running.values())
+    def _leaves_some_too_stale(self, chosen: list[_Finished], count: int) -> bool:
+        """Whether training ``chosen`` now leaves more episodes whose staleness budget ends
+        within the next ``j`` batches than ``j`` batches hold (for any ``j`` up to
+        ``max_staleness``): one of them would be trained too late, so the batch waits for the
+        running ones. ``chosen`` is the oldest ready (submission order is start order), so the
+        batch takes those with the earliest end first."""
+        eta = self.staleness.max_staleness
+        last_chance = self.staleness.get_version() - eta  # started then: this batch or never
+        taken = {r.task_id for r in chosen}
+        left = [r.started_version for r in self._accepted.values() if r.task_id not in taken]
+        left += self._running.values()
+        return any(sum(s <= last_chance + j for s in left) > j * count for j in range(eta + 1))
 
     def _raise_failures(self) -> None:
         if self._thread_error is not None:

@@ -29,7 +29,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tidal.checkpoint import complete_checkpoints, prune_checkpoints, resolve_checkpoint
+from tidal.checkpoint import (
+    clean_stale,
+    complete_checkpoints,
+    prune_checkpoints,
+    resolve_checkpoint,
+)
 from tidal.metrics import MetricLogger, Timer, truncate_metrics
 from tidal.runners.run_folder import RunFolder, find_resume_checkpoint
 from tidal.runtime.errors import ChannelTimeoutError, WorkerError, WorkerTimeoutError
@@ -325,6 +330,7 @@ def run_with_restarts(make_runner: Callable[..., RunLoop], cfg: Any) -> dict:
             if restarts >= cfg.runner.max_restarts or not is_worker_fault(exc):
                 raise
             restarts, run_dir = restarts + 1, runner.run_dir
+            clean_stale(runner.run_dir / "checkpoints")  # a save the fault cut short
             found = complete_checkpoints(runner.run_dir / "checkpoints")
             resume = str(runner.run_dir / "checkpoints") if found else None
             log.warning(

@@ -71,7 +71,10 @@ def find_resume_checkpoint(runner) -> Path | None:
     if runner.resume_from is None:
         return None
     if runner.resume_from != "auto":
-        return resolve_checkpoint(runner.resume_from)
+        named = Path(runner.resume_from)
+        for folder in (named, named.parent):  # a checkpoints/ folder, or a step_* one's
+            clean_stale(folder)  # first: it may move back a checkpoint a killed save moved aside
+        return resolve_checkpoint(named)
     base = Path(runner.run_dir)
     found = []
     for folder in base.glob(f"{runner.experiment}*"):

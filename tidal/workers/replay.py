@@ -158,7 +158,7 @@ class ReplayBuffer:
         if "data" not in state:
             return False
         data, pos, size = state["data"], state["pos"], state["size"]
-        if state.get("capacity", self.capacity) != self.capacity:
+        if size and state.get("capacity", self.capacity) != self.capacity:
             kept = min(size, self.capacity)
             data = {k: v.roll(-(pos % size), 0)[size - kept :] for k, v in data.items()}
             pos, size = kept % self.capacity, kept

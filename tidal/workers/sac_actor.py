@@ -134,7 +134,7 @@ class SACActorWorker(Worker):
         self.received = [0] * self.sources  # segments taken from each (env rank, stage)
         self.updates = 0
         self.skipped = 0  # optimizer steps with a non-finite loss or gradient, not applied
-        self.skipped_in_a_row = 0
+        self.skipped_in_a_row: dict[str, int] = {}  # per optimizer: one may fail, others step
 
     def _broadcast_agent(self) -> None:
         """Rank 0's initial weights on every rank (the seeds agree; this makes it certain)."""
@@ -278,7 +278,7 @@ class SACActorWorker(Worker):
         if norm is None or not math.isfinite(float(norm)):
             self._skipped(name)
             return False
-        self.skipped_in_a_row = 0
+        self.skipped_in_a_row[name] = 0
         clip = self.cfg.actor.max_grad_norm
         if clip is not None:
             torch.nn.utils.clip_grads_with_norm_(with_grad, clip, norm)
@@ -287,13 +287,12 @@ class SACActorWorker(Worker):
 
     def _skipped(self, name: str) -> None:
         self.skipped += 1
-        self.skipped_in_a_row += 1
+        in_a_row = self.skipped_in_a_row[name] = self.skipped_in_a_row.get(name, 0) + 1
         limit = self.cfg.actor.max_skipped_steps
-        if self.skipped_in_a_row >= limit:
+        if in_a_row >= limit:
             raise NonFiniteError(
-                f"sac: {self.skipped_in_a_row} optimizer steps in a row had a non-finite loss or "
-                f"gradient (the last: {name}, update {self.updates + 1}; "
-                f"actor.max_skipped_steps={limit})"
+                f"sac: {in_a_row} {name} optimizer steps in a row had a non-finite loss or "
+                f"gradient (update {self.updates + 1}; actor.max_skipped_steps={limit})"
             )
 
     def _average_gradients(self, params: list[nn.Parameter], finite: bool) -> bool:
