@@ -138,6 +138,25 @@ def test_no_episode_is_trained_more_than_max_staleness_versions_after_it_started
     assert 0 < max(late for _, late in trained) <= eta  # the slow ones: at most at its end
 
 
+def test_a_batch_that_waits_for_a_hung_episode_at_its_budget_times_out_naming_it():
+    staleness = StalenessManager(max_staleness=1, consumer_batch_size=1, max_concurrent_rollouts=2)
+
+    async def episode(x):
+        await asyncio.sleep(3600 if x == 0 else 0.01)
+        return x
+
+    d = RolloutDispatcher(episode, staleness)
+    data = iter(range(100))
+    try:
+        assert d.prepare_batch(data, 1, timeout=30) == [1]
+        staleness.set_version(1)
+        d.wake()
+        with pytest.raises(TimeoutError, match=r"1 running episode\(s\) near the end of their"):
+            d.prepare_batch(data, 1, timeout=1)
+    finally:
+        d.shutdown()
+
+
 def test_a_checkpoint_rereads_the_inputs_no_batch_has_used():
     staleness = StalenessManager(max_staleness=0, consumer_batch_size=2, max_concurrent_rollouts=4)
 

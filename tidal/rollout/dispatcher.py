@@ -221,8 +221,15 @@ class RolloutDispatcher:
                     return chosen
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    waited = (
+                        f"only {len(ready)} of {count} episodes finished"
+                        if len(ready) < count
+                        else f"{len(self._running)} running episode(s) near the end of their "
+                        f"staleness budget (max_staleness {self.staleness.max_staleness}) "
+                        "did not finish"
+                    )
                     raise TimeoutError(
-                        f"only {len(ready)} of {count} episodes finished within {timeout:g} s "
+                        f"{waited} within {timeout:g} s "
                         f"(staleness counters: {self.staleness.snapshot()})"
                     )
                 self._result_cv.wait(min(left, 0.5))
