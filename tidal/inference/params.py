@@ -88,7 +88,7 @@ class GenerationConfig:
 class EpisodeSeeds:
     """The sampling seeds of one episode's model calls, in the order it makes them, drawn from
     the run's seed and the episode's place in the data stream: a run repeats its rollouts, and
-    a resumed one continues them (``with_episode_seeds``; calls that carry a seed keep it)."""
+    a resumed one continues them (``with_episode_seed``; calls that carry a seed keep it)."""
 
     def __init__(self, run_seed: int, episode: int):
         self.key, self.calls = (run_seed, episode), 0
