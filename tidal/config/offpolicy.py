@@ -23,7 +23,9 @@ class SACAlgorithmFields:
     tau: float = setting(0.005, "sac: Polyak rate of the target critics")
     num_critics: int = setting(2, "sac: Q critics in the ensemble (2: clipped double Q)")
     critic_subset: int | None = setting(
-        None, "sac: the target takes the min over this many random critics (RLPD); None: all"
+        None,
+        "sac: the target takes the min over this many random critics and the actor the mean of "
+        "all (RLPD); None: both the min of all",
     )
     alpha: float | None = setting(None, "sac: a fixed entropy temperature; None: tuned")
     init_alpha: float = setting(1.0, "sac: the tuned temperature's start")
