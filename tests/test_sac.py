@@ -313,7 +313,7 @@ def test_updates_whose_losses_overflow_stop_the_run_after_max_skipped_steps(tmp_
     last = read_metrics(under_the_limit["run_dir"])[-1]
     assert last["train/skipped_updates"] >= last["updates"] > 0 and "train/q_mean" not in last
     with pytest.raises(
-        Exception, match=r"3 critic optimizer steps in a row .*actor.max_skipped_steps=3"
+        Exception, match=r"sac critic: 3 consecutive optimizer steps .*actor.max_skipped_steps=3"
     ):
         run(
             tmp_path,

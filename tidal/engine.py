@@ -40,6 +40,34 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive optimizer steps had a non-finite gradient."""
 
 
+class SkipGuard:
+    """An optimizer's steps skipped for a non-finite gradient (a non-finite update would poison
+    the weights): each is warned about, and ``limit`` in a row (``actor.max_skipped_steps``)
+    stop the run, naming ``name``. The train engine and SAC's optimizers keep one each."""
+
+    def __init__(self, name: str, limit: int):
+        self.name, self.limit, self.in_a_row = name, limit, 0
+
+    def stepped(self) -> None:
+        self.in_a_row = 0
+
+    def skipped(self, where: str, in_all: int) -> None:
+        """A skip at ``where`` (e.g. the training step), ``in_all`` skips so far."""
+        self.in_a_row += 1
+        log.warning(
+            "%s: non-finite gradient norm at %s: step skipped (%d in a row, %d in all)",
+            self.name,
+            where,
+            self.in_a_row,
+            in_all,
+        )
+        if self.in_a_row >= self.limit:
+            raise NonFiniteError(
+                f"{self.name}: {self.in_a_row} consecutive optimizer steps had a non-finite "
+                f"gradient ({where}; actor.max_skipped_steps={self.limit})"
+            )
+
+
 def lr_lambda(schedule: str, warmup: int, total: int) -> Callable[[int], float]:
     """The LR factor at a training step: linear warm-up, then constant, linear or cosine decay."""
 
@@ -80,10 +108,14 @@ class TrainEngine:
         self.step = 0  # training steps done (each: one or more optimizer steps, then end_step)
         self.optimizer_steps = 0
         self.skipped_steps = 0
-        self.consecutive_skips = 0
+        self.skips = SkipGuard(name, cfg.max_skipped_steps)
         self._host = HostOffload()
 
     # -- training --------------------------------------------------------------------------
+
+    @property
+    def consecutive_skips(self) -> int:
+        return self.skips.in_a_row
 
     def autocast(self):
         device = "cuda" if next(self.model.parameters()).is_cuda else "cpu"
@@ -153,24 +185,11 @@ class TrainEngine:
         self.optimizer_steps += 1
         if math.isfinite(norm):
             self.optimizer.step()
-            self.consecutive_skips = 0
+            self.skips.stepped()
         else:
             self.skipped_steps += 1
-            self.consecutive_skips += 1
-            log.warning(
-                "%s: non-finite gradient norm at training step %d (optimizer step %d): step skipped "
-                "(%d in a row, %d in all)",
-                self.name,
-                self.step + 1,
-                self.optimizer_steps,
-                self.consecutive_skips,
-                self.skipped_steps,
-            )
-            if self.consecutive_skips >= self.cfg.max_skipped_steps:
-                raise NonFiniteError(
-                    f"{self.name}: {self.consecutive_skips} consecutive optimizer steps had a non-finite gradient "
-                    f"(training step {self.step + 1}; actor.max_skipped_steps={self.cfg.max_skipped_steps})"
-                )
+            where = f"training step {self.step + 1} (optimizer step {self.optimizer_steps})"
+            self.skips.skipped(where, self.skipped_steps)
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 

@@ -33,7 +33,7 @@ from tidal.checkpoint import (
     staging_path,
 )
 from tidal.config import ConfigError
-from tidal.engine import NonFiniteError, global_grad_norm
+from tidal.engine import SkipGuard, global_grad_norm
 from tidal.envs.layout import layout_of
 from tidal.models.sac import QEnsemble, SquashedGaussianPolicy
 from tidal.models.sac_cnn import shift_observations
@@ -134,7 +134,8 @@ class SACActorWorker(Worker):
         self.received = [0] * self.sources  # segments taken from each (env rank, stage)
         self.updates = 0
         self.skipped = 0  # optimizer steps with a non-finite loss or gradient, not applied
-        self.skipped_in_a_row: dict[str, int] = {}  # per optimizer: one may fail, others step
+        limit = cfg.actor.max_skipped_steps  # per optimizer: one may fail while others step
+        self.skips = {name: SkipGuard(f"sac {name}", limit) for name in self.optimizers}
 
     def _broadcast_agent(self) -> None:
         """Rank 0's initial weights on every rank (the seeds agree; this makes it certain)."""
@@ -276,24 +277,15 @@ class SACActorWorker(Worker):
         with_grad = [p for p in params if p.grad is not None]
         norm = global_grad_norm(with_grad) if finite else None  # a finite loss may overflow it
         if norm is None or not math.isfinite(float(norm)):
-            self._skipped(name)
+            self.skipped += 1
+            self.skips[name].skipped(f"update {self.updates + 1}", self.skipped)
             return False
-        self.skipped_in_a_row[name] = 0
+        self.skips[name].stepped()
         clip = self.cfg.actor.max_grad_norm
         if clip is not None:
             torch.nn.utils.clip_grads_with_norm_(with_grad, clip, norm)
         opt.step()
         return True
-
-    def _skipped(self, name: str) -> None:
-        self.skipped += 1
-        in_a_row = self.skipped_in_a_row[name] = self.skipped_in_a_row.get(name, 0) + 1
-        limit = self.cfg.actor.max_skipped_steps
-        if in_a_row >= limit:
-            raise NonFiniteError(
-                f"sac: {in_a_row} {name} optimizer steps in a row had a non-finite loss or "
-                f"gradient (update {self.updates + 1}; actor.max_skipped_steps={limit})"
-            )
 
     def _average_gradients(self, params: list[nn.Parameter], finite: bool) -> bool:
         """The mean of the ranks' gradients in place, as one flat all-reduce that also counts
