@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from tidal.algorithms.tokens import length_grouped_micro_batches, pack_by_tokens, token_logprobs
 from tidal.asynchrony import StalenessManager
 from tidal.config import ConfigError, load_config
 from tidal.config.llm import LLMConfig
@@ -24,7 +25,6 @@ from tidal.rollout.tasks import (
     reverse_problems,
 )
 from tidal.runners.llm.preflight import check_llm
-from tidal.workers.llm_actor import length_grouped_micro_batches, pack_by_tokens, token_logprobs
 
 # ----------------------------------------------------------------------------- staleness
 

@@ -8,12 +8,16 @@ import functools
 import numpy as np
 import torch
 
-from tidal.algorithms import get_advantage, kl_estimate
 from tidal.algorithms.objectives import (
     PolicyInputs,
     make_objective,
     minibatch_denominators,
     staleness_metrics,
+)
+from tidal.algorithms.tokens import (
+    length_grouped_micro_batches,
+    sequence_token_advantages,
+    token_logprobs,
 )
 from tidal.data import LLMBatch
 from tidal.engine import TrainEngine
@@ -32,45 +36,6 @@ from tidal.runtime.devices import to_device
 from tidal.runtime.weight_sync import WeightLinks
 from tidal.strategies import build_model
 from tidal.workers.offloading import ActorOffload
-
-
-def token_logprobs(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    """``out[:, t]`` = log-prob of ``input_ids[:, t]`` given the tokens before it, under
-    ``softmax(logits / temperature)`` (the engine's definition); column 0 is 0."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits[:, :-1].float()
-    logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), -1)
-    picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return torch.cat([torch.zeros_like(picked[:, :1]), picked], 1)
-
-
-def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
-    """Consecutive groups of sequence indices whose padded size (count x longest) fits the budget."""
-    groups, current, longest = [], [], 0
-    for i, n in enumerate(lengths):
-        if current and max(longest, n) * (len(current) + 1) > budget:
-            groups.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, n)
-    if current:
-        groups.append(current)
-    return groups
-
-
-def length_grouped_micro_batches(
-    attention_mask: torch.Tensor, rows: torch.Tensor, budget: int
-) -> list[tuple[torch.Tensor, int]]:
-    """``rows`` sorted by length and packed by token budget, each micro-batch with the width
-    of its longest sequence: right padding beyond it is never computed."""
-    lengths = attention_mask[rows].sum(1)
-    order = lengths.argsort(stable=True)
-    sorted_lengths = lengths[order].tolist()
-    return [
-        (rows[order[idx]], max(sorted_lengths[j] for j in idx))
-        for idx in pack_by_tokens(sorted_lengths, budget)
-    ]
 
 
 def trained_model(m, weights: bool = True) -> torch.nn.Module:
@@ -178,24 +143,11 @@ class LLMActor(Worker, WeightLinks, ActorOffload):
         return out
 
     def advantages(self, batch: LLMBatch, ref_logp: torch.Tensor | None) -> torch.Tensor:
-        """Per-token advantages ``[B, L]``: the sequence reward sits on its last generated token."""
-        mask = batch.loss_mask
-        last = mask.shape[1] - 1 - torch.flip(mask.long(), [1]).argmax(1)
-        token_rewards = torch.zeros(mask.shape, device=mask.device)
-        token_rewards[torch.arange(mask.shape[0], device=mask.device), last] = batch.rewards
-        kl = None
         alg = self.cfg.algorithm
-        if self.ref is not None and alg.kl_in == "reward":
-            kl = kl_estimate(batch.logprobs, ref_logp, alg.kl_kind, alg.kl_clamp)
-            token_rewards = token_rewards - alg.kl_coef * torch.where(mask, kl, 0.0)
-        adv, _ = get_advantage(alg.adv_type)(
-            rewards=token_rewards.T,
-            mask=mask.T,
-            group_size=self.cfg.rollout.group_size,
-            groups=batch.group_ids,
-            gamma=alg.gamma,
+        kl_coef = alg.kl_coef if self.ref is not None and alg.kl_in == "reward" else 0.0
+        return sequence_token_advantages(
+            batch, ref_logp, alg, self.cfg.rollout.group_size, kl_coef=kl_coef
         )
-        return adv.T.float()
 
     def train_step(self, batch: LLMBatch) -> dict[str, float]:
         """One PPO step on the whole batch (every rank receives it): advantages over all of it,
