@@ -34,9 +34,10 @@ def pytest_configure(config):
 RAY_MODULES = {
     "test_agent_command",
     "test_async_embodied",
-    "test_async_rl",
     "test_embodied",
     "test_gpu",
+    "test_llm_runs",
+    "test_llm_trainer",
     "test_runtime",
     "test_runtime_ray",
     "test_sac",
@@ -96,3 +97,32 @@ def tool_model(tmp_path_factory):
     from agent_models import save_tool_model
 
     return save_tool_model(tmp_path_factory.mktemp("models") / "tools")
+
+
+@pytest.fixture(scope="session")
+def arith_model(tmp_path_factory):
+    """A tiny Llama warm-started by ``tidal sft`` on generated sums (the language runs' model)."""
+    import math
+
+    from transformers import AutoTokenizer
+
+    from tidal.config import load_config
+    from tidal.config.llm import LLMConfig
+    from tidal.runners.llm.sft import run_sft
+
+    path = tmp_path_factory.mktemp("m") / "arith"
+    cfg = load_config(
+        LLMConfig,
+        None,
+        [
+            f"model.path={path}",
+            "model.hidden=32",
+            "model.layers=1",
+            "sft.steps=20",
+            "sft.eval_size=16",
+        ],
+    )
+    summary = run_sft(cfg)
+    # 20 steps must already beat guessing uniformly over the vocabulary
+    assert summary["final_loss"] < math.log(len(AutoTokenizer.from_pretrained(path))), summary
+    return path
