@@ -4,7 +4,6 @@ and the in-process recording client in a multi-turn tool loop."""
 import asyncio
 import json
 import re
-from types import SimpleNamespace
 
 import pytest
 from agent_models import ADD_TOOL, QUESTION, tool_loop
@@ -194,6 +193,7 @@ def test_an_in_process_agent_parses_tool_calls_with_rollout_tool_parser(tool_mod
     not Hermes, turns the model's text into the agent's tool calls."""
     from tidal.config.llm import LLMConfig
     from tidal.config.loader import load_config
+    from tidal.rollout.workflows import WorkflowContext
     from tidal.runners.llm.workflows import in_process_agent
 
     parsed = []
@@ -214,19 +214,20 @@ def test_an_in_process_agent_parses_tool_calls_with_rollout_tool_parser(tool_mod
     monkeypatch.setitem(TOOL_PARSERS._items, "calls", calls)  # registered for this test only
     tok = AutoTokenizer.from_pretrained(tool_model)
     cfg = load_config(LLMConfig, None, ["rollout.tool_parser=calls", "rollout.group_size=1"])
-    runner = SimpleNamespace(
+    ctx = WorkflowContext(
         cfg=cfg,
         client=ScriptedInference(tok, ["add(3, 4)<|im_end|>", "7<|im_end|>"]),
         tokenizer=tok,
         gconfig=GenerationConfig(max_new_tokens=40, stop_token_ids=[tok.eos_token_id]),
+        train_data=None,
     )
-    flow = in_process_agent(runner, tool_agent)
+    flow = in_process_agent(ctx, tool_agent)
     episode = asyncio.run(flow({"question": QUESTION, "answer": "7"}))
     assert parsed == ["add(3, 4)", "7"]  # both answers, by the configured parser
     assert episode.rewards.tolist() == [1.0]  # the agent ran the call and answered its result
     assert flow.metrics() == {"rollout/tool_parse_errors": 0}
     with pytest.raises(ValueError, match="rollout.tool_parser: unknown tool parser 'nope'"):
-        AgentWorkflow(tool_agent, runner.client, tok, runner.gconfig, tool_parser="nope")
+        AgentWorkflow(tool_agent, ctx.client, tok, ctx.gconfig, tool_parser="nope")
 
 
 def test_tidal_serve_refuses_an_unknown_tool_parser_by_its_flag(tmp_path, capsys):

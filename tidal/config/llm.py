@@ -180,7 +180,7 @@ class LLMRolloutConfig:
     workflow: str = setting(
         "auto",
         "auto (agent with rollout.agent.command or url, else by data.task) | rlvr | multi_turn | "
-        "agent | module.path:factory(runner)",
+        "agent | module.path:factory(WorkflowContext) -> Workflow (tidal.rollout.workflows)",
     )
     agent: AgentConfig = section(
         AgentConfig, "an agent in its own process: a command per episode, or a service"

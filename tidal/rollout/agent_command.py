@@ -35,6 +35,7 @@ from tidal.data import LLMBatch
 from tidal.inference.sessions import Session, SessionProxy
 from tidal.rollout.agent_workflow import episode_sequences
 from tidal.rollout.rewards import Reward
+from tidal.rollout.workflows import Workflow
 
 log = logging.getLogger(__name__)
 STDERR_TAIL = 2000  # characters of a failed agent's stderr in the log
@@ -161,7 +162,7 @@ class ServiceAgent:
             await self._http.close()
 
 
-class ExternalAgentWorkflow:
+class ExternalAgentWorkflow(Workflow):
     """Runs ``agent`` (a ``CommandAgent`` or ``ServiceAgent``) ``group_size`` times per record,
     each against its own session of ``proxy``; the reward is the agent's (``reward is None``)
     or ``reward`` scoring the final assistant message with the record."""

@@ -30,7 +30,7 @@ from tidal.data import LLMBatch, TokenSequence
 from tidal.inference import GenerationConfig, InferenceClient
 from tidal.inference.agent_client import Completion, RecordingOpenAI
 from tidal.inference.tool_calls import TOOL_PARSERS
-from tidal.rollout.workflows import add_response
+from tidal.rollout.workflows import Workflow, add_response
 
 AgentFn = Callable[[RecordingOpenAI, dict[str, Any]], Awaitable[float | None]]
 MODES = ("concat", "individual", "auto")
@@ -82,7 +82,7 @@ def episode_sequences(
     return individual_sequences(completions, reward, turn_discount)
 
 
-class AgentWorkflow:
+class AgentWorkflow(Workflow):
     """Runs ``agent(client, data)`` ``group_size`` times and returns the padded episode (or
     ``None`` when an agent returned no reward and set none)."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.data import LLMBatch, TokenSequence
@@ -26,9 +27,69 @@ PromptRenderer = Callable[
 ]  # a record's prompt (text or chat messages) -> token ids
 
 
-# rollout.workflow: factory(runner) -> async episode function; the language runner registers the
-# built-in ones (tidal.runners.llm.workflows), which build from its config, client and tokenizer
-WORKFLOWS: Registry[Callable[[Any], Any]] = Registry("workflow", "rollout.workflow")
+@dataclass(frozen=True)
+class WorkflowContext:
+    """What a workflow is built from (``rollout.workflow``'s factory receives it): the run's
+    config (an ``LLMConfig``), its inference client, tokenizer and sampling defaults, and its
+    training and held-out records."""
+
+    cfg: Any
+    client: InferenceClient
+    tokenizer: Any
+    gconfig: GenerationConfig
+    train_data: Any
+    eval_data: list[dict] = field(default_factory=list)
+
+
+class Workflow:
+    """The contract of an episode source. ``await workflow(record)`` plays one record's episode
+    (its group of samples) and returns an ``LLMBatch``, or ``None`` to reject it; the rest have
+    defaults a workflow overrides where it has something to say."""
+
+    async def __call__(self, data: dict[str, Any]) -> LLMBatch | None:
+        raise NotImplementedError
+
+    def metrics(self) -> dict[str, float]:
+        """Counters the run logs each step (``rollout/...``)."""
+        return {}
+
+    async def evaluate(self, records: list[dict], gconfig: GenerationConfig) -> dict | None:
+        """Held-out metrics (``eval/...``) with ``gconfig`` (greedy); ``None``: the run scores
+        single completions with the configured reward (``tidal.rollout.evaluation``)."""
+        return None
+
+    async def aclose(self) -> None:
+        """Release what the workflow holds (sessions, processes, clients)."""
+
+
+class EpisodeFunction(Workflow):
+    """A plain ``async def episode(record) -> LLMBatch | None`` as a ``Workflow``."""
+
+    def __init__(self, episode: Callable[[dict], Any]):
+        self.episode = episode
+
+    async def __call__(self, data: dict[str, Any]) -> LLMBatch | None:
+        return await self.episode(data)
+
+
+def as_workflow(made: Any, source: str) -> Workflow:
+    """What a workflow factory returned, as a ``Workflow`` (a plain async callable is wrapped);
+    anything else is an error naming ``source``."""
+    if isinstance(made, Workflow):
+        return made
+    if callable(made):
+        return EpisodeFunction(made)
+    raise TypeError(
+        f"{source} returned {type(made).__name__}, not a workflow: return a "
+        "tidal.rollout.workflows.Workflow or an async function record -> LLMBatch | None"
+    )
+
+
+# rollout.workflow: factory(WorkflowContext) -> Workflow; the built-in ones are registered by the
+# language runner (tidal.runners.llm.workflows)
+WORKFLOWS: Registry[Callable[[WorkflowContext], Workflow]] = Registry(
+    "workflow", "rollout.workflow"
+)
 
 
 def add_response(seq: TokenSequence, resp: ModelResponse) -> None:
@@ -40,7 +101,7 @@ def plain_renderer(tokenizer) -> PromptRenderer:
     return lambda prompt: render_prompt(tokenizer, prompt, chat_template=False)
 
 
-class RLVRWorkflow:
+class RLVRWorkflow(Workflow):
     """Single-turn RL from verifiable rewards: ``group_size`` samples per prompt, each scored by
     ``reward`` (a :class:`Reward`, or a plain ``fn(completion=..., **record)``) with the record's
     fields. ``render`` turns the record's ``prompt`` into token ids (default: plain text)."""
@@ -66,10 +127,13 @@ class RLVRWorkflow:
         self.group_size, self.reward_timeout_s = group_size, reward_timeout_s
         self.render = render or plain_renderer(tokenizer)
 
-    @property
-    def counters(self):
-        """The reward's failure counters (errors, timeouts)."""
-        return self.reward.counters
+    def metrics(self) -> dict[str, float]:
+        """The reward's failures: errors and timeouts."""
+        counters = self.reward.counters
+        return {
+            "rollout/reward_errors": counters.errors,
+            "rollout/reward_timeouts": counters.timeouts,
+        }
 
     async def __call__(self, data: dict[str, Any]) -> LLMBatch | None:
         prompt_ids = self.render(data["prompt"])
@@ -98,7 +162,7 @@ class RLVRWorkflow:
         return LLMBatch.from_sequences(seqs, rewards, self.tokenizer.pad_token_id)
 
 
-class MultiTurnWorkflow:
+class MultiTurnWorkflow(Workflow):
     """Several turns against an environment: ``env = make_env(data)`` answers each completion
     with ``(feedback_text, reward, done)``; the feedback joins the context with loss mask 0.
     The episode's reward is the first positive turn reward discounted by ``turn_discount`` per
@@ -146,6 +210,11 @@ class MultiTurnWorkflow:
                 break
             seq.add_context(self.tokenizer.encode(feedback, add_special_tokens=False))
         return seq, reward
+
+    async def evaluate(self, records: list[dict], gconfig: GenerationConfig) -> dict:
+        """The success rate of one episode per record with ``gconfig`` (greedy)."""
+        episodes = await asyncio.gather(*(self.play(d, gconfig) for d in records))
+        return {"eval/success_rate": sum(r > 0 for _, r in episodes) / len(episodes)}
 
     async def __call__(self, data: dict[str, Any]) -> LLMBatch | None:
         results = await asyncio.gather(*(self.play(data) for _ in range(self.group_size)))

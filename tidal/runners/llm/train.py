@@ -7,11 +7,8 @@ With ``rollout.max_staleness = 0`` it is exactly synchronous RL.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
-
-import numpy as np
 
 from tidal.asynchrony import StalenessManager
 from tidal.config.llm import LLMConfig
@@ -21,8 +18,7 @@ from tidal.models.llm import load_tokenizer
 from tidal.rollout.dispatcher import EpisodeError, RolloutDispatcher
 from tidal.rollout.engines import ROLLOUT_ENGINES
 from tidal.rollout.evaluation import greedy_config
-from tidal.rollout.tasks import is_multi_turn
-from tidal.rollout.workflows import WORKFLOWS, has_reward_spread
+from tidal.rollout.workflows import WORKFLOWS, WorkflowContext, as_workflow, has_reward_spread
 from tidal.runners.llm.common import (
     data_cache,
     eval_records,
@@ -46,6 +42,7 @@ class LLMRunner(RunLoop):
         check_llm(cfg)
         check_llm_model(cfg)
         self.cluster = self.rollout = self.actor = self.client = self.dispatcher = None
+        self.workflow = None
         self.staleness: StalenessManager | None = None
         super().__init__(cfg, run_dir)
 
@@ -76,11 +73,7 @@ class LLMRunner(RunLoop):
             should_accept=has_reward_spread if cfg.rollout.dynamic_sampling else None,
             sampling_seed=cfg.runner.seed if self.rollout.seeds_requests else None,
         )
-        self.evaluator = (
-            None
-            if is_multi_turn(self.cfg.data) or hasattr(self.workflow, "evaluate")
-            else evaluator(cfg, self.client, self.tokenizer, self.eval_data)
-        )
+        self.evaluator = None  # the reward's evaluation, built when the workflow has none
 
     def restore(self, checkpoint: Path) -> dict:
         meta = self.actor.load(str(checkpoint)).wait(self.cfg.runner.timeout_s)[0]
@@ -105,9 +98,13 @@ class LLMRunner(RunLoop):
 
     def _workflow(self):
         name = workflow_name(self.cfg)
-        if ":" in name:  # a user's workflow: module.path:factory(runner) -> async callable
-            return import_object(name, "rollout.workflow")(self)
-        return WORKFLOWS.get(name)(self)
+        ctx = WorkflowContext(
+            self.cfg, self.client, self.tokenizer, self.gconfig, self.train_data, self.eval_data
+        )
+        if ":" in name:  # a user's workflow: module.path:factory(ctx) -> Workflow | async fn
+            factory = import_object(name, "rollout.workflow")
+            return as_workflow(factory(ctx), f"rollout.workflow {name!r}")
+        return WORKFLOWS.get(name)(ctx)
 
     @property
     def version(self) -> int:
@@ -129,21 +126,17 @@ class LLMRunner(RunLoop):
         self.dispatcher.resume()
 
     def evaluate(self, step: int) -> dict:
-        """Greedy completions of the held-out records scored by the configured reward
-        (``eval/accuracy``: the fraction with reward > 0; tidal.rollout.evaluation), or the greedy
-        success rate of multi-turn episodes."""
+        """The workflow's own held-out metrics (greedy), e.g. the success rate of multi-turn
+        episodes or agents; else greedy completions of the held-out records scored by the
+        configured reward (``eval/accuracy``: the fraction with reward > 0;
+        tidal.rollout.evaluation)."""
         if not self.eval_data:
             return {}
-        if hasattr(self.workflow, "evaluate"):  # e.g. agents: their greedy success rate
-            return self._run(self.workflow.evaluate(self.eval_data, greedy_config(self.gconfig)))
-        if is_multi_turn(self.cfg.data):
-            greedy = greedy_config(self.gconfig)
-
-            async def success():
-                eps = await asyncio.gather(*(self.workflow.play(d, greedy) for d in self.eval_data))
-                return float(np.mean([r > 0 for _, r in eps]))
-
-            return {"eval/success_rate": self._run(success())}
+        own = self._run(self.workflow.evaluate(self.eval_data, greedy_config(self.gconfig)))
+        if own is not None:
+            return own
+        if self.evaluator is None:
+            self.evaluator = evaluator(self.cfg, self.client, self.tokenizer, self.eval_data)
         return self._run(self.evaluator.run(self.eval_data)).metrics
 
     def train_step(self, step: int) -> dict:
@@ -166,8 +159,7 @@ class LLMRunner(RunLoop):
                 "rollout/reward_mean": float(batch.rewards.mean()),
                 **{f"rollout/{k}": v for k, v in self.staleness.snapshot().items()},
                 "rollout/filtered_groups": self.dispatcher.filtered,
-                **self._reward_failures(),
-                **(self.workflow.metrics() if hasattr(self.workflow, "metrics") else {}),
+                **self.workflow.metrics(),
                 "train/tokens_per_s": float(batch.attention_mask.sum()) / metrics["time/step"],
                 "rollout/generated_tokens_per_s": gen_tokens / metrics["time/step"],
             }
@@ -185,21 +177,12 @@ class LLMRunner(RunLoop):
             self.rollout.check_alive()
             raise
 
-    def _reward_failures(self) -> dict:
-        counters = getattr(self.workflow, "counters", None)  # user workflows may keep none
-        if counters is None:
-            return {}
-        return {
-            "rollout/reward_errors": counters.errors,
-            "rollout/reward_timeouts": counters.timeouts,
-        }
-
     def save(self, path: Path, meta: dict) -> str:
         return self.actor.save(str(path), meta).wait(self.cfg.runner.timeout_s)[0]
 
     def cleanup_steps(self, graceful: bool) -> list:
         steps = []
-        if hasattr(getattr(self, "workflow", None), "aclose") and self.dispatcher is not None:
+        if self.workflow is not None and self.dispatcher is not None:
             steps.append(("workflow", lambda: self._run(self.workflow.aclose(), 30)))
         if self.client is not None and self.dispatcher is not None:
             steps.append(("client", lambda: self._run(self.client.aclose(), 30)))

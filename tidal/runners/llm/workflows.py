@@ -1,8 +1,8 @@
-"""The built-in workflows of ``rollout.workflow``, registered by name: each builds from the
-language runner (its config, inference client, tokenizer, generation defaults and data).
+"""The built-in workflows of ``rollout.workflow``, registered by name: each builds from a
+``WorkflowContext`` (the run's config, inference client, tokenizer, sampling defaults and data).
 ``auto`` picks ``agent`` when an agent command or service is configured, else what the data
 runs (``multi_turn`` for a multi-turn task, ``rlvr`` otherwise). An agent in tidal's process is
-a user's ``rollout.workflow: module.path:factory`` returning ``in_process_agent(runner, agent)``."""
+a user's ``rollout.workflow: module.path:factory`` returning ``in_process_agent(ctx, agent)``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING
 
 from tidal.config.llm import LLMConfig
 from tidal.rollout.tasks import TASKS, is_multi_turn
-from tidal.rollout.workflows import WORKFLOWS, MultiTurnWorkflow, RLVRWorkflow, overlong_penalty
+from tidal.rollout.workflows import (
+    WORKFLOWS,
+    MultiTurnWorkflow,
+    RLVRWorkflow,
+    WorkflowContext,
+    overlong_penalty,
+)
 from tidal.runners.llm.common import prompt_renderer, warmed_reward
 
 if TYPE_CHECKING:  # the agent workflows need the 'agents' extra: imported where they are built
@@ -29,16 +35,16 @@ def workflow_name(cfg: LLMConfig) -> str:
 
 
 @WORKFLOWS.register("rlvr")
-def rlvr_workflow(runner) -> RLVRWorkflow:
-    cfg, r = runner.cfg, runner.cfg.rollout
+def rlvr_workflow(ctx: WorkflowContext) -> RLVRWorkflow:
+    cfg, r = ctx.cfg, ctx.cfg.rollout
     return RLVRWorkflow(
-        runner.client,
-        runner.tokenizer,
-        warmed_reward(cfg, runner.train_data.table[0]),
-        runner.gconfig,
+        ctx.client,
+        ctx.tokenizer,
+        warmed_reward(cfg, ctx.train_data.table[0]),
+        ctx.gconfig,
         r.group_size,
         r.reward_timeout_s,
-        render=prompt_renderer(cfg, runner.tokenizer),
+        render=prompt_renderer(cfg, ctx.tokenizer),
         length_penalty=_overlong_penalty(cfg),
     )
 
@@ -53,13 +59,13 @@ def _overlong_penalty(cfg: LLMConfig):
 
 
 @WORKFLOWS.register("multi_turn")
-def multi_turn_workflow(runner) -> MultiTurnWorkflow:
-    r = runner.cfg.rollout
+def multi_turn_workflow(ctx: WorkflowContext) -> MultiTurnWorkflow:
+    r = ctx.cfg.rollout
     return MultiTurnWorkflow(
-        runner.client,
-        runner.tokenizer,
-        TASKS.get(runner.cfg.data.task).env,
-        runner.gconfig,
+        ctx.client,
+        ctx.tokenizer,
+        TASKS.get(ctx.cfg.data.task).env,
+        ctx.gconfig,
         max_turns=r.max_turns,
         turn_discount=r.turn_discount,
         group_size=r.group_size,
@@ -67,23 +73,23 @@ def multi_turn_workflow(runner) -> MultiTurnWorkflow:
 
 
 @WORKFLOWS.register("agent")
-def agent_workflow(runner) -> ExternalAgentWorkflow:
+def agent_workflow(ctx: WorkflowContext) -> ExternalAgentWorkflow:
     """An agent command (or service) per episode, against a recording session endpoint."""
     from tidal.inference.sessions import SessionProxy
     from tidal.rollout.agent_command import CommandAgent, ExternalAgentWorkflow, ServiceAgent
 
-    cfg, r = runner.cfg, runner.cfg.rollout
+    cfg, r = ctx.cfg, ctx.cfg.rollout
     a = r.agent
     agent = (
         CommandAgent(a.command, a.cwd, a.env, a.timeout_s)
         if a.command is not None
         else ServiceAgent(a.url, a.timeout_s)
     )
-    proxy = SessionProxy(runner.client, runner.tokenizer, runner.gconfig, r.tool_parser, a.host)
+    proxy = SessionProxy(ctx.client, ctx.tokenizer, ctx.gconfig, r.tool_parser, a.host)
     return ExternalAgentWorkflow(
         agent,
         proxy,
-        runner.tokenizer,
+        ctx.tokenizer,
         group_size=r.group_size,
         mode=r.agent_mode,
         turn_discount=r.turn_discount,
@@ -94,18 +100,18 @@ def agent_workflow(runner) -> ExternalAgentWorkflow:
     )
 
 
-def in_process_agent(runner, agent: AgentFn) -> AgentWorkflow:
+def in_process_agent(ctx: WorkflowContext, agent: AgentFn) -> AgentWorkflow:
     """``agent`` (``async def agent(client, data) -> reward``) as the run's workflow, with the
     run's inference client, tokenizer and generation defaults, and rollout.group_size,
     agent_mode, turn_discount and tool_parser."""
     from tidal.rollout.agent_workflow import AgentWorkflow
 
-    r = runner.cfg.rollout
+    r = ctx.cfg.rollout
     return AgentWorkflow(
         agent,
-        runner.client,
-        runner.tokenizer,
-        runner.gconfig,
+        ctx.client,
+        ctx.tokenizer,
+        ctx.gconfig,
         group_size=r.group_size,
         mode=r.agent_mode,
         turn_discount=r.turn_discount,
