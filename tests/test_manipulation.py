@@ -58,8 +58,12 @@ def test_sft_then_train_from_the_saved_policy_reports_success(tmp_path, capsys):
     first = metrics[0]  # the saved policy, evaluated before any RL step on sft's episodes
     assert first["eval/success_rate"] == sft["eval/success_rate"]
     assert first["eval/return_mean"] == pytest.approx(
-        sft["eval/return"], rel=1e-5
+        sft["eval/return_mean"], rel=1e-5
     )  # the same weights
+    # in process (sft, eval) and through the workers (train): one set of names
+    assert {k for k in first if k.startswith("eval/")} == {k for k in sft if k.startswith("eval/")}
+    assert first["eval/episodes"] == sft["eval/episodes"]
+    assert first["eval/return_std"] == pytest.approx(sft["eval/return_std"], rel=1e-4)
     # the same episodes with sampled actions: other returns, reported apart
     assert first["eval_sampled/episodes"] == first["eval/episodes"] == 4
     assert first["eval_sampled/return_mean"] != first["eval/return_mean"]
@@ -79,18 +83,21 @@ def test_sft_then_train_from_the_saved_policy_reports_success(tmp_path, capsys):
     bc = _eval(capsys, [str(VLA), *overrides, "--episodes", "3", "--sampled"])
     assert bc["episodes"] == 3 and bc["checkpoint"] is None
     assert {"eval/success_rate/reach-v3", "eval_sampled/success_rate/reach-v3"} <= set(bc)
-    assert bc["eval_sampled/return"] != bc["eval/return"]
+    assert bc["eval_sampled/return_mean"] != bc["eval/return_mean"]
     assert (
-        _eval(capsys, [str(VLA), *overrides, "--episodes", "3"])["eval/return"] == bc["eval/return"]
+        _eval(capsys, [str(VLA), *overrides, "--episodes", "3"])["eval/return_mean"]
+        == bc["eval/return_mean"]
     )
     last = str(Path(summary["run_dir"]) / "checkpoints")
     trained = _eval(capsys, [str(VLA), *overrides, "--episodes", "3", "--checkpoint", last])
     assert trained["checkpoint"].endswith("step_000002")
-    assert trained["eval/return"] != bc["eval/return"]  # the checkpoint's weights, not BC's
+    assert (
+        trained["eval/return_mean"] != bc["eval/return_mean"]
+    )  # the checkpoint's weights, not BC's
     assert json.loads((Path(trained["run_dir"]) / "summary.json").read_text())["episodes"] == 3
     # a checkpoint alone: the policy is built from the config, the checkpoint's weights loaded
     alone = [str(VLA), *overrides, "model.path=null", "--episodes", "3", "--checkpoint", last]
-    assert _eval(capsys, alone)["eval/return"] == trained["eval/return"]
+    assert _eval(capsys, alone)["eval/return_mean"] == trained["eval/return_mean"]
 
 
 def _eval(capsys, args: list[str]) -> dict:
@@ -171,6 +178,10 @@ def test_manipulation_examples_validate_for_sft(path):
         (["model.kwargs={depth: 3}"], "model.kwargs.depth: policy 'vla' takes no such argument"),
         (["model.kwargs={critic: false}"], "model.kwargs.critic: set model.critic instead"),
         (["model.hidden_sizes=[8]"], "model.hidden_sizes: policy 'vla' does not use it"),
+        (  # the name tidal sft and tidal eval reported before they took the training run's
+            ["runner.target_metric=eval/return"],
+            "runner.target_metric: 'eval/return' is now 'eval/return_mean'",
+        ),
     ],
 )
 def test_bad_manipulation_values_name_their_key(overrides, message):

@@ -240,6 +240,11 @@ class EmbodiedConfig:
     }
 
 
+# metric names an embodied evaluation no longer reports, and the name that replaced them
+RENAMED_METRICS = {
+    "eval/return": "eval/return_mean",
+    "eval_sampled/return": "eval_sampled/return_mean",
+}
 OBS_MODES = ("state", "pixels", "state+pixels")
 SHARED_MODEL_FIELDS = ("hidden_sizes", "activation", "critic", "obs_norm", "init_log_std", "squash")
 
@@ -273,6 +278,13 @@ def validate_embodied(cfg: EmbodiedConfig) -> None:
     validate_ref_offload(act, alg, cfg.model.lora.rank)
     validate_lora(cfg.model.lora)
     validate_offpolicy(cfg)
+    renamed = RENAMED_METRICS.get(cfg.runner.target_metric)
+    require(
+        renamed is None,
+        "runner.target_metric",
+        f"{cfg.runner.target_metric!r} is now {renamed!r} (tidal sft and tidal eval report the "
+        "names a training run's evaluation does)",
+    )
     one_of(cfg.model.activation, ("tanh", "relu", "gelu"), "model.activation")
     one_of(env.vectorization_mode, ("sync", "async"), "env.vectorization_mode")
     one_of(alg.reward_type, ("chunk", "action"), "algorithm.reward_type")

@@ -12,6 +12,7 @@ from tidal.envs.base import (
     VectorEnvAdapter,
     adapter_arguments,
     env_make_kwargs,
+    episode_metrics,
     get_env_adapter,
     list_env_adapters,
     make_env,
@@ -38,5 +39,6 @@ __all__ = [
     "layout_of",
     "register_env",
     "success_metrics",
+    "episode_metrics",
     "tokenize",
 ]

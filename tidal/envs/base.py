@@ -113,6 +113,21 @@ def success_metrics(successes: list[float], tasks: list[str], prefix: str) -> di
     return out
 
 
+def episode_metrics(
+    returns: list[float], successes: list[float], tasks: list[str], prefix: str
+) -> dict[str, float | int | None]:
+    """What an evaluation reports of its episodes, under one set of names wherever it runs (in
+    process: ``tidal sft`` and ``tidal eval``; through the workers: a training run):
+    ``{prefix}/return_mean``, ``{prefix}/return_std``, ``{prefix}/episodes`` and the success
+    rates (``success_metrics``; per task only when every episode names its task)."""
+    return {
+        **success_metrics(successes, tasks if len(tasks) == len(successes) else [], prefix),
+        f"{prefix}/return_mean": float(np.mean(returns)) if returns else None,
+        f"{prefix}/return_std": float(np.std(returns)) if returns else None,
+        f"{prefix}/episodes": len(returns),
+    }
+
+
 class ChunkedEnv:
     """Steps an adapter ``C`` actions at a time and reports an ``EnvOutput`` of ``[B, C]``.
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tidal.envs import ChunkedEnv, VectorEnvAdapter, success_metrics
+from tidal.envs import ChunkedEnv, VectorEnvAdapter, episode_metrics
 from tidal.envs.demos import Demonstrations
 from tidal.models.policy import EmbodiedPolicy
 
@@ -82,8 +82,9 @@ def evaluate_success(
     deterministic: bool = True,
     prefix: str = "eval",
 ) -> dict[str, float]:
-    """One episode per env copy (``seeds``: one per copy); success rates (overall and per task)
-    and the mean return."""
+    """One episode per env copy (``seeds``: one per copy), in this process; the metrics a
+    training run's evaluation through its workers reports, under the same names
+    (``tidal.envs.episode_metrics``: return mean and spread, episodes, success rates)."""
     chunked = ChunkedEnv(env, auto_reset=False, seeds=seeds)
     obs = chunked.reset().obs
     was_training = policy.training
@@ -93,7 +94,4 @@ def evaluate_success(
         obs = chunked.step(policy.env_actions(step.actions)).obs
     policy.train(was_training)
     stats = chunked.stats.drain()
-    return {
-        **success_metrics(stats["successes"], stats["tasks"], prefix),
-        f"{prefix}/return": float(np.mean(stats["returns"])),
-    }
+    return episode_metrics(stats["returns"], stats["successes"], stats["tasks"], prefix)

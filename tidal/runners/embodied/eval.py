@@ -40,7 +40,7 @@ def run_eval(
     with RunFolder(cfg, "eval") as run:
         summary = _evaluate(cfg, folder, episodes, sampled)
         (run.path / "summary.json").write_text(json.dumps(summary, indent=2))
-    scores = {k: summary[k] for k in ("eval/success_rate", "eval/return") if k in summary}
+    scores = {k: summary[k] for k in ("eval/success_rate", "eval/return_mean") if k in summary}
     log.info(
         "eval on %d episodes: %s", episodes, ", ".join(f"{k} {v:.3f}" for k, v in scores.items())
     )

@@ -19,7 +19,7 @@ from tidal.asynchrony import StalenessManager
 from tidal.checkpoint import load_extra
 from tidal.config import EmbodiedConfig
 from tidal.config.embodied import components, same_process
-from tidal.envs import success_metrics
+from tidal.envs import episode_metrics, success_metrics
 from tidal.envs.video import write_video
 from tidal.runners.collection import Collection
 from tidal.runners.loop import RunLoop, fmt
@@ -318,12 +318,9 @@ class EmbodiedRunner(RunLoop):
                 break
         if videos and prefix == "eval":
             self.write_eval_video(step, np.concatenate(videos))
-        return {
-            **_success(outcomes, prefix),
-            f"{prefix}/return_mean": float(np.mean(returns)) if returns else None,
-            f"{prefix}/return_std": float(np.std(returns)) if returns else None,
-            f"{prefix}/episodes": len(returns),
-        }
+        successes = [x for res in outcomes for x in res.get("successes", [])]
+        tasks = [x for res in outcomes for x in res.get("tasks", [])]
+        return episode_metrics(returns, successes, tasks, prefix)
 
     def write_eval_video(self, step: int, frames: np.ndarray) -> None:
         runner = self.cfg.runner
