@@ -145,7 +145,21 @@ class AgentConfig:
     )
     cwd: str | None = setting(None, "the command's working folder; None: tidal's")
     env: dict[str, str] = setting(factory=dict, help="extra environment variables of the command")
-    timeout_s: float = setting(300.0, "bound on one episode's agent run (its process is killed)")
+    timeout_s: float = setting(
+        300.0,
+        "bound on one episode's agent run, counted from when its process has a slot (it is "
+        "killed after it)",
+    )
+    max_processes: int | None = setting(
+        None,
+        "agent processes running at once (episodes beyond wait for a slot); None: two per core",
+    )
+    persistent: bool = setting(
+        False,
+        "one long-lived process per slot instead of one per episode: it reads one request per "
+        'stdin line, {"session_base_url", "api_key", "record"}, and answers one line '
+        '{"reward": r}; its start-up is paid once',
+    )
     reward: str = setting(
         "stdout",
         "stdout: the agent's own reward; config: reward.name scores the final assistant message "
@@ -412,6 +426,16 @@ def validate_agent(agent: AgentConfig) -> None:
     )
     one_of(agent.reward, ("stdout", "config"), "rollout.agent.reward")
     require(agent.timeout_s > 0, "rollout.agent.timeout_s", f"must be > 0, got {agent.timeout_s}")
+    require(
+        agent.max_processes is None or agent.max_processes >= 1,
+        "rollout.agent.max_processes",
+        f"must be >= 1 (or null: two per core), got {agent.max_processes}",
+    )
+    require(
+        not agent.persistent or c is not None,
+        "rollout.agent.persistent",
+        "keeps agent processes: it needs rollout.agent.command",
+    )
     require(
         agent.max_errors >= 1, "rollout.agent.max_errors", f"must be >= 1, got {agent.max_errors}"
     )

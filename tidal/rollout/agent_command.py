@@ -4,6 +4,10 @@ talking to a recording OpenAI session (``tidal.inference.sessions``) per episode
 - ``CommandAgent``: per episode the command starts (its own process group) with
   ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` of its session, the record as JSON on standard input
   and in ``TIDAL_RECORD``; the reward is its last line of standard output, ``{"reward": r}``.
+  At most ``max_processes`` run at once; an episode's timeout starts when it has its slot.
+  ``persistent``: one long-lived process per slot (started once, so its start-up is paid once)
+  reads one request per line, ``{"session_base_url", "api_key", "record"}`` (a service's body),
+  and answers one line ``{"reward": r}``; a slot whose process fails is started afresh.
 - ``ServiceAgent``: tidal POSTs ``{session_base_url, api_key, record}`` to ``url`` and reads
   ``{"reward": r}`` from the answer.
 
@@ -39,6 +43,7 @@ from tidal.rollout.workflows import Workflow
 
 log = logging.getLogger(__name__)
 STDERR_TAIL = 2000  # characters of a failed agent's stderr in the log
+LINE_LIMIT = 2**24  # bytes of one stdout line a persistent agent may answer
 
 
 class AgentFailure(Exception):
@@ -73,6 +78,12 @@ def finite_reward(reward: Any) -> float:
     return float(reward)
 
 
+def default_agent_processes() -> int:
+    """Agent processes at once when ``rollout.agent.max_processes`` is unset: two per core (an
+    agent mostly waits on the model, but its start-up is CPU: more would only queue)."""
+    return 2 * (os.cpu_count() or 1)
+
+
 class CommandAgent:
     def __init__(
         self,
@@ -80,24 +91,66 @@ class CommandAgent:
         cwd: str | None = None,
         env: dict[str, str] | None = None,
         timeout_s: float = 300.0,
+        max_processes: int | None = None,
+        persistent: bool = False,
     ):
         self.argv = shlex.split(command) if isinstance(command, str) else list(command)
         self.cwd, self.env, self.timeout_s = cwd, dict(env or {}), timeout_s
         self.name = shlex.join(self.argv)
+        self.max_processes = max_processes or default_agent_processes()
+        self.persistent = persistent
+        self._slots: asyncio.Queue[_Slot] | None = None  # made on the event loop that runs it
 
     parse_reward = staticmethod(parse_reward)  # its last stdout line
 
     async def run(self, session: Session, record: dict) -> str:
-        """Run the command for one episode; returns its stdout."""
+        """Run the agent for one episode once a slot is free; its stdout (per-episode mode) or
+        its answer line (persistent mode). The timeout counts from the slot, not the queue."""
+        if self._slots is None:
+            self._slots = asyncio.Queue()
+            for _ in range(self.max_processes):
+                self._slots.put_nowait(_Slot())
+        slot, answered = await self._slots.get(), False
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                if self.persistent:
+                    answer = await slot.ask(self, session, record)
+                else:
+                    answer = await self._run_once(session, record)
+            answered = True
+            return answer
+        except TimeoutError:
+            raise AgentFailure(f"timed out after {self.timeout_s:g} s") from None
+        finally:
+            if answered:
+                self._slots.put_nowait(slot)
+            else:  # failed, timed out or cancelled mid-request: its process cannot be reused
+                self._slots.put_nowait(_Slot())
+                await asyncio.shield(slot.stop())
+
+    async def _run_once(self, session: Session, record: dict) -> str:
         data = json.dumps(record)
         env = {
-            **os.environ,
-            **self.env,
+            **self._environment(),
             "OPENAI_BASE_URL": session.base_url,
             "OPENAI_API_KEY": session.api_key,
             "TIDAL_RECORD": data,
         }
-        proc = await asyncio.create_subprocess_exec(
+        proc = await self._start(env)
+        try:
+            out, err = await proc.communicate(data.encode())
+        finally:
+            await _kill_group(proc)
+        stderr = err.decode(errors="replace")[-STDERR_TAIL:]
+        if proc.returncode != 0:
+            raise AgentFailure(f"exited with status {proc.returncode}", stderr)
+        return out.decode(errors="replace")
+
+    def _environment(self) -> dict[str, str]:
+        return {**os.environ, **self.env}
+
+    async def _start(self, env: dict[str, str]) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
             *self.argv,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
@@ -105,18 +158,61 @@ class CommandAgent:
             cwd=self.cwd,
             env=env,
             start_new_session=True,  # its own process group: killed whole, never orphaned
+            limit=LINE_LIMIT,
         )
+
+    async def aclose(self) -> None:
+        """End every persistent process."""
+        while self._slots is not None and not self._slots.empty():
+            await self._slots.get_nowait().stop()
+        self._slots = None
+
+
+class _Slot:
+    """One of ``max_processes`` places to run an agent; in persistent mode it keeps the
+    process that answers its requests, and the tail of that process's stderr."""
+
+    def __init__(self):
+        self.proc: asyncio.subprocess.Process | None = None
+        self.stderr = ""
+        self._drain: asyncio.Task | None = None
+
+    async def ask(self, agent: CommandAgent, session: Session, record: dict) -> str:
+        """Send one request line; the first stdout line that is a JSON object with a reward
+        (lines before it are the agent's own output, passed over)."""
+        if self.proc is None:
+            env = {**agent._environment(), "TIDAL_AGENT_PERSISTENT": "1"}
+            self.proc = await agent._start(env)
+            self._drain = asyncio.create_task(self._keep_stderr_tail())
+        request = {
+            "session_base_url": session.base_url,
+            "api_key": session.api_key,
+            "record": record,
+        }
         try:
-            async with asyncio.timeout(self.timeout_s):
-                out, err = await proc.communicate(data.encode())
-        except TimeoutError:
-            raise AgentFailure(f"timed out after {self.timeout_s:g} s") from None
-        finally:
-            await _kill_group(proc)
-        stderr = err.decode(errors="replace")[-STDERR_TAIL:]
-        if proc.returncode != 0:
-            raise AgentFailure(f"exited with status {proc.returncode}", stderr)
-        return out.decode(errors="replace")
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            await self.proc.stdin.drain()
+            while line := await self.proc.stdout.readline():
+                if _is_reward_line(line):
+                    return line.decode(errors="replace")
+        except (BrokenPipeError, ConnectionResetError, ValueError):
+            pass  # it died, or wrote a line past LINE_LIMIT: failed below
+        status = await self.stop()
+        raise AgentFailure(f"persistent agent exited with status {status}", self.stderr)
+
+    async def _keep_stderr_tail(self) -> None:
+        while chunk := await self.proc.stderr.read(4096):
+            self.stderr = (self.stderr + chunk.decode(errors="replace"))[-STDERR_TAIL:]
+
+    async def stop(self) -> int | None:
+        """Kill the slot's process (if any); its exit status."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        await _kill_group(proc)
+        if self._drain is not None:
+            await asyncio.wait([self._drain], timeout=5)
+        return proc.returncode
 
 
 async def _kill_group(proc: asyncio.subprocess.Process) -> None:
@@ -126,6 +222,14 @@ async def _kill_group(proc: asyncio.subprocess.Process) -> None:
     except (ProcessLookupError, PermissionError):
         pass  # already gone
     await asyncio.shield(proc.wait())
+
+
+def _is_reward_line(line: bytes) -> bool:
+    try:
+        answer = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(answer, dict) and "reward" in answer
 
 
 class ServiceAgent:
@@ -277,5 +381,4 @@ class ExternalAgentWorkflow(Workflow):
     async def aclose(self) -> None:
         """Stop the proxy (ending every open session) and the service client."""
         await self.proxy.stop()
-        if isinstance(self.agent, ServiceAgent):
-            await self.agent.aclose()
+        await self.agent.aclose()

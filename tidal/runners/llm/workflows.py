@@ -81,7 +81,7 @@ def agent_workflow(ctx: WorkflowContext) -> ExternalAgentWorkflow:
     cfg, r = ctx.cfg, ctx.cfg.rollout
     a = r.agent
     agent = (
-        CommandAgent(a.command, a.cwd, a.env, a.timeout_s)
+        CommandAgent(a.command, a.cwd, a.env, a.timeout_s, a.max_processes, a.persistent)
         if a.command is not None
         else ServiceAgent(a.url, a.timeout_s)
     )
