@@ -53,9 +53,11 @@ async def run_all(agent: CommandAgent, n: int) -> list:
         await agent.aclose()
 
 
-def test_the_default_is_two_processes_per_core():
+def test_the_default_is_two_processes_per_core_or_eight_when_persistent():
     assert default_agent_processes() == 2 * os.cpu_count()
     assert CommandAgent(["true"]).max_processes == 2 * os.cpu_count()
+    assert CommandAgent(["true"], persistent=True).max_processes == 8 * os.cpu_count()
+    assert CommandAgent(["true"], max_processes=3, persistent=True).max_processes == 3
 
 
 def test_processes_are_bounded_and_the_timeout_counts_from_the_slot(tmp_path):

@@ -152,7 +152,8 @@ class AgentConfig:
     )
     max_processes: int | None = setting(
         None,
-        "agent processes running at once (episodes beyond wait for a slot); None: two per core",
+        "agent processes running at once (episodes beyond wait for a slot); None: two per core, "
+        "eight per core when persistent",
     )
     persistent: bool = setting(
         False,
