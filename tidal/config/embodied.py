@@ -113,6 +113,19 @@ class RolloutConfig:
 
 
 @dataclass
+class FlowConfig:
+    """The ``flow`` policy's denoising chain (flow matching; tidal.models.flow)."""
+
+    steps: int = setting(10, "Euler steps from noise to an action chunk")
+    noise: str = setting(
+        "sde",
+        "RL's stochastic chain: sde (the ODE as an SDE with the same marginals, noise from "
+        "sigma) | learned (a noise head, starting at sigma)",
+    )
+    sigma: float = setting(0.5, "the chain's noise scale: exploration (sde) or its start (learned)")
+
+
+@dataclass
 class ModelConfig:
     """The policy network."""
 
@@ -133,6 +146,7 @@ class ModelConfig:
         None, "a saved policy folder: train starts from it; tidal sft writes it"
     )
     lora: LoRAConfig = section(LoRAConfig)
+    flow: FlowConfig = section(FlowConfig)
 
 
 @dataclass
@@ -246,7 +260,15 @@ RENAMED_METRICS = {
     "eval_sampled/return": "eval_sampled/return_mean",
 }
 OBS_MODES = ("state", "pixels", "state+pixels")
-SHARED_MODEL_FIELDS = ("hidden_sizes", "activation", "critic", "obs_norm", "init_log_std", "squash")
+SHARED_MODEL_FIELDS = (
+    "hidden_sizes",
+    "activation",
+    "critic",
+    "obs_norm",
+    "init_log_std",
+    "squash",
+    "flow",
+)
 
 
 def components(cfg: EmbodiedConfig) -> list[str]:
@@ -358,6 +380,13 @@ def validate_embodied(cfg: EmbodiedConfig) -> None:
         )
     for key in cfg.model.kwargs:
         require(key not in SHARED_MODEL_FIELDS, f"model.kwargs.{key}", f"set model.{key} instead")
+    validate_flow(cfg.model.flow)
+
+
+def validate_flow(flow: FlowConfig) -> None:
+    require(flow.steps >= 1, "model.flow.steps", f"must be >= 1, got {flow.steps}")
+    one_of(flow.noise, ("sde", "learned"), "model.flow.noise")
+    require(flow.sigma > 0, "model.flow.sigma", f"must be > 0, got {flow.sigma}")
 
 
 def validate_layout(cfg: EmbodiedConfig, worlds: dict[str, int]) -> None:

@@ -1,7 +1,8 @@
 """Policies behind one interface (``EmbodiedPolicy``), built by name from config: ``mlp``,
-``cnn`` (pixels), ``vla`` (token actions), ``sac_mlp`` (SAC's squashed Gaussian), ``sac_cnn`` (SAC from pixels, DrQ); saved and loaded as folders."""
+``cnn`` (pixels), ``vla`` (token actions), ``flow`` (a flow-matching action expert), ``sac_mlp`` (SAC's squashed Gaussian), ``sac_cnn`` (SAC from pixels, DrQ); saved and loaded as folders."""
 
 from tidal.models.cnn import CNNActorCritic
+from tidal.models.flow import FlowMatchingPolicy
 from tidal.models.policy import (
     EmbodiedPolicy,
     LeadingNorm,
@@ -19,6 +20,7 @@ from tidal.models.vla import TokenActionPolicy
 __all__ = [
     "CNNActorCritic",
     "EmbodiedPolicy",
+    "FlowMatchingPolicy",
     "LeadingNorm",
     "MLPActorCritic",
     "PixelSquashedGaussianPolicy",

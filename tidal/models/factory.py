@@ -3,6 +3,8 @@ its fields): loaded from a saved folder, or built by name from the registry."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import gymnasium as gym
 
 from tidal.models.policy import EmbodiedPolicy, build_policy, policy_arguments
@@ -16,10 +18,20 @@ def build_from_config(
     num_action_chunks: int,
     weights: bool = True,
 ) -> EmbodiedPolicy:
-    """Loaded from ``model.path`` when set (``weights=False``: without reading its weights),
-    else built by name with the shared fields it takes and ``model.kwargs``."""
+    """Loaded from ``model.path`` when set (``weights=False``: without reading its weights; the
+    shared fields the policy names in ``run_settings`` from this config), else built by name
+    with the shared fields it takes and ``model.kwargs``."""
+    shared = {
+        "hidden_sizes": tuple(model.hidden_sizes),
+        "activation": model.activation,
+        "critic": model.critic,
+        "obs_norm": model.obs_norm,
+        "init_log_std": model.init_log_std,
+        "squash": model.squash,
+        "flow": dataclasses.asdict(model.flow),
+    }
     if model.path is not None:
-        policy = load_policy(model.path, weights)
+        policy = load_policy(model.path, weights, run_settings=shared)
         spec = policy.build_spec
         if (spec["observation_space"], spec["action_space"]) != (observation_space, action_space):
             raise ValueError(
@@ -29,14 +41,6 @@ def build_from_config(
             )
         return policy
     takes = policy_arguments(model.name)
-    shared = {
-        "hidden_sizes": tuple(model.hidden_sizes),
-        "activation": model.activation,
-        "critic": model.critic,
-        "obs_norm": model.obs_norm,
-        "init_log_std": model.init_log_std,
-        "squash": model.squash,
-    }
     kwargs = {k: v for k, v in shared.items() if k in takes}
     return build_policy(
         model.name,

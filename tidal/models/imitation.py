@@ -14,17 +14,16 @@ from tidal.models.policy import EmbodiedPolicy
 def bc_loss(
     policy: EmbodiedPolicy, batch: dict[str, torch.Tensor], action_error: bool = False
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Negative log-likelihood of the expert's actions. ``batch``: ``obs`` ``[N, D]`` raw
-    observations, ``actions`` ``[N, C, A]`` expert actions as the env takes them. For token
-    policies it is the cross-entropy of every action token (mean over tokens).
+    """The policy's imitation loss on the expert's actions (``EmbodiedPolicy.imitation_loss``:
+    the negative log-likelihood, for token policies the cross-entropy of every action token;
+    flow matching's regression for ``flow``). ``batch``: ``obs`` ``[N, D]`` raw
+    observations, ``actions`` ``[N, C, A]`` expert actions as the env takes them.
     ``action_error`` adds the mean distance of the policy's mode action (one more forward)."""
     for key in ("obs", "actions"):
         if key not in batch:
             raise ValueError(f"bc_loss: the batch has no {key!r} (it has {', '.join(batch)})")
     inputs = policy.prepare(batch["obs"])
-    out = policy.evaluate(inputs, policy.policy_actions(batch["actions"]))
-    loss = -out["logprobs"].mean()
-    metrics = {"bc/loss": loss.item(), "bc/entropy": out["entropy"].mean().item()}
+    loss, metrics = policy.imitation_loss(inputs, policy.policy_actions(batch["actions"]))
     if action_error:
         with torch.no_grad():
             mode = policy.act(inputs, deterministic=True).actions

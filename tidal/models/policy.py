@@ -178,6 +178,26 @@ class EmbodiedPolicy(nn.Module, abc.ABC):
         actions (what ``evaluate`` scores; behaviour cloning needs it)."""
         raise NotImplementedError(f"{type(self).__name__} cannot score env actions")
 
+    def imitation_loss(
+        self, inputs: dict[str, torch.Tensor], actions: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Behaviour cloning's loss on expert ``actions`` (this policy's own space) and its
+        metrics: the negative log-likelihood, mean over action dimensions. A policy whose
+        actions have no likelihood to maximise (flow matching) has its own."""
+        out = self.evaluate(inputs, actions)
+        loss = -out["logprobs"].mean()
+        return loss, {"bc/loss": loss.item(), "bc/entropy": out["entropy"].mean().item()}
+
+    # shared ``model`` fields a saved policy (``model.path``) takes from the run's config
+    # rather than from its folder: settings of how it acts, not of what it learned
+    run_settings: tuple[str, ...] = ()
+
+    @classmethod
+    def config_problems(cls, model, algorithm, action_space: gym.Space) -> list[tuple[str, str]]:
+        """``(key, what is wrong)`` for each setting this policy cannot train with (``model``
+        and ``algorithm``: the config's sections); preflight reports them as config errors."""
+        return []
+
 
 def register_action_bounds(module: nn.Module, action_space) -> None:
     """The Box's ``low`` and ``high`` as float32 buffers, copied: ``torch.as_tensor`` would share
@@ -209,10 +229,13 @@ def _layer(n_in: int, n_out: int, gain: float) -> nn.Linear:
     return layer
 
 
+ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}
+
+
 def _mlp(
     n_in: int, hidden: list[int], n_out: int, activation: str, out_gain: float
 ) -> nn.Sequential:
-    act = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}.get(activation)
+    act = ACTIVATIONS.get(activation)
     if act is None:
         raise ValueError(f"model.activation: expected tanh, relu or gelu, got {activation!r}")
     layers, width = [], n_in

@@ -14,7 +14,7 @@ import numpy as np
 from safetensors.torch import load_file, save_file
 
 from tidal.envs.layout import LayoutBox, ObsLayout
-from tidal.models.policy import EmbodiedPolicy, build_policy
+from tidal.models.policy import POLICIES, EmbodiedPolicy, build_policy
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 
@@ -84,17 +84,22 @@ def read_saved_config(folder: str | os.PathLike) -> dict:
     return json.loads((folder / CONFIG).read_text())
 
 
-def load_policy(folder: str | os.PathLike, weights: bool = True) -> EmbodiedPolicy:
+def load_policy(
+    folder: str | os.PathLike, weights: bool = True, run_settings: dict | None = None
+) -> EmbodiedPolicy:
     """The saved policy; ``weights=False``: its skeleton, the weights not read (built on the
-    meta device, e.g. by the ranks fsdp2 fills from rank 0)."""
+    meta device, e.g. by the ranks fsdp2 fills from rank 0). ``run_settings``: values of the
+    arguments the policy's class lists in ``run_settings``, replacing the saved ones."""
     folder = Path(folder)
     config = read_saved_config(folder)
+    own = POLICIES.get(config["name"]).run_settings
+    overrides = {k: v for k, v in (run_settings or {}).items() if k in own}
     policy = build_policy(
         config["name"],
         space_from_json(config["observation_space"]),
         space_from_json(config["action_space"]),
         config["num_action_chunks"],
-        **config["kwargs"],
+        **{**config["kwargs"], **overrides},
     )
     if weights:
         policy.load_state_dict(load_file(str(folder / WEIGHTS)))

@@ -257,6 +257,10 @@ def probe_env(cfg: EmbodiedConfig):
     if cfg.model.path is not None:
         check_saved_policy(cfg.model, env.num_action_chunks)
         _check_saved_spaces(cfg.model.path, *spaces)
+    for key, problem in POLICIES.get(cfg.model.name).config_problems(
+        cfg.model, cfg.algorithm, spaces[1]
+    ):
+        raise ConfigError(f"{key}: {problem}")
     check_policy_lora(cfg.model, *spaces, env.num_action_chunks)
     return spaces, probe.max_episode_steps
 
