@@ -16,6 +16,7 @@ from tidal.inference.tool_calls import (
     ParsedOutput,
     check_tools,
     hermes_tool_calls,
+    parse_tool_calls,
 )
 from tidal.models.chat_template import render_chat
 
@@ -71,6 +72,57 @@ def test_tool_messages_and_calls_render_through_the_template(tool_model):
     assert '<tools>{"name": "add"' in text
     assert '<tool_call>{"name": "add", "arguments": {"a": 3}}</tool_call>' in text
     assert text.endswith("<tool_response>3</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+# SmolLM2-135M-Instruct's own template (its GGUF's): ChatML with no tool syntax
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_template_without_tool_syntax_gets_tools_and_calls_written_the_hermes_way():
+    """Such a template drops tools and tool calls silently: tidal writes them into the messages
+    (the tools in a system turn, calls as <tool_call>, results as <tool_response> user turns)
+    and the hermes parser reads a call written so back as it was."""
+    from tidal.inference.tiny import CHATML_TEMPLATE, TOOLS_CHATML_TEMPLATE, byte_level_tokenizer
+    from tidal.models.chat_template import knows_tools
+
+    assert not knows_tools(SMOLLM2_TEMPLATE) and not knows_tools(CHATML_TEMPLATE)
+    assert knows_tools(TOOLS_CHATML_TEMPLATE)
+    tok = byte_level_tokenizer(chat_template=SMOLLM2_TEMPLATE)
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 3}'}}
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "let me add", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+    ]
+    text = render_chat(messages, tok, tools=[ADD_TOOL])
+    system, user, assistant, result, prompt = text.split("<|im_start|>")[1:]
+    assert system.startswith("system\nYou are a function calling AI model")  # no default turn
+    assert json.dumps(ADD_TOOL["function"]) in system and "<tool_call>" in system
+    assert user == "user\nq<|im_end|>\n"
+    written = assistant.removeprefix("assistant\n").removesuffix("<|im_end|>\n")
+    assert (
+        written == 'let me add\n<tool_call>\n{"name": "add", "arguments": {"a": 3}}\n</tool_call>'
+    )
+    parsed = parse_tool_calls(written, "hermes", [ADD_TOOL])
+    assert parsed.content == "let me add" and parsed.error is None
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls
+    ] == [("add", {"a": 3})]
+    assert result == "user\n<tool_response>\n3\n</tool_response><|im_end|>\n"
+    assert prompt == "assistant\n"
+    # a system turn of the conversation's own keeps its text, the tools after it
+    own = render_chat(
+        [{"role": "system", "content": "Be brief."}, *messages[:1]], tok, tools=[ADD_TOOL]
+    )
+    assert own.startswith("<|im_start|>system\nBe brief.\n\nYou are a function calling")
+    # without tools or calls the messages render as the template writes them
+    assert render_chat(messages[:1], tok).startswith("<|im_start|>system\nYou are a helpful AI")
 
 
 @pytest.fixture(scope="module")

@@ -34,10 +34,58 @@ def render_chat(
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages: must be a non-empty list of {role, content} objects")
     clean = [_clean(i, m) for i, m in enumerate(messages)]
+    uses_tools = tools or any("tool_calls" in m for m in clean)
+    if uses_tools and not knows_tools(tokenizer.chat_template):
+        clean, tools = hermes_messages(clean, tools), None
     kwargs = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(
         clean, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
     )
+
+
+def knows_tools(template: str | dict) -> bool:
+    """Whether a chat template renders tools and tool calls itself (it reads ``tools`` and
+    ``tool_calls``); many instruct models' templates (e.g. SmolLM2's) drop both silently."""
+    text = json.dumps(template) if isinstance(template, dict) else template
+    return "tools" in text and "tool_calls" in text
+
+
+HERMES_TOOLS = (
+    "You are a function calling AI model. You are provided with function signatures within "
+    "<tools></tools> XML tags. You may call one or more functions to assist with the user query. "
+    "Here are the available tools: <tools>\n{tools}\n</tools>\nFor each function call, return a "
+    "json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """Tools, tool calls and tool results written into plain messages the Hermes way (Qwen 2.5's
+    layout), for a template that has no tool syntax of its own: the tools' schemas in a system
+    turn (after the conversation's own system text), each call as
+    ``<tool_call>{json}</tool_call>`` after the assistant's content, each result as a user turn
+    ``<tool_response>...</tool_response>`` (only where tools are offered or called: a plain
+    conversation renders as the template writes it). ``rollout.tool_parser: hermes`` reads the
+    calls back."""
+    out = [dict(m) for m in messages]
+    if tools:
+        listed = "\n".join(json.dumps(t.get("function", t)) for t in tools)
+        preamble = HERMES_TOOLS.format(tools=listed)
+        if out[0]["role"] == "system":
+            out[0]["content"] = f"{out[0]['content']}\n\n{preamble}".lstrip()
+        else:
+            out.insert(0, {"role": "system", "content": preamble})
+    for m in out:
+        calls = m.pop("tool_calls", None)
+        if calls:
+            written = [
+                "<tool_call>\n" + json.dumps(c["function"]) + "\n</tool_call>" for c in calls
+            ]
+            m["content"] = "\n".join(filter(None, [m["content"], *written]))
+        if m["role"] == "tool":
+            m.pop("tool_call_id", None), m.pop("name", None)
+            m.update(role="user", content=f"<tool_response>\n{m['content']}\n</tool_response>")
+    return out
 
 
 def _clean(i: int, m: Any) -> dict:
