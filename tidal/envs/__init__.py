@@ -2,7 +2,8 @@
 
 An adapter is a vectorised env of ``num_envs`` copies with a small interface
 (``VectorEnvAdapter``). ``gymnasium`` (classic control, MuJoCo, anything ``gymnasium.make_vec``
-builds) and ``metaworld`` are built in; ManiSkill, LIBERO or a user's env plug in with ``register_env``.
+builds), ``metaworld`` and ``libero`` are built in; ManiSkill or a user's env plug in with
+``register_env``.
 """
 
 from tidal.envs import rendering  # noqa: F401, I001  (picks MUJOCO_GL before mujoco is imported)
@@ -21,6 +22,7 @@ from tidal.envs.base import (
 )
 from tidal.envs.gym_adapter import GymnasiumVectorEnv
 from tidal.envs.layout import LayoutBox, ObsLayout, layout_of, tokenize
+from tidal.envs.libero import LiberoVectorEnv
 from tidal.envs.metaworld_adapter import MetaWorldVectorEnv
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "EpisodeStats",
     "GymnasiumVectorEnv",
     "LayoutBox",
+    "LiberoVectorEnv",
     "MetaWorldVectorEnv",
     "ObsLayout",
     "VectorEnvAdapter",

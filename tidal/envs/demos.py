@@ -46,6 +46,8 @@ class Demonstrations:
     rewards: np.ndarray | None = None  # [N]
     terminations: np.ndarray | None = None  # [N]
     next_obs: np.ndarray | None = None  # [N, D]
+    # the script's own success per task over every episode it tried (kept or not)
+    script_success: dict[str, float] | None = None
 
     @property
     def num_episodes(self) -> int:

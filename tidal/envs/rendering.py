@@ -48,7 +48,11 @@ class FastCamera:
     error rather than silent training on nothing.
     """
 
-    def __init__(self, model, data, camera: str, size: int):
+    def __init__(
+        self, model, data, camera: str, size: int, height: int | None = None, upright: bool = True
+    ):
+        """``size`` wide and ``height`` (default ``size``) high; ``upright``: undo a camera's
+        roll past the horizon (off for a camera that turns with a hand)."""
         select_gl_backend()
         with needs_extra("embodied", "MuJoCo rendering (pixel observations, eval videos)"):
             import mujoco
@@ -62,9 +66,10 @@ class FastCamera:
             )
         model.vis.quality.offsamples = 0
         model.vis.global_.offwidth = max(model.vis.global_.offwidth, size)
-        model.vis.global_.offheight = max(model.vis.global_.offheight, size)
+        height = size if height is None else height
+        model.vis.global_.offheight = max(model.vis.global_.offheight, height)
         try:
-            self.renderer = mujoco.Renderer(model, size, size)
+            self.renderer = mujoco.Renderer(model, height, size)
         except mujoco.FatalError as exc:
             raise RuntimeError(
                 f"cannot render offscreen with MUJOCO_GL={os.environ.get('MUJOCO_GL')!r} ({exc}); "
@@ -72,7 +77,7 @@ class FastCamera:
             ) from exc
         self._flags = self.renderer.scene.flags
         self._off = (mujoco.mjtRndFlag.mjRND_SHADOW, mujoco.mjtRndFlag.mjRND_REFLECTION)
-        self.camera = camera
+        self.camera, self.upright = camera, upright
         _release_current_context()
 
     def render(self) -> np.ndarray:
@@ -83,7 +88,9 @@ class FastCamera:
             image = self.renderer.render()
         finally:
             _release_current_context()
-        if self.data.cam_xmat[self.camera_id][7] < 0:  # world z of the camera's up axis
+        if (
+            self.upright and self.data.cam_xmat[self.camera_id][7] < 0
+        ):  # world z of the camera's up axis
             image = image[::-1, ::-1]
         if image.max() == image.min():
             raise RuntimeError(

@@ -1,0 +1,189 @@
+"""The LIBERO env family: spaces, the official init states, success that ends an episode,
+per-task metrics, bad input named before anything starts, a scripted demonstration, and one
+step of `tidal train`. Needs the `libero` extra (in `all`, which CI installs)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tidal.config import ConfigError, EmbodiedConfig, load_config
+from tidal.envs import ChunkedEnv, make_env, success_metrics, tokenize
+from tidal.envs.libero import PROPRIO_DIM, init_state_index
+from tidal.envs.libero_demos import PickPlaceScript
+from tidal.extras import MissingExtraError
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "embodied" / "libero_object_ppo.yaml"
+SOUP, CHEESE = (
+    "pick_up_the_alphabet_soup_and_place_it_in_the_basket",
+    "pick_up_the_cream_cheese_and_place_it_in_the_basket",
+)
+
+
+@pytest.fixture(scope="module")
+def two_tasks():
+    """libero_object tasks 0 and 1, one copy each (building a LIBERO env takes seconds)."""
+    env = make_env("libero", 2, env_id="libero_object", tasks=[0, 1], max_episode_steps=200)
+    yield env
+    env.close()
+
+
+def test_spaces_instructions_and_the_official_init_states(two_tasks):
+    env = two_tasks
+    obs = env.reset(seeds=[0, 1])
+    assert env.task_names == [SOUP, CHEESE] and env.max_episode_steps == 200
+    assert env.layout.state_dim == PROPRIO_DIM + 14 * 7 and env.layout.image_size == 0
+    assert obs.shape == (2, env.layout.size) == (2, env.observation_space.shape[0])
+    assert env.action_space.shape == (7,) and env.action_space.high.tolist() == [1.0] * 7
+    words = obs[:, env.layout.state_dim :]
+    assert words[0].tolist() == tokenize(env.instructions[0], 16, 1024).tolist()
+    assert env.instructions[0] == "pick up the alphabet soup and place it in the basket"
+    for i, task in enumerate(env.task_index):  # each copy starts from its task's init state 0
+        official = env.suite.get_task_init_states(task)[0]
+        assert np.allclose(env.envs[i].get_sim_state(), official)
+    # the state starts with the object of interest: its pose relative to the gripper follows
+    soup = env.position(0, "alphabet_soup_1")
+    assert np.allclose(obs[0, PROPRIO_DIM : PROPRIO_DIM + 3], soup, atol=1e-5)
+    env.reset(mask=np.array([True, False]))  # its next episode: the next init state
+    assert env.init_index.tolist() == [1, 0]
+
+
+def test_copies_of_a_task_run_its_init_states_in_order():
+    # copy k of a task, episode n, with 3 copies per task: init states k, k + 3, k + 6, ...
+    order = [
+        init_state_index(k, n, copies=3, indices=list(range(50)))
+        for n in range(3)
+        for k in range(3)
+    ]
+    assert order == list(range(9))
+    assert init_state_index(1, 17, copies=3, indices=list(range(50))) == (1 + 51) % 50
+    assert init_state_index(0, 1, copies=1, indices=[7, 9]) == 9
+
+
+def test_a_scripted_episode_succeeds_terminates_and_counts_per_task(two_tasks):
+    """The script carries the soup into the basket: reward 1 and `terminated` on that step;
+    the other copy, left still, is truncated at the time limit, unsuccessful."""
+    env = ChunkedEnv(two_tasks, auto_reset=False, seeds=[0, 1])
+    env.reset()
+    script = PickPlaceScript(two_tasks, 0, np.random.default_rng(0))
+    rewards, ended_at = [], None
+    for t in range(two_tasks.max_episode_steps):
+        actions = np.zeros((2, 1, 7))
+        actions[0, 0] = script.action()
+        out = env.step(actions)
+        rewards.append(out.rewards[0, 0].item())
+        if ended_at is None and out.terminations[0, 0]:
+            ended_at = t
+        if env.all_reported():
+            break
+    assert ended_at is not None and rewards[ended_at] == 1.0 and sum(rewards[:ended_at]) == 0
+    stats = env.stats.drain()
+    assert sorted(zip(stats["tasks"], stats["successes"])) == [(SOUP, 1.0), (CHEESE, 0.0)]
+    assert success_metrics(stats["successes"], stats["tasks"], "eval") == {
+        "eval/success_rate": 0.5,
+        f"eval/success_rate/{CHEESE}": 0.0,
+        f"eval/success_rate/{SOUP}": 1.0,
+    }
+
+
+def _preflight(*overrides: str):
+    from tidal.runners.preflight import check_embodied, probe_env
+
+    cfg = load_config(EmbodiedConfig, EXAMPLE, ["model.path=null", *overrides])
+    check_embodied(cfg)
+    probe_env(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["env.id=libero_objects"],
+            r"LIBERO has no suite 'libero_objects'; the suites are libero_spatial, libero_object",
+        ),
+        (
+            ["env.adapter_kwargs.tasks=[12]"],
+            r"libero_object has no task 12; its tasks are 0..9: 0 pick_up_the_alphabet_soup",
+        ),
+        (["env.adapter_kwargs.tasks=[pick_up_the_moon]"], r"has no task 'pick_up_the_moon'"),
+        (
+            ["env.adapter_kwargs.init_states=[0,50]"],
+            r"env.adapter_kwargs.init_states: init state \[50\] out of range; each task has 50",
+        ),
+        (
+            ["env.adapter_kwargs.reward=dense"],
+            r"env.adapter_kwargs.reward: expected one of success, shaped",
+        ),
+    ],
+)
+def test_bad_input_is_a_config_error_before_any_worker(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _preflight(*overrides)
+
+
+def test_a_missing_extra_and_a_missing_renderer_are_named(monkeypatch):
+    for name in ("libero", "libero.libero"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(
+        ConfigError, match=r"needs the 'libero' extra .*pip install 'tidal\[libero\]'"
+    ):
+        _preflight()
+    with pytest.raises(MissingExtraError, match="'libero' extra"):
+        make_env("libero", 1, env_id="libero_object")
+    monkeypatch.undo()
+    monkeypatch.delenv("MUJOCO_GL", raising=False)
+    monkeypatch.setattr("ctypes.util.find_library", lambda name: None)
+    with pytest.raises(ConfigError, match=r"needs libEGL or libOSMesa.*make system-deps"):
+        _preflight("env.obs_mode=pixels")
+
+
+def test_one_step_of_tidal_train_on_libero(tmp_path):
+    import json
+
+    from tidal.cli import main
+
+    code = main(
+        [
+            "train",
+            str(EXAMPLE),
+            "model.path=null",
+            f"runner.run_dir={tmp_path}",
+            "runner.max_steps=1",
+            "env.total_num_envs=1",
+            "env.eval_num_envs=1",
+            "env.max_episode_steps=8",
+            "env.adapter_kwargs.tasks=[0]",
+            "rollout.num_steps=2",
+            "actor.global_batch_size=2",
+            "actor.micro_batch_size=2",
+        ]
+    )
+    assert code == 0
+    rows = [
+        json.loads(x)
+        for x in (tmp_path / "libero_object_ppo" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert any("train/policy_loss" in r for r in rows)
+    evals = [r for r in rows if "eval/success_rate" in r]
+    assert evals and f"eval/success_rate/{SOUP}" in evals[-1]
+
+
+def test_pixels_tile_agentview_over_the_wrist_camera_upright():
+    env = make_env(
+        "libero", 1, env_id="libero_object", tasks=[0], obs_mode="state+pixels", image_size=32
+    )
+    try:
+        obs = env.reset(seeds=[0])
+        layout = env.layout
+        assert layout.image_size == 32 and obs.shape == (1, layout.size)
+        image = obs[0, layout.state_dim + layout.num_tokens :].reshape(32, 32, 3)
+        agentview, wrist = image[:16], image[16:]
+        assert agentview.std() > 5 and wrist.std() > 5  # both drawn, neither blank
+        # upright: the floor (bright, near the camera) at the bottom of the agentview tile
+        assert agentview[12:].mean() > agentview[:4].mean()
+        assert env.render(32).shape == (1, 32, 32, 3)
+    finally:
+        env.close()

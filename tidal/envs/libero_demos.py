@@ -1,0 +1,242 @@
+"""Scripted demonstrations on LIBERO from privileged state: approach, grasp, lift, carry, place.
+
+LIBERO's human demonstrations are not on the package index; these scripts cover the tasks whose
+goal is one object ``in`` or ``on`` a target (LIBERO-Object's ten "pick up the X and place it in
+the basket", LIBERO-Spatial's "pick up the black bowl ... and place it on the plate", and the
+pick-and-place tasks of LIBERO-Goal). The script reads the object's and the target's positions
+(objects' bodies, regions' sites) and steers the end effector through waypoints with the
+operational-space controller's delta actions; the gripper closes on the object and opens over
+the target. As MetaWorld's scripts (tidal.envs.demos), the executed action is the script's plus
+Gaussian noise while the recorded label is the script's action in the state reached, and each
+episode draws its own waypoint offsets, so the data covers states off one fixed path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tidal.envs.demos import Demonstrations
+from tidal.envs.libero import LiberoVectorEnv, libero_suite, resolve_tasks
+
+# Heights above an object's body origin, metres.
+HOVER = 0.10  # approach from above, and carry at target + this
+GRASP = 0.01  # the grip site here closes on the object
+LIFT = 0.30  # the hand this high above the floor to carry (clear of baskets' rims)
+RELEASE = 0.06  # over the target, open here
+GAIN = 12.0  # action per metre of position error (the controller moves <= 5 cm per unit action)
+
+
+def covered(env: LiberoVectorEnv, i: int) -> bool:
+    """Whether the script can do copy ``i``'s task: one goal predicate, ``in`` or ``on``, on an
+    object the robot can pick."""
+    problem = env.problems[env.task_index[i]]
+    if len(problem["goal_state"]) != 1:
+        return False
+    relation, obj, _ = env.goal(i)
+    return relation in ("in", "on") and obj in env.envs[i].env.objects_dict
+
+
+@dataclass
+class PickPlaceScript:
+    """One episode's script for copy ``i``: waypoints through the phases, each phase left when
+    its waypoint is reached (or after its step budget)."""
+
+    env: LiberoVectorEnv
+    i: int
+    rng: np.random.Generator
+    phase: int = 0
+    steps_in_phase: int = 0
+    jitter: np.ndarray = field(default_factory=lambda: np.zeros(3))
+
+    PHASES = ("approach", "descend", "grasp", "lift", "carry", "lower", "release", "retreat")
+    BUDGET = {
+        "approach": 60,
+        "descend": 40,
+        "grasp": 12,
+        "lift": 40,
+        "carry": 80,
+        "lower": 30,
+        "release": 10,
+        "retreat": 20,
+    }
+
+    def __post_init__(self):
+        self.jitter = self.rng.uniform(-0.01, 0.01, 3)  # this episode's own grasp point
+        _, self.obj, self.target = self.env.goal(self.i)
+        self.place_xy = None
+
+    def action(self) -> np.ndarray:
+        env, i = self.env, self.i
+        hand = env.gripper_position(i)
+        obj = env.position(i, self.obj)
+        name = self.PHASES[min(self.phase, len(self.PHASES) - 1)]
+        gripper = -1.0  # open
+        if name == "approach":
+            goal = obj + np.array([0, 0, HOVER]) + self.jitter * [1, 1, 0]
+        elif name == "descend":
+            goal = obj + np.array([0, 0, GRASP]) + self.jitter * [1, 1, 0.5]
+        elif name == "grasp":
+            goal, gripper = hand, 1.0
+        elif name == "lift":
+            goal, gripper = np.array([hand[0], hand[1], LIFT]), 1.0
+        elif name in ("carry", "lower"):
+            if self.place_xy is None:
+                place = env.position(i, self.target)
+                self.place_xy = place[:2] + self.rng.uniform(-0.01, 0.01, 2)
+                self.place_z = place[2]
+            # the object hangs below the hand: bring the object over the target
+            offset = hand - obj
+            height = LIFT if name == "carry" else self.place_z + RELEASE + offset[2]
+            goal, gripper = np.array([*(self.place_xy + offset[:2]), height]), 1.0
+        elif name == "release":
+            goal = hand
+        else:  # retreat
+            goal = hand + np.array([0, 0, 0.05])
+        delta = np.clip((goal - hand) * GAIN, -1.0, 1.0)
+        self._advance(name, np.linalg.norm(goal - hand))
+        return np.concatenate([delta, np.zeros(3), [gripper]])
+
+    def _advance(self, name: str, error: float) -> None:
+        self.steps_in_phase += 1
+        reached = error < 0.01 and name not in ("grasp", "release")
+        if reached or self.steps_in_phase >= self.BUDGET[name]:
+            self.phase += 1
+            self.steps_in_phase = 0
+
+
+def collect_libero_demos(
+    env_id: str,
+    demos_per_task: int,
+    action_noise: float = 0.1,
+    seed: int = 0,
+    max_attempts_factor: int = 4,
+    only_successful: bool = True,
+    **adapter_kwargs,
+) -> Demonstrations:
+    """``demos_per_task`` scripted episodes of each task of suite ``env_id`` (``tasks`` in
+    ``adapter_kwargs``, default all), from LIBERO's random placements (not the official init
+    states, which stay the evaluation's), observed as the adapter emits them; the script's own
+    success per task in ``script_success``. One env copy per task, stepped together."""
+    if demos_per_task < 1:
+        raise ValueError(f"sft.demos: must be >= 1, got {demos_per_task}")
+    adapter_kwargs.pop("max_episode_steps", None)
+    adapter_kwargs.update(first_env=0, group_size=1, random_init=True, terminate_on_success=True)
+    probe = libero_suite(env_id)
+    num_tasks = len(resolve_tasks(probe, adapter_kwargs.get("tasks")))
+    env = LiberoVectorEnv(num_tasks, env_id, **adapter_kwargs)
+    try:
+        _check_covered(env)
+        return _collect(
+            env, demos_per_task, action_noise, seed, max_attempts_factor, only_successful
+        )
+    finally:
+        env.close()
+
+
+def _check_covered(env: LiberoVectorEnv) -> None:
+    missing = [env.task_names[i] for i in range(env.num_envs) if not covered(env, i)]
+    if missing:
+        raise ValueError(
+            f"env.adapter_kwargs.tasks: the scripted demonstrations cover pick-and-place tasks "
+            f"(one object in or on a target); not {', '.join(missing)}"
+        )
+
+
+def _collect(env, demos_per_task, action_noise, seed, max_attempts_factor, only_successful):
+    rng = np.random.default_rng(seed)
+    rows = {k: [] for k in ("obs", "actions", "executed", "rewards", "terminations", "next_obs")}
+    episode, tasks, instructions, successes = [], [], [], []
+    kept = np.zeros(env.num_envs, dtype=np.int64)
+    tried = np.zeros(env.num_envs, dtype=np.int64)
+    for attempt in range(demos_per_task * max_attempts_factor):
+        if (kept >= demos_per_task).all():
+            break
+        runs = _run_round(
+            env,
+            rng,
+            action_noise,
+            [seed * 100_003 + attempt * 1009 + i for i in range(env.num_envs)],
+        )
+        for i, run in enumerate(runs):
+            if kept[i] >= demos_per_task:
+                continue
+            tried[i] += 1
+            if only_successful and not run["success"]:
+                continue
+            for key in rows:
+                rows[key] += run[key]
+            episode += [len(tasks)] * len(run["obs"])
+            tasks.append(env.task_names[i])
+            instructions.append(env.instructions[i])
+            successes.append(run["success"])
+            kept[i] += 1
+    short = [
+        f"{env.task_names[i]} ({kept[i]} of {tried[i]})"
+        for i in range(env.num_envs)
+        if kept[i] < demos_per_task
+    ]
+    if short:
+        raise RuntimeError(
+            f"the scripted demonstrations succeeded too rarely (action noise {action_noise}): "
+            + ", ".join(short)
+        )
+    return Demonstrations(
+        obs=np.stack(rows["obs"]).astype(np.float32),
+        actions=np.stack(rows["actions"]).astype(np.float32),
+        episode=np.array(episode),
+        tasks=tasks,
+        instructions=instructions,
+        successes=np.array(successes),
+        executed=np.stack(rows["executed"]).astype(np.float32),
+        rewards=np.array(rows["rewards"], dtype=np.float32),
+        terminations=np.array(rows["terminations"], dtype=bool),
+        next_obs=np.stack(rows["next_obs"]).astype(np.float32),
+        script_success={
+            env.task_names[i]: float(kept[i] / tried[i]) if only_successful else float("nan")
+            for i in range(env.num_envs)
+        },
+    )
+
+
+def _run_round(env, rng, action_noise, seeds) -> list[dict]:
+    """One episode of every copy together; each copy's steps until it ends."""
+    obs = env.reset(seeds=seeds)
+    scripts = [PickPlaceScript(env, i, rng) for i in range(env.num_envs)]
+    runs = [
+        {
+            "obs": [],
+            "actions": [],
+            "executed": [],
+            "rewards": [],
+            "terminations": [],
+            "next_obs": [],
+            "success": False,
+        }
+        for _ in scripts
+    ]
+    alive = np.ones(env.num_envs, dtype=bool)
+    while alive.any():
+        labels = np.stack([s.action() if alive[i] else np.zeros(7) for i, s in enumerate(scripts)])
+        labels = np.clip(labels, -1.0, 1.0)
+        sent = labels.copy()
+        sent[:, :6] = np.clip(
+            sent[:, :6] + rng.normal(0.0, action_noise, (len(sent), 6)), -1.0, 1.0
+        )
+        next_obs, rewards, terms, truncs = env.step(sent)
+        for i in np.flatnonzero(alive):
+            run = runs[i]
+            for key, value in (
+                ("obs", obs[i]),
+                ("actions", labels[i]),
+                ("executed", sent[i]),
+                ("rewards", rewards[i]),
+                ("terminations", terms[i]),
+                ("next_obs", next_obs[i]),
+            ):
+                run[key].append(value)
+            run["success"] |= bool(env.successes[i])
+        alive &= ~(terms | truncs)
+        obs = next_obs
+    return runs
