@@ -85,20 +85,6 @@ def test_rlvr_reports_its_reward_failures_as_metrics():
     assert flow.metrics() == {"rollout/reward_errors": 1, "rollout/reward_timeouts": 0}
 
 
-@pytest.fixture(scope="module")
-def arith_model(tmp_path_factory):
-    from tidal.runners.llm.sft import run_sft
-
-    path = tmp_path_factory.mktemp("m") / "arith"
-    cfg = load_config(
-        LLMConfig,
-        None,
-        [f"model.path={path}", "model.hidden=32", "model.layers=1", "sft.steps=5"],
-    )
-    run_sft(cfg)
-    return path
-
-
 def train(arith_model, tmp_path, factory: str) -> list[dict]:
     from tidal.runners.llm.train import LLMRunner
 
