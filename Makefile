@@ -54,9 +54,9 @@ test: setup vllm lint
 train: setup
 	$(VENV)/bin/tidal train examples/embodied/cartpole_ppo.yaml
 
-# The word-problem recipe of BENCHMARKS.md: three warm starts and 1000 GRPO steps each (~75 min idle).
+# The word-problem recipe of BENCHMARKS.md: three warm starts (3 x 300 SFT steps) and 300 GRPO steps each.
 gsm8k: setup
-	$(PY) examples/llm/gsm8k_recipe.py --out runs/gsm8k
+	$(PY) examples/llm/gsm8k_recipe.py --out runs/gsm8k --seeds 1 2 3 --steps 300 --train-overrides runner.eval_interval=25
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs

@@ -25,6 +25,7 @@ from tidal.config.common import ClusterConfig, RunnerConfig
 from tidal.config.llm import LLMConfig
 from tidal.engine import NonFiniteError, TrainEngine
 from tidal.runners.loop import Interrupted, RunLoop
+from tidal.runners.preflight import decide_loggers
 from tidal.runners.run_folder import find_resume_checkpoint
 from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker
 from tidal.workers.llm_actor import LLMActor
@@ -163,6 +164,7 @@ class FakeRunner(RunLoop):
     """A runner with no workers: a linear model fit by the real engine, one batch per step."""
 
     def __init__(self, cfg, fail_at=None, cleanup_error=False, signal_at=None, run_dir=None):
+        decide_loggers(cfg)  # the preflight's decision, as a runner's checks make it
         self.fail_at, self.cleanup_error, self.signal_at = fail_at, cleanup_error, signal_at
         super().__init__(cfg, run_dir)
 
@@ -414,14 +416,20 @@ def test_tidal_config_prints_help_and_honours_the_task_override(capsys):
     assert (
         main(["config", str(ROOT / "examples/embodied/cartpole_ppo.yaml"), "runner.task=llm"]) == 2
     )
-    assert "env: Key 'env' not in 'LLMConfig'" in capsys.readouterr().err
+    assert "env: no such key (in " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
     "text,message",
     [
-        ("env:\n\tid: CartPole-v1\n", "not valid YAML (YAML indents with spaces, not tabs)"),
-        ("- 1\n- 2\n", "expected a mapping of sections at the top level, got list"),
+        (
+            "env:\n\tid: CartPole-v1\n",
+            "not valid YAML: found character '\\t' that cannot start any token; YAML indents with spaces, not tabs",
+        ),
+        (
+            "- 1\n- 2\n",
+            "expected a mapping of sections at the top level (e.g. 'runner:'), got list",
+        ),
         ("env: [1, 2\n", "not valid YAML"),
     ],
 )

@@ -36,7 +36,8 @@ def test_config_reference_has_one_well_formed_row_per_key(capsys):
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     for row in rows:  # a '|' inside a cell is escaped, so every row has exactly four cells
         assert len(re.split(r"(?<!\\)\|", row)) == 6, row
-    halves = text.split("\n## ")[1:]
+    aliases, *halves = text.split("\n## ")[1:]
+    assert aliases.startswith("Coming from TRL / CleanRL / verl / RLinf")
     assert [h.split(" ", 1)[0] for h in halves] == list(cli.HALVES)
     for text, half in zip(halves, cli.HALVES.values()):
         documented = re.findall(r"^\| `([^`]+)` \|", text, flags=re.M)

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tidal.config import ConfigError, EmbodiedConfig, load_config, validate_embodied
-from tidal.config.common import default_loggers
+from tidal.config import ConfigError, EmbodiedConfig, load_config
 from tidal.extras import MissingExtraError, missing_extra, needs_extra
 
 REPO = Path(__file__).resolve().parent.parent
@@ -151,11 +150,15 @@ except MissingExtraError as error:
 
 
 def test_tensorboard_is_a_default_logger_only_where_it_is_installed(monkeypatch):
-    assert default_loggers() == ["jsonl", "tensorboard"]
-    hide(monkeypatch, "tensorboard")
-    assert default_loggers() == ["jsonl"]
+    from tidal.runners.preflight import check_embodied
+
     cfg = load_config(EmbodiedConfig, CARTPOLE)
-    validate_embodied(cfg)  # a core install trains with the defaults
+    assert cfg.runner.loggers is None  # decided by the preflight, which asks what is installed
+    check_embodied(cfg)
+    assert cfg.runner.loggers == ["jsonl", "tensorboard"]
+    hide(monkeypatch, "tensorboard")
+    cfg = load_config(EmbodiedConfig, CARTPOLE)
+    check_embodied(cfg)  # a core install trains with the defaults
     assert cfg.runner.loggers == ["jsonl"]
 
 
@@ -229,7 +232,7 @@ def test_a_core_install_configures_and_trains_cartpole(tmp_path):
     assert found == "[]", f"the core install pulled packages of the extras: {found}"
 
     shown = _run([tidal, "config", str(CARTPOLE)], tmp_path, env).stdout
-    assert "loggers: [jsonl]" in shown
+    assert "loggers: null  # decided: [jsonl];" in shown
     run_dir = f"runner.run_dir={tmp_path / 'runs'}"
     _run([tidal, "train", str(CARTPOLE), "runner.max_steps=2", run_dir], tmp_path, env)
     lines = (tmp_path / "runs" / "cartpole_ppo" / "metrics.jsonl").read_text().splitlines()

@@ -228,17 +228,14 @@ def test_the_gsm8k_recipe_applies_each_objective_preset_over_the_demo(objective)
     spec = importlib.util.spec_from_file_location("recipe", DEMO.parent / "gsm8k_recipe.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
-    cfg = load_config(
-        LLMConfig, DEMO, [*recipe.COMMON, *recipe.SFT, *recipe.preset_overrides(objective)]
-    )
-    preset = yaml.safe_load((recipe.PRESETS / f"{objective}.yaml").read_text())
+    files = recipe.objective_files(objective)
+    assert files[0] == DEMO
+    cfg = load_config(LLMConfig, files, [*recipe.COMMON, *recipe.SFT])
+    preset = yaml.safe_load(files[1].read_text())
     for section, keys in preset.items():
-        if section != "runner":
-            for key, value in keys.items():
-                assert getattr(getattr(cfg, section), key) == value, (section, key)
-    assert (
-        cfg.runner.experiment == "gsm8k_grpo"
-        and cfg.sft.lr_schedule == "constant"
-        and cfg.sft.lr == 2e-3
-    )
+        for key, value in keys.items():
+            assert getattr(getattr(cfg, section), key) == value, (section, key)
+    demo = load_config(LLMConfig, DEMO)
+    assert (cfg.data.path, cfg.model.path) == (demo.data.path, demo.model.path)  # the demo's
+    assert cfg.sft.lr_schedule == "constant" and cfg.sft.lr == 2e-3
     assert cfg.rollout.max_new_tokens == 32 and cfg.data.system_prompt is None

@@ -11,8 +11,9 @@
    the data, the same for every seed), scored greedily on the dev split after each.
 3. ``tidal train`` per seed and objective continues from that warm start for ``--steps``
    (``runner.seed`` also seeds the prompt order and sampling), scored greedily on the test split
-   every ``runner.eval_interval`` steps; an objective is a preset of ``examples/llm/presets/``
-   (its keys except ``runner``, over ``gsm8k_grpo.yaml``). The budget is a step count, not a
+   every ``runner.eval_interval`` steps; an objective is a preset of ``examples/llm/presets/``,
+   a partial config merged over ``gsm8k_grpo.yaml`` as ``tidal train`` merges the files it is
+   given (``tidal train gsm8k_grpo.yaml presets/dapo.yaml ...``). The budget is a step count, not a
    clock, so that a loaded machine runs the same recipe (1000 steps took 20 minutes alone on an
    idle 2-core machine); ``--minutes`` adds a clock.
 
@@ -30,8 +31,6 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import yaml
 
 HERE = Path(__file__).resolve().parent
 CONFIG = HERE / "gsm8k_grpo.yaml"
@@ -55,15 +54,9 @@ def tidal(*args: str, log: Path) -> dict:
     return json.loads(out_text[out_text.index("{") :])
 
 
-def preset_overrides(name: str) -> list[str]:
-    """The preset's keys as ``section.key=value`` overrides (its ``runner`` section left out)."""
-    sections = yaml.safe_load((PRESETS / f"{name}.yaml").read_text())
-    return [
-        f"{section}.{key}={json.dumps(value)}"
-        for section, keys in sections.items()
-        if section != "runner"
-        for key, value in keys.items()
-    ]
+def objective_files(objective: str) -> list[Path]:
+    """The config files of an RL run, merged left to right: the demo, then the preset."""
+    return [CONFIG, PRESETS / f"{objective}.yaml"]
 
 
 def make_data(out: Path) -> Path:
@@ -104,7 +97,7 @@ def reinforce(out: Path, data: Path, seed: int, objective: str, budget: list[str
     done = out / f"{name}.json"
     if not done.exists():
         summary = tidal(
-            "train", str(CONFIG), *COMMON, *preset_overrides(objective), f"runner.seed={seed}",
+            "train", *map(str, objective_files(objective)), *COMMON, f"runner.seed={seed}",
             f"data.path={data / 'train.jsonl'}", f"data.eval_path={data / 'test.parquet'}",
             f"model.path={out / 'models' / f's{seed}'}", f"runner.run_dir={out / 'runs'}",
             f"runner.experiment={name}", "runner.resume_from=auto", *budget,

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidal.config.loader import require
-from tidal.config.schema import section, setting
-from tidal.extras import installed
+from tidal.config.schema import decide, section, setting
 
 # Every wait has a bound; this one when nobody gives one (``runner.timeout_s``, and the runtime's
 # handles, channels and groups through tidal.runtime.defaults). ``TIDAL_WAIT_TIMEOUT`` overrides
@@ -26,12 +25,6 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adam", "adamw")
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # 'trackers'
-
-
-def default_loggers() -> list[str]:
-    """metrics.jsonl, and TensorBoard where the 'trackers' extra is installed: a core install
-    trains with its defaults, and a full one writes what it always has."""
-    return ["jsonl", "tensorboard"] if installed("tensorboard") else ["jsonl"]
 
 
 @dataclass
@@ -111,9 +104,10 @@ class RunnerConfig:
         "when a worker dies or hangs, restart the groups and resume from the newest checkpoint, up to this many times",
     )
     progress: bool = setting(True, "live progress on the terminal")
-    loggers: list[str] = setting(
-        factory=default_loggers,
-        help="metric sinks: jsonl, tensorboard, wandb, mlflow (default: jsonl, plus tensorboard with the 'trackers' extra)",
+    loggers: list[str] | None = setting(
+        None,
+        "metric sinks: jsonl, tensorboard, wandb, mlflow; null: jsonl, plus tensorboard where "
+        "the 'trackers' extra is installed",
     )
     wandb: dict[str, Any] = setting(
         factory=dict,
@@ -223,16 +217,17 @@ class AlgorithmConfig:
 CLIP_DEFAULTS = {"token": (0.2, 0.2), "sequence": (3e-4, 4e-4)}
 
 
-def resolve_algorithm(algorithm: AlgorithmConfig, max_staleness: int) -> None:
-    """Defaults that follow other keys, set once when a config is built."""
+def resolve_algorithm(cfg, importance_level: str = "token") -> None:
+    """Defaults that follow other keys, decided once when a config is built (and recorded as
+    decided: a saved config keeps the written null)."""
+    algorithm = cfg.algorithm
     if algorithm.use_decoupled_loss is None:
-        algorithm.use_decoupled_loss = max_staleness > 0
-    sequence = getattr(algorithm, "importance_level", "token") == "sequence"
-    low, high = CLIP_DEFAULTS["sequence" if sequence else "token"]
+        decide(cfg, "algorithm.use_decoupled_loss", cfg.rollout.max_staleness > 0)
+    low, high = CLIP_DEFAULTS.get(importance_level, CLIP_DEFAULTS["token"])
     if algorithm.clip_ratio_low is None:
-        algorithm.clip_ratio_low = low
+        decide(cfg, "algorithm.clip_ratio_low", low)
     if algorithm.clip_ratio_high is None:
-        algorithm.clip_ratio_high = high
+        decide(cfg, "algorithm.clip_ratio_high", high)
 
 
 @dataclass
@@ -319,7 +314,7 @@ def validate_common(
         "runner.max_minutes",
         f"must be > 0, got {runner.max_minutes}",
     )
-    for name in runner.loggers:
+    for name in runner.loggers or []:
         one_of(name, LOGGERS, "runner.loggers")
     require(
         runner.experiment and "/" not in runner.experiment,

@@ -241,12 +241,18 @@ class EmbodiedConfig:
     replay: ReplayConfig = section(ReplayConfig)
 
     def __post_init__(self):
-        resolve_algorithm(self.algorithm, self.rollout.max_staleness)
-        if self.rollout.weight_sync == "auto":
-            # a rollout that takes updates between chunk steps (asynchronous PPO, off-policy
-            # algorithms) reads them from the channel
-            takes_between_steps = self.rollout.max_staleness or self.algorithm.name not in ON_POLICY
-            self.rollout.weight_sync = "channel" if takes_between_steps else "collective"
+        resolve_algorithm(self)
+
+    def inapplicable_sections(self) -> set[str]:
+        """Sections this run does not read (``tidal config`` leaves them out at defaults)."""
+        unread = set() if self.algorithm.name == "sac" else {"replay"}
+        unread |= set() if self.replay.sft_demos else {"sft"}
+        return unread | (set() if self.reward.enabled else {"reward"})
+
+    def asynchronous_rollout(self) -> bool:
+        """Whether the rollout takes weight updates between chunk steps (asynchronous PPO,
+        off-policy algorithms)."""
+        return bool(self.rollout.max_staleness) or self.algorithm.name not in ON_POLICY
 
     MOVED_KEYS: ClassVar[dict[str, str]] = {
         "actor.seed": "runner.seed",
@@ -316,15 +322,7 @@ def validate_embodied(cfg: EmbodiedConfig) -> None:
     one_of(cfg.runner.eval_video_format, ("gif", "mp4"), "runner.eval_video_format")
     one_of(alg.prox_logp_method, ("recompute", "loglinear"), "algorithm.prox_logp_method")
     one_of(cfg.rollout.staleness_policy, ("wait", "drop"), "rollout.staleness_policy")
-    one_of(cfg.rollout.weight_sync, WEIGHT_SYNCS, "rollout.weight_sync")
-    require(
-        (cfg.rollout.max_staleness == 0 and cfg.algorithm.name in ON_POLICY)
-        or cfg.rollout.weight_sync == "channel",
-        "rollout.weight_sync",
-        "asynchronous runs (rollout.max_staleness > 0, or an off-policy algorithm.name) need "
-        "channel: the rollout takes a waiting update between chunk steps, which a collective "
-        "cannot wait for",
-    )
+    one_of(cfg.rollout.weight_sync, ("auto", *WEIGHT_SYNCS), "rollout.weight_sync")
     require(
         not (cfg.actor.offload and cfg.rollout.max_staleness),
         "actor.offload",

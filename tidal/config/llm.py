@@ -219,8 +219,8 @@ class LLMRolloutConfig:
     reward_timeout_s: float = setting(10.0, "bound on one reward function call")
     pause_mode: str = setting(
         "abort",
-        "weight update: abort in-flight requests (resubmitted) or keep them paused in place "
-        "(in_place: SGLang's name for keep)",
+        "weight update: abort (in-flight requests aborted and resubmitted) | keep (paused in "
+        "place; in_place, SGLang's name for it, is read as keep)",
     )
     engine: str = setting("tidal", "what serves rollouts (tidal.rollout.engines): tidal | vllm")
     weight_sync: str = setting(
@@ -306,7 +306,11 @@ class LLMConfig:
     sft: SFTConfig = section(SFTConfig)
 
     def __post_init__(self):
-        resolve_algorithm(self.algorithm, self.rollout.max_staleness)
+        resolve_algorithm(self, self.algorithm.importance_level)
+
+    def inapplicable_sections(self) -> set[str]:
+        """Sections a training run does not read (``tidal sft`` reads ``sft``)."""
+        return {"sft"}
 
     MOVED_KEYS: ClassVar[dict[str, str]] = {
         **{

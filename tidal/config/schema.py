@@ -34,25 +34,93 @@ def field_help(cfg_cls: type) -> dict[str, str]:
     out: dict[str, str] = {}
     for f in dataclasses.fields(cfg_cls):
         out[f.name] = f.metadata.get("help", "")
-        kind = f.type if isinstance(f.type, type) else None
-        if kind is None and f.default_factory is not dataclasses.MISSING:
-            probe = f.default_factory()
-            kind = type(probe) if dataclasses.is_dataclass(probe) else None
-        if kind is not None and dataclasses.is_dataclass(kind):
+        kind = _section_type(f)
+        if kind is not None:
             out.update({f"{f.name}.{k}": v for k, v in field_help(kind).items()})
     return out
 
 
-def describe(cfg: Any, indent: int = 0) -> str:
-    """The config as YAML with each key's help as a trailing comment."""
-    lines = []
-    pad = "  " * indent
-    for f in dataclasses.fields(cfg):
-        value, help_text = getattr(cfg, f.name), f.metadata.get("help", "")
+DECIDED = "decided"  # the saved config's section of decided values; the loader skips it
+
+
+def decide(cfg: Any, key: str, value: Any) -> None:
+    """Set ``key`` (written null or auto: tidal decides) on the root config ``cfg`` and record
+    the decision apart, so that what is saved and printed keeps what was written and a re-run
+    with other keys decides afresh."""
+    section, _, name = key.rpartition(".")
+    owner = cfg
+    for part in filter(None, section.split(".")):
+        owner = getattr(owner, part)
+    decisions = cfg.__dict__.setdefault("_decided", {})
+    written = decisions[key][0] if key in decisions else getattr(owner, name)
+    setattr(owner, name, value)
+    decisions[key] = (written, value)
+
+
+def decisions(cfg: Any) -> dict[str, tuple[Any, Any]]:
+    """``{key: (written, decided)}`` of the keys tidal decided for this config."""
+    return dict(cfg.__dict__.get("_decided", {}))
+
+
+def written_form(cfg: Any) -> tuple[dict, dict]:
+    """The config as a plain mapping with every decided key back at its written value, and the
+    decided values by key."""
+    tree = dataclasses.asdict(cfg)
+    decided = {}
+    for key, (written, value) in decisions(cfg).items():
+        *path, name = key.split(".")
+        node = tree
+        for part in path:
+            node = node[part]
+        node[name] = written
+        decided[key] = value
+    return tree, decided
+
+
+def section_keys(cfg_cls: type) -> list[str]:
+    """The dotted keys of every nested section (dataclass) of a config class."""
+    out = []
+    for f in dataclasses.fields(cfg_cls):
+        kind = _section_type(f)
+        if kind is not None:
+            out += [f.name, *(f"{f.name}.{k}" for k in section_keys(kind))]
+    return out
+
+
+def _section_type(f: dataclasses.Field) -> type | None:
+    kind = f.type if isinstance(f.type, type) else None
+    if kind is None and f.default_factory is not dataclasses.MISSING:
+        probe = f.default_factory()
+        kind = type(probe) if dataclasses.is_dataclass(probe) else None
+    return kind if kind is not None and dataclasses.is_dataclass(kind) else None
+
+
+def describe(cfg: Any) -> str:
+    """The config as YAML with each key's help as a trailing comment, each decided value beside
+    its written null/auto, and without the sections that do not apply and hold only defaults:
+    valid YAML that loads back to the same config."""
+    skip = getattr(cfg, "inapplicable_sections", lambda: ())()
+    shown = [f for f in dataclasses.fields(cfg) if f.name not in skip or _changed(cfg, f)]
+    return _describe(cfg, shown, decisions(cfg), "", 0)
+
+
+def _changed(cfg: Any, f: dataclasses.Field) -> bool:
+    return getattr(cfg, f.name) != f.default_factory()
+
+
+def _describe(cfg: Any, shown, decided: dict, prefix: str, indent: int) -> str:
+    lines, pad = [], "  " * indent
+    for f in shown:
+        value, key = getattr(cfg, f.name), f"{prefix}{f.name}"
+        help_text = " ".join(f.metadata.get("help", "").split())
+        if key in decided:
+            value = decided[key][0]
+            help_text = f"decided: {yaml_value(decided[key][1])}; {help_text}"
         comment = f"  # {help_text}" if help_text else ""
         if dataclasses.is_dataclass(value):
             lines.append(f"{pad}{f.name}:{comment}")
-            lines.append(describe(value, indent + 1))
+            fields = dataclasses.fields(value)
+            lines.append(_describe(value, fields, decided, f"{key}.", indent + 1))
         else:
             lines.append(f"{pad}{f.name}: {yaml_value(value)}{comment}")
     return "\n".join(lines)
@@ -70,6 +138,9 @@ def markdown_reference(halves: Mapping[str, type], header: str = "") -> str:
     for half, cfg_cls in halves.items():
         out += [f"## {half} (`runner.task: {half}`)", ""]
         cfg = cfg_cls()
+        for key, (written, _) in decisions(cfg).items():  # the declared default, not a decision
+            owner, _, name = key.rpartition(".")
+            setattr(_owner(cfg, owner), name, written)
         for f in dataclasses.fields(cfg):
             value = getattr(cfg, f.name)
             if not dataclasses.is_dataclass(value):
@@ -79,6 +150,12 @@ def markdown_reference(halves: Mapping[str, type], header: str = "") -> str:
             out += _markdown_rows(value, f"{f.name}.")
             out.append("")
     return "\n".join(out)
+
+
+def _owner(cfg: Any, section: str) -> Any:
+    for part in filter(None, section.split(".")):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def _markdown_rows(cfg: Any, prefix: str) -> list[str]:

@@ -41,18 +41,6 @@ class RolloutEngine:
     def validate(cls, cfg: LLMConfig) -> None:
         """The engine's own config rules, checked before the run folder exists."""
 
-    @classmethod
-    def resolve_weight_sync(cls, cfg: LLMConfig) -> None:
-        """``rollout.weight_sync``: auto becomes this engine's default; others must be its."""
-        r = cfg.rollout
-        if r.weight_sync == "auto":
-            r.weight_sync = cls.weight_syncs[0]
-        require(
-            r.weight_sync in cls.weight_syncs,
-            "rollout.weight_sync",
-            f"rollout.engine={r.engine} takes {' | '.join(cls.weight_syncs)}, got {r.weight_sync!r}",
-        )
-
     def protocol(self):
         from tidal.inference import SGLangProtocol
 

@@ -13,6 +13,7 @@ import logging
 import os
 from pathlib import Path
 
+import gymnasium as gym
 import torch
 
 from tidal.algorithms import advantage_spec, list_advantages
@@ -34,19 +35,24 @@ from tidal.config.embodied import (
     validate_sft,
 )
 from tidal.config.loader import require
+from tidal.config.offpolicy import SAC_POLICIES
+from tidal.config.schema import decide
 from tidal.envs import adapter_arguments, env_make_kwargs, list_env_adapters, make_env
-from tidal.extras import MissingExtraError, missing_extra
+from tidal.extras import MissingExtraError, installed, missing_extra
 from tidal.memory import MemoryPlan
 from tidal.memory import plan as memory_plan
 from tidal.models.factory import build_from_config
 from tidal.models.lora import apply_lora, check_checkpoint_lora, check_lora, no_init
 from tidal.models.policy import POLICIES, build_policy, policy_arguments
 from tidal.models.saving import read_saved_config, space_from_json
+from tidal.runners.embodied.select import EMBODIED_RUNNERS
 from tidal.runtime import ComponentPlacement, PlacementError
 from tidal.runtime.backends import backend_class, backend_names
 from tidal.runtime.devices import DeviceError, check_device_setting
 from tidal.runtime.placement import _parse_spec_string
 from tidal.strategies import STRATEGIES, check_resume
+from tidal.workers.replay import buffer_layout, read_demos
+from tidal.workers.reward_worker import REWARD_MODELS
 
 # -- both halves ---------------------------------------------------------------------------------
 
@@ -72,6 +78,12 @@ def check_common(cfg) -> None:
             check_device_setting(cluster.device)
         except DeviceError as exc:
             raise ConfigError(str(exc)) from None
+    if cfg.runner.loggers is None:  # jsonl, and TensorBoard where the 'trackers' extra is
+        decide(
+            cfg,
+            "runner.loggers",
+            ["jsonl", "tensorboard"] if installed("tensorboard") else ["jsonl"],
+        )
     for name in cfg.runner.loggers:
         if name in LOGGER_PACKAGES:
             missing = missing_extra("trackers", f"the {name} logger", LOGGER_PACKAGES[name])
@@ -89,6 +101,27 @@ def check_common(cfg) -> None:
             eta,
             eta,
         )
+
+
+def decide_loggers(cfg) -> None:
+    """``runner.loggers`` null: metrics.jsonl, and TensorBoard where the 'trackers' extra is
+    installed (a core install trains with its defaults, a full one writes what it always has)."""
+    if cfg.runner.loggers is None:
+        found = ["jsonl", "tensorboard"] if installed("tensorboard") else ["jsonl"]
+        decide(cfg, "runner.loggers", found)
+
+
+def decide_weight_sync(cfg, takes: tuple[str, ...], why: str) -> None:
+    """``rollout.weight_sync``: auto becomes the first transport the rollout ``takes`` (its
+    default); another must be one it takes (``why``: which rollout, for the error)."""
+    r = cfg.rollout
+    if r.weight_sync == "auto":
+        decide(cfg, "rollout.weight_sync", takes[0])
+    require(
+        r.weight_sync in takes,
+        "rollout.weight_sync",
+        f"{why} takes {' | '.join(takes)}, got {r.weight_sync!r}",
+    )
 
 
 def world_sizes(
@@ -155,9 +188,12 @@ def import_object(spec: str, key: str):
 def check_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
     """Every rule of an embodied config but the env's and the saved policy's own (those need an
     env made: ``probe_env``); the world size of each component."""
-    check_common(cfg)
     env, alg = cfg.env, cfg.algorithm
+    one_of(alg.name, EMBODIED_RUNNERS.names(), "algorithm.name")
+    check_common(cfg)
     one_of(cfg.model.name, POLICIES.names(), "model.name")
+    if cfg.reward.enabled:
+        one_of(cfg.reward.name, REWARD_MODELS.names(), "reward.name")
     one_of(alg.logprob_type, LOGPROB_LEVELS, "algorithm.logprob_type")
     one_of(alg.loss_agg, AGGREGATIONS, "algorithm.loss_agg")
     one_of(alg.kl_kind, KL_KINDS, "algorithm.kl_kind")
@@ -174,6 +210,11 @@ def check_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
         f"adv_type {alg.adv_type} needs a critic",
     )
     validate_embodied(cfg)
+    if cfg.asynchronous_rollout():  # it takes a waiting update between chunk steps
+        why = "an asynchronous rollout (rollout.max_staleness > 0, or algorithm.name sac)"
+        decide_weight_sync(cfg, ("channel",), why)
+    else:
+        decide_weight_sync(cfg, ("collective", "channel", "disk"), "a synchronous rollout")
     worlds = world_sizes(cfg.cluster, components(cfg), same_process(cfg))
     validate_layout(cfg, worlds)
     if spec.needs_groups:
@@ -263,6 +304,64 @@ def probe_env(cfg: EmbodiedConfig):
         raise ConfigError(f"{key}: {problem}")
     check_policy_lora(cfg.model, *spaces, env.num_action_chunks)
     return spaces, probe.max_episode_steps
+
+
+def check_embodied_run(cfg: EmbodiedConfig) -> None:
+    """Everything ``tidal train`` checks before a worker starts (``tidal config`` runs it too):
+    the rules, the registered names, the layout, the env made once, the policy built for its
+    spaces (on the meta device), and the off-policy algorithm's own."""
+    worlds = check_embodied(cfg)
+    spaces, _ = probe_env(cfg)
+    if cfg.algorithm.name == "sac":
+        check_sac(cfg, worlds, spaces)
+    check_policy_builds(cfg, spaces)
+
+
+def check_policy_builds(cfg: EmbodiedConfig, spaces) -> None:
+    """The policy ``model.name`` names takes this env's spaces (e.g. a CNN needs pixels, a VLA
+    continuous actions): built on the meta device, no weights."""
+    if cfg.model.path is not None:  # a saved policy: checked against the spaces by probe_env
+        return
+    try:
+        with torch.random.fork_rng(), torch.device("meta"):
+            build_from_config(cfg.model, *spaces, cfg.env.num_action_chunks)
+    except (ValueError, TypeError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(
+            f"model.name: {message} (env.id {cfg.env.id!r}, env.obs_mode {cfg.env.obs_mode!r}); "
+            f"choose a policy for this env's spaces (registered: {', '.join(POLICIES.names())})"
+        ) from None
+
+
+def check_sac(cfg: EmbodiedConfig, worlds: dict[str, int], spaces) -> None:
+    """``algorithm.name: sac`` in this world: continuous actions, a SAC policy, the actor ranks'
+    shares of the replay batch, and the demonstration file's shapes."""
+    observation_space, action_space = spaces
+    require(
+        isinstance(action_space, gym.spaces.Box),
+        "algorithm.name",
+        f"sac needs a continuous (Box) action space; {cfg.env.id} has {action_space} "
+        "(use algorithm.name=ppo)",
+    )
+    one_of(cfg.model.name, SAC_POLICIES, "model.name")
+    ranks = worlds["actor"]
+    require(
+        cfg.replay.batch_size % ranks == 0,
+        "replay.batch_size",
+        f"{cfg.replay.batch_size} must divide evenly over {ranks} actor ranks (each samples its "
+        "share from its own buffer)",
+    )
+    stage_envs = cfg.env.total_num_envs // (worlds["env"] * cfg.env.pipeline_stage_num)
+    require(
+        stage_envs % ranks == 0,
+        "env.total_num_envs",
+        f"each actor rank's buffer is fed by its own envs; {stage_envs} env(s) per env rank and "
+        f"pipeline stage do not divide evenly over {ranks} actor ranks",
+    )
+    if cfg.replay.demo_path is not None:  # as the actor's buffer will hold them
+        chunks = cfg.env.num_action_chunks
+        layout = buffer_layout(observation_space.shape[0], (chunks, action_space.shape[0]))
+        read_demos(cfg.replay.demo_path, layout)
 
 
 def checkpoint_lora_argument(checkpoint: str | None, lora) -> Path | None:

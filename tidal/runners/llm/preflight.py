@@ -43,6 +43,7 @@ from tidal.runners.preflight import (
     check_common,
     check_lora_extra,
     checkpoint_lora_argument,
+    decide_weight_sync,
     import_object,
     world_sizes,
 )
@@ -59,8 +60,9 @@ def check_llm(cfg: LLMConfig) -> None:
     one_of(alg.importance_level, IMPORTANCE_LEVELS, "algorithm.importance_level")
     one_of(alg.rollout_correction, ROLLOUT_CORRECTIONS, "algorithm.rollout_correction")
     one_of(r.engine, ROLLOUT_ENGINES.names(), "rollout.engine")
-    ROLLOUT_ENGINES.get(r.engine).validate(cfg)
-    ROLLOUT_ENGINES.get(r.engine).resolve_weight_sync(cfg)
+    engine = ROLLOUT_ENGINES.get(r.engine)
+    engine.validate(cfg)
+    decide_weight_sync(cfg, engine.weight_syncs, f"rollout.engine={r.engine}")
     validate_llm(cfg)
     kind = data_kind(cfg.data)
     require(
@@ -82,6 +84,12 @@ def check_llm(cfg: LLMConfig) -> None:
     check_actor_ranks(cfg, ranks, "a data-parallel trainer (more than one actor rank)")
     validate_actor_ranks(cfg, ranks)
     check_data(cfg)
+
+
+def check_llm_run(cfg: LLMConfig) -> None:
+    """Everything ``tidal train`` checks before a worker starts (``tidal config`` runs it too)."""
+    check_llm(cfg)
+    check_llm_model(cfg)
 
 
 def check_llm_sft(cfg: LLMConfig) -> None:
