@@ -122,7 +122,8 @@ def test_a_user_workflow_is_built_from_the_context_and_read_through_the_contract
     assert isinstance(ctx, WorkflowContext) and ctx.eval_data and ctx.cfg.runner.max_steps == 2
     assert AutoTokenizer.from_pretrained(arith_model).vocab == ctx.tokenizer.vocab
     # its own metrics and evaluation reach metrics.jsonl; the reward evaluation never ran
-    assert rows[-1]["rollout/counted_episodes"] == flow.episodes >= 4
+    # (episodes of the next step may start before the run ends: admission runs ahead)
+    assert 4 <= rows[-1]["rollout/counted_episodes"] <= flow.episodes
     assert rows[-1]["eval/records_seen"] == 4 and "eval/accuracy" not in rows[-1]
     assert flow.closed == 1  # closed once, at the end of the run
 
