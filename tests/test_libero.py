@@ -187,3 +187,16 @@ def test_pixels_tile_agentview_over_the_wrist_camera_upright():
         assert env.render(32).shape == (1, 32, 32, 3)
     finally:
         env.close()
+
+
+def test_scripted_demonstrations_from_random_placements_and_the_tasks_they_cover():
+    from tidal.envs.libero_demos import collect_libero_demos
+
+    demos = collect_libero_demos("libero_object", 1, action_noise=0.05, tasks=[0])
+    assert demos.num_episodes == 1 and demos.tasks == [SOUP] and demos.successes.all()
+    assert demos.obs.shape == (len(demos.actions), PROPRIO_DIM + 14 * 7 + 16)
+    assert demos.actions.shape[1] == 7 and np.abs(demos.actions).max() <= 1.0
+    assert demos.terminations[-1] and demos.rewards[-1] == 1.0  # the episode ends in success
+    assert 0 < demos.script_success[SOUP] <= 1
+    with pytest.raises(ValueError, match=r"not 0 open_the_middle_drawer.*covered tasks: \[1, 2, 4"):
+        collect_libero_demos("libero_goal", 1, tasks=[0])

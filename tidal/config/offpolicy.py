@@ -66,7 +66,7 @@ class ReplayConfig:
     sft_demos: bool = setting(
         False,
         "RLPD: the demonstrations are sft.demos scripted expert episodes per task, collected "
-        "at start as tidal sft collects them (env.adapter metaworld)",
+        "at start as tidal sft collects them (env.adapter metaworld or libero)",
     )
     demo_fraction: float = setting(0.5, "RLPD: the share of each batch drawn from the demos")
     save: bool = setting(
@@ -168,11 +168,6 @@ def validate_offpolicy(cfg) -> None:
         not (replay.sft_demos and replay.demo_path is not None),
         "replay.sft_demos",
         "the demonstrations come from replay.demo_path or from the scripted experts, not both",
-    )
-    require(
-        not replay.sft_demos or cfg.env.adapter == "metaworld",
-        "replay.sft_demos",
-        f"needs env.adapter metaworld (its scripted experts), got {cfg.env.adapter!r}",
     )
     require(
         0 <= replay.demo_fraction < 1,

@@ -23,6 +23,7 @@ from tidal.envs.base import (
 from tidal.envs.gym_adapter import GymnasiumVectorEnv
 from tidal.envs.layout import LayoutBox, ObsLayout, layout_of, tokenize
 from tidal.envs.libero import LiberoVectorEnv
+from tidal.envs import libero_demos  # noqa: F401  (registers LIBERO's scripted demonstrations)
 from tidal.envs.metaworld_adapter import MetaWorldVectorEnv
 
 __all__ = [

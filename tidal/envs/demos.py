@@ -16,6 +16,12 @@ import torch
 
 from tidal.envs.metaworld_adapter import MetaWorldVectorEnv, resolve_tasks
 from tidal.extras import needs_extra
+from tidal.registry import Registry
+
+# env.adapter -> collect(env_id, demos_per_task, action_noise=, seed=, **adapter_kwargs):
+# the scripted demonstrations tidal sft and RLPD's replay.sft_demos clone or replay
+DEMO_SOURCES: Registry = Registry("demonstration source", "env.adapter")
+register_demos = DEMO_SOURCES.register
 
 
 def _tool_centre_to_goal(task_env, state: np.ndarray) -> np.ndarray:
@@ -81,6 +87,7 @@ class Demonstrations:
         }
 
 
+@register_demos("metaworld")
 def collect_metaworld_demos(
     env_id: str,
     demos_per_task: int,

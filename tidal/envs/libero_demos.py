@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tidal.envs.demos import Demonstrations
-from tidal.envs.libero import LiberoVectorEnv, libero_suite, resolve_tasks
+from tidal.envs.demos import Demonstrations, register_demos
+from tidal.envs.libero import LiberoVectorEnv, libero_suite, resolve_tasks, task_problem
 
 # Heights above an object's body origin, metres.
 HOVER = 0.10  # approach from above, and carry at target + this
@@ -28,14 +28,17 @@ RELEASE = 0.06  # over the target, open here
 GAIN = 12.0  # action per metre of position error (the controller moves <= 5 cm per unit action)
 
 
-def covered(env: LiberoVectorEnv, i: int) -> bool:
-    """Whether the script can do copy ``i``'s task: one goal predicate, ``in`` or ``on``, on an
-    object the robot can pick."""
-    problem = env.problems[env.task_index[i]]
-    if len(problem["goal_state"]) != 1:
+def covered(problem: dict) -> bool:
+    """Whether the script can do a task (its parsed BDDL problem): one goal predicate, ``in`` or
+    ``on``, whose subject is an object the robot can pick (not a fixture), and not ``in`` a
+    fixture's region (a drawer to open first)."""
+    if len(problem["goal_state"]) != 1 or len(problem["goal_state"][0]) != 3:
         return False
-    relation, obj, _ = env.goal(i)
-    return relation in ("in", "on") and obj in env.envs[i].env.objects_dict
+    relation, obj, target = problem["goal_state"][0]
+    movable = {name for instances in problem["objects"].values() for name in instances}
+    fixtures = [name for instances in problem["fixtures"].values() for name in instances]
+    into_fixture = relation.lower() == "in" and any(target.startswith(f) for f in fixtures)
+    return relation.lower() in ("in", "on") and obj in movable and not into_fixture
 
 
 @dataclass
@@ -106,6 +109,7 @@ class PickPlaceScript:
             self.steps_in_phase = 0
 
 
+@register_demos("libero")
 def collect_libero_demos(
     env_id: str,
     demos_per_task: int,
@@ -123,11 +127,11 @@ def collect_libero_demos(
         raise ValueError(f"sft.demos: must be >= 1, got {demos_per_task}")
     adapter_kwargs.pop("max_episode_steps", None)
     adapter_kwargs.update(first_env=0, group_size=1, random_init=True, terminate_on_success=True)
-    probe = libero_suite(env_id)
-    num_tasks = len(resolve_tasks(probe, adapter_kwargs.get("tasks")))
-    env = LiberoVectorEnv(num_tasks, env_id, **adapter_kwargs)
+    suite = libero_suite(env_id)
+    tasks = resolve_tasks(suite, adapter_kwargs.get("tasks"))
+    _check_covered(suite, tasks)
+    env = LiberoVectorEnv(len(tasks), env_id, **adapter_kwargs)
     try:
-        _check_covered(env)
         return _collect(
             env, demos_per_task, action_noise, seed, max_attempts_factor, only_successful
         )
@@ -135,12 +139,15 @@ def collect_libero_demos(
         env.close()
 
 
-def _check_covered(env: LiberoVectorEnv) -> None:
-    missing = [env.task_names[i] for i in range(env.num_envs) if not covered(env, i)]
+def _check_covered(suite, tasks: list[int]) -> None:
+    names = suite.get_task_names()
+    missing = [f"{t} {names[t]}" for t in tasks if not covered(task_problem(suite, t))]
     if missing:
+        can = [str(t) for t in range(len(names)) if covered(task_problem(suite, t))]
         raise ValueError(
             f"env.adapter_kwargs.tasks: the scripted demonstrations cover pick-and-place tasks "
-            f"(one object in or on a target); not {', '.join(missing)}"
+            f"(one object in or on a target), not {', '.join(missing)}; {suite.name}'s covered "
+            f"tasks: [{', '.join(can)}]"
         )
 
 

@@ -38,6 +38,7 @@ from tidal.config.loader import require
 from tidal.config.offpolicy import SAC_POLICIES
 from tidal.config.schema import decide
 from tidal.envs import adapter_arguments, env_make_kwargs, list_env_adapters, make_env
+from tidal.envs.demos import DEMO_SOURCES
 from tidal.extras import MissingExtraError, installed, missing_extra
 from tidal.memory import MemoryPlan
 from tidal.memory import plan as memory_plan
@@ -222,6 +223,8 @@ def check_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
     check_actor_ranks(cfg, worlds["actor"], "a data-parallel actor (more than one rank)")
     _check_renders(env)
     _check_policy_arguments(cfg.model)
+    if cfg.replay.sft_demos:
+        _check_demo_source(env.adapter, "replay.sft_demos", "replay.sft_demos")
     return worlds
 
 
@@ -411,6 +414,16 @@ def check_embodied_sft(cfg: EmbodiedConfig) -> None:
     """``tidal sft`` on an embodied config."""
     check_embodied(cfg)
     validate_sft(cfg)
+    _check_demo_source(cfg.env.adapter, "env.adapter", "tidal sft")
+
+
+def _check_demo_source(adapter: str, key: str, what: str) -> None:
+    require(
+        adapter in DEMO_SOURCES.names(),
+        key,
+        f"{what} collects scripted demonstrations, which the {adapter} adapter has none of; "
+        f"adapters with them: {', '.join(DEMO_SOURCES.names())}",
+    )
 
 
 def check_embodied_eval(cfg: EmbodiedConfig, checkpoint: str | None, episodes: int) -> Path | None:

@@ -17,7 +17,7 @@ import torch
 from tidal.config import EmbodiedConfig
 from tidal.engine import TrainEngine
 from tidal.envs import env_make_kwargs, make_env
-from tidal.envs.demos import collect_metaworld_demos
+from tidal.envs.demos import DEMO_SOURCES
 from tidal.envs.seeds import evaluation_seeds
 from tidal.metrics import MetricLogger
 from tidal.models import save_policy
@@ -72,6 +72,8 @@ def _train(cfg: EmbodiedConfig, run_dir: Path) -> dict:
         "run_dir": str(run_dir),
         "demos": demos.num_episodes,
         "demo_steps": len(demos.obs),
+        # the script's own success per task, over the episodes it tried (kept or not)
+        **{f"script/success_rate/{t}": v for t, v in (demos.script_success or {}).items()},
         "steps": cfg.sft.steps,
         "first_loss": history[0]["bc/loss"],
         "final_loss": history[-1]["bc/loss"],
@@ -88,13 +90,14 @@ def _train(cfg: EmbodiedConfig, run_dir: Path) -> dict:
 
 
 def collect_demos(cfg: EmbodiedConfig):
-    """``sft.demos`` noisy expert episodes per task, observed as the training envs observe. An
-    episode runs until the expert succeeds (the collector's horizon, not ``env.max_episode_steps``:
-    a short training horizon would leave the expert no successful episode to keep)."""
+    """``sft.demos`` noisy expert episodes per task from the env adapter's scripts
+    (``DEMO_SOURCES``), observed as the training envs observe. An episode runs until the expert
+    succeeds (the collector's horizon, not ``env.max_episode_steps``: a short training horizon
+    would leave the expert no successful episode to keep)."""
     kwargs = env_make_kwargs(cfg.env)
     env_id = kwargs.pop("env_id")
     kwargs.pop("max_episode_steps")
-    return collect_metaworld_demos(
+    return DEMO_SOURCES.get(cfg.env.adapter)(
         env_id, cfg.sft.demos, action_noise=cfg.sft.action_noise, seed=cfg.runner.seed, **kwargs
     )
 
