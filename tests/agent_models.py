@@ -6,6 +6,7 @@ overfitting these two turns (greedy decoding then follows them)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -15,6 +16,9 @@ from tidal.inference.tiny import TOOLS_CHATML_TEMPLATE, save_tiny_chat_model
 from tidal.models.chat_template import render_chat
 
 QUESTION = "what is 3+4?"
+RECORD = {"prompt": QUESTION, "answer": "7"}
+# the plain-``openai`` agent of agent_scripts/, as a command
+TOOL_AGENT = [sys.executable, str(Path(__file__).parent / "agent_scripts" / "tool_agent.py")]
 ADD_TOOL = {
     "type": "function",
     "function": {

@@ -24,7 +24,8 @@ def cluster(request):
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "gpu: needs a CUDA GPU (benchmarks/gpu_check.py runs them on one)"
+        "markers",
+        "gpu(count=1): needs count CUDA GPUs (benchmarks/gpu_check.py runs them on one)",
     )
 
 
@@ -32,9 +33,10 @@ def pytest_configure(config):
 # are one unit of work, run one after another on one worker, so that two Ray clusters never
 # split two cores (and no run joins the other worker's cluster).
 RAY_MODULES = {
-    "test_agent_command",
+    "test_agent_runs",
     "test_async_embodied",
     "test_embodied",
+    "test_embodied_resume",
     "test_gpu",
     "test_llm_runs",
     "test_llm_trainer",
@@ -60,34 +62,53 @@ def pytest_xdist_make_scheduler(config, log):
     return ModuleScheduling(config, log)
 
 
+def uses_ray(item) -> bool:
+    """Whether a test starts or joins a Ray session (its marker, fixture or cluster backend)."""
+    params = getattr(item, "callspec", None)
+    return (
+        item.get_closest_marker("ray") is not None
+        or "ray_session" in item.fixturenames
+        or (params is not None and params.params.get("cluster") == "ray")
+    )
+
+
+def gpus_needed(item) -> int:
+    marker = item.get_closest_marker("gpu")
+    return 0 if marker is None else int(marker.kwargs.get("count", 1))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Without CUDA the ``gpu`` tests are deselected, and the summary says how many and why
-    (never a silent skip)."""
+    """A Ray test outside ``RAY_MODULES`` is a usage error (under xdist its cluster would split
+    the cores with the other worker's). The ``gpu`` tests that need more CUDA devices than the
+    machine has are deselected, and the summary says how many and why (never a silent skip)."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    gpu = [item for item in items if item.get_closest_marker("gpu")]
-    if gpu:
-        config.hook.pytest_deselected(items=gpu)
-        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
-        config._tidal_gpu_deselected = len(gpu)
+    strays = sorted({Path(i.path).stem for i in items if uses_ray(i)} - RAY_MODULES)
+    if strays:
+        raise pytest.UsageError(f"tests/conftest.py: add {', '.join(strays)} to RAY_MODULES")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    short = [item for item in items if gpus_needed(item) > gpus]
+    if short:
+        config.hook.pytest_deselected(items=short)
+        items[:] = [item for item in items if gpus_needed(item) <= gpus]
+        config._tidal_gpu_deselected = (len(short), gpus)
         if hasattr(config, "workeroutput"):  # an xdist worker: tell the controller
-            config.workeroutput["gpu_deselected"] = len(gpu)
+            config.workeroutput["gpu_deselected"] = (len(short), gpus)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
     """xdist's controller: the workers deselected the ``gpu`` tests (each the same count)."""
-    node.config._tidal_gpu_deselected = node.workeroutput.get("gpu_deselected", 0)
+    node.config._tidal_gpu_deselected = node.workeroutput.get("gpu_deselected", (0, 0))
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    count = getattr(config, "_tidal_gpu_deselected", 0)
+    count, gpus = getattr(config, "_tidal_gpu_deselected", (0, 0))
     if count:
         terminalreporter.write_line(
-            f"{count} tests marked gpu deselected: this machine has no CUDA device "
-            "(torch.cuda.is_available() is false); run benchmarks/gpu_check.py on a GPU machine"
+            f"{count} tests marked gpu deselected: they need more CUDA devices than this "
+            f"machine's {gpus} (torch.cuda.device_count()); run benchmarks/gpu_check.py on a "
+            "GPU machine (and the gpu(count=2) tests on one with two)"
         )
 
 

@@ -5,12 +5,13 @@ import dataclasses
 
 import pytest
 import torch
+from deps import require
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tidal.inference import GenerationConfig, GenerationEngine, InferenceClient, InferenceServer
 from tidal.inference.tiny import save_tiny_model
 
-openai = pytest.importorskip("openai")
+openai = require("openai")
 from tidal.inference.agent_client import RecordingOpenAI  # noqa: E402
 from tidal.rollout.agent_workflow import AgentWorkflow  # noqa: E402
 from tidal.rollout.workflows import RLVRWorkflow  # noqa: E402
@@ -158,19 +159,26 @@ def test_rewards_per_completion_and_unsupported_arguments(server, tok):
 
 
 def test_an_agent_that_gives_no_reward_is_rejected(server, tok):
-    async def silent(client, data):
-        await client.chat.completions.create(
+    """The same agent, its completion made either way: without a reward (returned or set) the
+    episode is rejected, with one it trains on that completion."""
+    made = []
+
+    async def agent(client, data):
+        out = await client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": "1"}], max_tokens=2
         )
-        return None
+        made.append(out.usage.completion_tokens)
+        return data.get("reward")
 
-    async def main():
+    async def main(data):
         inference = InferenceClient([server.address])
         try:
-            return await AgentWorkflow(silent, inference, tok, GenerationConfig(max_new_tokens=2))(
-                {}
-            )
+            flow = AgentWorkflow(agent, inference, tok, GenerationConfig(max_new_tokens=2))
+            return await flow(data)
         finally:
             await inference.aclose()
 
-    assert run(main()) is None
+    assert run(main({})) is None
+    assert len(made) == 1 and made[0] >= 1  # rejected for its missing reward, not a failed call
+    episode = run(main({"reward": 0.5}))
+    assert episode.rewards.tolist() == [0.5] and int(episode.loss_mask.sum()) == made[1]

@@ -51,7 +51,8 @@ def test_overrides_apply_with_types():
         ),
         (
             ["actor.micro_batch_size=48"],
-            r"actor.global_batch_size: 256 must be a multiple of micro_batch_size x actor ranks = 48 x 1",
+            r"actor.micro_batch_size: 48 does not divide a rank's share of actor.global_batch_size "
+            r"\(256 = 256 / 1 actor ranks\): e.g. actor.micro_batch_size=32",
         ),
         (
             ["env.total_num_envs=6", "env.pipeline_stage_num=4"],

@@ -1,9 +1,9 @@
-"""The shared core: the train engine, the run loop, checkpoints and the config vocabulary."""
+"""The shared core: the run loop, checkpoints and the config vocabulary (the train engine:
+test_engine.py)."""
 
 import dataclasses
 import json
 import logging
-import math
 import os
 import signal
 from dataclasses import dataclass, field
@@ -23,7 +23,7 @@ from tidal.cli import main
 from tidal.config import ActorConfig, ConfigError, EmbodiedConfig, field_help, load_config
 from tidal.config.common import ClusterConfig, RunnerConfig
 from tidal.config.llm import LLMConfig
-from tidal.engine import NonFiniteError, TrainEngine
+from tidal.engine import TrainEngine
 from tidal.runners.loop import Interrupted, RunLoop
 from tidal.runners.preflight import decide_loggers
 from tidal.runners.run_folder import find_resume_checkpoint
@@ -31,8 +31,6 @@ from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker
 from tidal.workers.llm_actor import LLMActor
 
 ROOT = Path(__file__).parent.parent
-
-# ----------------------------------------------------------------------------- train engine
 
 
 def _model(seed=0):
@@ -44,111 +42,6 @@ def _mse(model, batch):
     x, y = batch
     loss = ((model(x) - y) ** 2).mean()
     return loss, {"loss": loss.item()}
-
-
-def test_gradient_accumulation_equals_one_large_batch():
-    x, y = torch.randn(32, 4), torch.randn(32, 1)
-    whole, split = (
-        TrainEngine(_model(), ActorConfig(lr=0.1), 10),
-        TrainEngine(_model(), ActorConfig(lr=0.1), 10),
-    )
-    whole.train_batch([(x, y)], _mse)
-
-    def quarter(model, batch):  # each micro-batch is a quarter of the minibatch loss
-        loss, info = _mse(model, batch)
-        return loss / 4, info
-
-    split.train_batch(list(zip(x.split(8), y.split(8))), quarter)
-    for a, b in zip(whole.model.parameters(), split.model.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize(
-    "schedule, expected",
-    [  # lr 1.0, 2 warm-up steps of 6: the factor at each optimizer step
-        ("constant", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]),
-        ("linear", [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]),
-        (
-            "cosine",
-            [
-                0.5,
-                1.0,
-                1.0,
-                0.5 + 0.5 * math.cos(math.pi / 4),
-                0.5,
-                0.5 - 0.5 * math.cos(math.pi / 4),
-            ],
-        ),
-    ],
-)
-def test_the_lr_warms_up_linearly_then_follows_its_schedule(schedule, expected):
-    cfg = ActorConfig(lr=1.0, lr_schedule=schedule, warmup_steps=2, max_grad_norm=None)
-    engine = TrainEngine(_model(), cfg, total_steps=6)
-    seen = []
-    for _ in range(6):
-        seen.append(engine.optimizer.param_groups[0]["lr"])
-        engine.optimizer.step()
-        engine.scheduler.step()
-    assert seen == pytest.approx(expected)
-
-
-def test_non_finite_steps_are_skipped_counted_and_abort_the_run(caplog):
-    engine = TrainEngine(_model(), ActorConfig(lr=0.1, max_skipped_steps=3), 10)
-    before = [p.detach().clone() for p in engine.model.parameters()]
-    bad = (torch.full((4, 4), float("nan")), torch.zeros(4, 1))
-    with caplog.at_level(logging.WARNING, logger="tidal.engine"):
-        for _ in range(2):
-            engine.train_batch([bad], _mse)
-    assert (
-        engine.skipped_steps == 2 and "non-finite gradient norm at training step 1" in caplog.text
-    )
-    assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
-    engine.train_batch([(torch.randn(4, 4), torch.zeros(4, 1))], _mse)  # a good step resets the run
-    assert engine.consecutive_skips == 0
-    for _ in range(2):
-        engine.train_batch([bad], _mse)
-    with pytest.raises(
-        NonFiniteError, match="3 consecutive optimizer steps .* actor.max_skipped_steps=3"
-    ):
-        engine.train_batch([bad], _mse)
-
-
-def test_checkpoint_round_trip_is_exact_and_loading_is_strict(tmp_path):
-    cfg = ActorConfig(lr=0.05, lr_schedule="linear")
-    engine = TrainEngine(_model(), cfg, 10)
-    batches = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(4)]
-    for b in batches[:2]:
-        engine.train_batch([b], _mse)
-        engine.end_step()
-    engine.save(tmp_path / "ck", {"step": 2})
-    for b in batches[2:]:
-        engine.train_batch([b], _mse)
-        engine.end_step()
-    expected = [p.detach().clone() for p in engine.model.parameters()]
-
-    resumed = TrainEngine(_model(seed=5), cfg, 10)
-    assert resumed.load(tmp_path / "ck")["step"] == 2 and resumed.step == 2
-    for b in batches[2:]:
-        resumed.train_batch([b], _mse)
-        resumed.end_step()
-    assert all(torch.equal(a, b) for a, b in zip(expected, resumed.model.parameters()))
-
-    other = TrainEngine(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh()), cfg, 10)
-    with pytest.raises(
-        ValueError, match=r"missing keys \[\].*unexpected keys \['2.bias', '2.weight'\]"
-    ):
-        other.load(tmp_path / "ck")
-
-
-def test_tied_weights_are_saved_and_loaded(tmp_path):
-    model = _model()
-    model.add_module("tied", torch.nn.Linear(4, 8))
-    model.tied.weight = model[
-        0
-    ].weight  # one storage, two names (like tied language-model embeddings)
-    engine = TrainEngine(model, ActorConfig(), 1)
-    engine.save(tmp_path / "ck", {"step": 0})
-    engine.load(tmp_path / "ck")
 
 
 # ----------------------------------------------------------------------------- run loop

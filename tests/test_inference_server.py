@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 import torch
+from deps import require
 from safetensors.torch import save
 from transformers import AutoTokenizer
 
@@ -450,7 +451,7 @@ def _free_port():
 
 
 def test_a_real_sglang_router_serves_generate_from_two_tidal_servers(model_dir):
-    pytest.importorskip("sglang_router")
+    require("sglang_router")
     servers = [InferenceServer(GenerationEngine(model_dir)).start() for _ in range(2)]
     port = _free_port()
     router = subprocess.Popen(

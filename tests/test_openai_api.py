@@ -5,13 +5,14 @@ import time
 
 import httpx
 import pytest
+from deps import require
 from engine_faults import engine_that_dies_on_pass, engine_with_slow_passes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tidal.inference import GenerationEngine, InferenceServer
 from tidal.inference.tiny import save_tiny_model, tiny_llama
 
-openai = pytest.importorskip("openai")
+openai = require("openai")
 
 KEY = "sk-test"
 NAME = "tiny-chat"

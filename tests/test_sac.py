@@ -1,7 +1,6 @@
-"""SAC: the losses against float64 references, truncation vs termination, the replay buffer,
-the config rules, and short runs (local learning, ray smoke, NaN envs, resume)."""
+"""SAC: the losses against float64 references, truncation vs termination, the config rules,
+and short runs (pacing, ray smoke, NaN envs, data-parallel ranks, resume, learning)."""
 
-import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -9,7 +8,7 @@ from types import SimpleNamespace
 import gymnasium as gym
 import pytest
 import torch
-from gymnasium.spaces import Box
+from sac_runs import EXAMPLES, TINY, load, read_metrics, run
 
 from tidal.algorithms.objectives import OBJECTIVES, make_objective
 from tidal.algorithms.sac import (
@@ -19,50 +18,11 @@ from tidal.algorithms.sac import (
     polyak_update,
     soft_td_target,
 )
-from tidal.config import ConfigError, EmbodiedConfig, load_config, validate_embodied
-from tidal.data import EnvOutput
-from tidal.envs.demos import collect_metaworld_demos
-from tidal.envs.layout import LayoutBox, ObsLayout
+from tidal.config import ConfigError, validate_embodied
 from tidal.models.sac import QEnsemble, SquashedGaussianPolicy
-from tidal.models.sac_cnn import random_shift, shift_observations
 from tidal.runners.embodied.eval import run_eval
 from tidal.runners.embodied.offpolicy import OffPolicyRunner
 from tidal.runners.embodied.select import runner_class
-from tidal.runtime import ConfigSections
-from tidal.workers.replay import ReplayBuffer, buffer_layout, fit_demos
-from tidal.workers.sac_actor import SACActorWorker
-from tidal.workers.sac_env import chunk_transition
-
-EXAMPLES = Path(__file__).parent.parent / "examples" / "embodied"
-PENDULUM = EXAMPLES / "pendulum_sac.yaml"
-TINY = [
-    "model.hidden_sizes=[32,32]",
-    "replay.warmup_steps=64",
-    "replay.batch_size=32",
-    "runner.eval_interval=0",
-    "runner.save_interval=0",
-    "runner.target_value=null",
-    "env.eval_num_envs=2",
-]
-
-
-def load(*overrides, path=PENDULUM):
-    return load_config(EmbodiedConfig, path, list(overrides))
-
-
-def run(tmp_path, *overrides, inspect=lambda runner: None, path=PENDULUM):
-    """A run's summary, and what ``inspect`` finds in the runner before it closes."""
-    cfg = load(f"runner.run_dir={tmp_path}", "runner.progress=false", *overrides, path=path)
-    runner = OffPolicyRunner(cfg)
-    try:
-        return runner.run(), inspect(runner)
-    finally:
-        runner.close()
-
-
-def read_metrics(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
 
 # -- the losses ------------------------------------------------------------------------------
 
@@ -137,102 +97,7 @@ def test_discrete_actions_are_refused_naming_the_algorithm(tmp_path):
         OffPolicyRunner(cfg)
 
 
-# -- transitions and the buffer --------------------------------------------------------------
-
-
-def test_a_chunk_transition_keeps_the_final_observation_and_the_end():
-    obs = torch.zeros(3, 2)
-    out = EnvOutput(
-        obs=torch.tensor([[9.0, 9.0], [1.0, 1.0], [8.0, 8.0]]),  # envs 0 and 2 were reset
-        final_obs=torch.tensor([[5.0, 5.0], [1.0, 1.0], [6.0, 6.0]]),
-        rewards=torch.tensor([[1.0, 0.0], [1.0, 1.0], [1.0, 1.0]]),
-        terminations=torch.tensor([[True, False], [False, False], [False, False]]),
-        truncations=torch.tensor([[False, False], [False, False], [False, True]]),
-        dones=torch.tensor([[True, False], [False, False], [False, True]]),
-    )
-    t = chunk_transition(obs, torch.zeros(3, 2, 1), out, gamma=0.5)
-    assert t["terminations"].tolist() == [True, False, False]
-    assert t["truncations"].tolist() == [False, False, True]
-    assert t["next_obs"].tolist() == [[5.0, 5.0], [1.0, 1.0], [6.0, 6.0]]
-    assert t["rewards"].tolist() == [1.0, 1.5, 1.5]
-    assert t["steps"].tolist() == [1, 2, 2]
-
-
-def _transitions(n, start=0):
-    return {
-        "obs": torch.arange(start, start + n, dtype=torch.float32)[:, None].repeat(1, 3),
-        "actions": torch.zeros(n, 1, 1),
-        "rewards": torch.arange(start, start + n, dtype=torch.float32),
-        "terminations": torch.zeros(n, dtype=torch.bool),
-        "truncations": torch.zeros(n, dtype=torch.bool),
-        "next_obs": torch.zeros(n, 3),
-        "steps": torch.ones(n, dtype=torch.int64),
-    }
-
-
-def test_the_buffer_wraps_around_and_samples_demos_symmetrically(tmp_path):
-    buf = ReplayBuffer(5, 3, (1, 1))
-    buf.add(_transitions(4))
-    buf.add(_transitions(3, start=4))
-    assert (buf.size, buf.pos, buf.added) == (5, 2, 7)
-    assert sorted(buf.data["rewards"].tolist()) == [2.0, 3.0, 4.0, 5.0, 6.0]
-    demos = _transitions(10, start=100)
-    torch.save(demos, tmp_path / "demos.pt")
-    assert buf.load_demos(str(tmp_path / "demos.pt")) == 10
-    batch = buf.sample(8, torch.Generator().manual_seed(0), demo_fraction=0.5)
-    assert (batch["rewards"] >= 100).sum() == 4 and batch["obs"].shape == (8, 3)
-    restored = ReplayBuffer(5, 3, (1, 1))
-    assert restored.load_state_dict(buf.state_dict(with_data=True))
-    torch.testing.assert_close(restored.data["rewards"], buf.data["rewards"])
-    assert not ReplayBuffer(5, 3, (1, 1)).load_state_dict(buf.state_dict(with_data=False))
-
-
-@pytest.mark.parametrize("capacity", [3, 5, 8])
-def test_a_saved_buffer_comes_back_into_another_capacity_newest_first(capacity):
-    """Saved wrapped (rewards 2..6 in a ring of 5, the oldest in slot 2), restored into a
-    smaller, the same or a larger ring: the newest that fit, and the next transition goes
-    after them (into a larger ring, the buffer grew over rows of zeros)."""
-    saved = ReplayBuffer(5, 3, (1, 1))
-    saved.add(_transitions(4))
-    saved.add(_transitions(3, start=4))
-    restored = ReplayBuffer(capacity, 3, (1, 1))
-    assert restored.load_state_dict(saved.state_dict(with_data=True))
-    restored.add(_transitions(1, start=7))
-    held = restored.data["rewards"][: restored.size]
-    if capacity == 5:  # the same ring: slot for slot, so the resume samples as the saved run
-        assert held.tolist() == [5.0, 6.0, 7.0, 3.0, 4.0]
-    else:
-        newest = list(range(max(2, 8 - capacity), 8))
-        assert sorted(held.tolist()) == newest and restored.size == min(6, capacity)
-    assert restored.added == 8
-    empty = ReplayBuffer(capacity, 3, (1, 1))  # saved before any transition was stored
-    assert empty.load_state_dict(ReplayBuffer(5, 3, (1, 1)).state_dict(with_data=True))
-    assert (empty.size, empty.pos) == (0, 0)
-
-
-def test_demonstrations_that_are_not_finite_or_chunked_are_read_as_such():
-    layout = buffer_layout(3, (4, 1))  # chunks of 4 actions
-    demos = {**_transitions(5), "actions": torch.zeros(5, 4, 1)}
-    del demos["steps"]
-    assert fit_demos(demos, layout, "x")["steps"].tolist() == [4] * 5  # env steps, not 1
-    demos["rewards"][[1, 3]] = float("nan")
-    with pytest.raises(ConfigError, match=r"x: rewards is not finite in 2 of 5 .*first: 1"):
-        fit_demos(demos, layout, "x")
-
-
-def test_a_demo_file_of_the_wrong_shape_is_a_config_error(tmp_path):
-    demos = _transitions(4)
-    demos["obs"] = torch.zeros(4, 5)
-    torch.save(demos, tmp_path / "demos.pt")
-    with pytest.raises(ConfigError, match=r"replay.demo_path: .*: obs has shape \(4, 5\)"):
-        ReplayBuffer(8, 3, (1, 1)).load_demos(str(tmp_path / "demos.pt"))
-    cfg = load(f"runner.run_dir={tmp_path}", f"replay.demo_path={tmp_path / 'demos.pt'}")
-    with pytest.raises(ConfigError, match="replay.demo_path"):
-        OffPolicyRunner(cfg)  # before any worker starts
-    assert buffer_layout(3, (1, 1))["obs"][0] == (3,)
-
-
-# -- config rules ----------------------------------------------------------------------------
+# -- config rules --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -541,160 +406,3 @@ def test_keys_the_sac_policy_does_not_read_are_refused(tmp_path):
     cfg = load(f"runner.run_dir={tmp_path}", "model.obs_norm=true")
     with pytest.raises(ConfigError, match="model.obs_norm"):
         OffPolicyRunner(cfg)
-
-
-def test_scripted_demonstrations_are_transitions_as_executed():
-    """RLPD's demos from MetaWorld's experts: the noisy action sent (not the expert's label),
-    the reward it earned, and the observation it led to (the next step's own)."""
-    demos = collect_metaworld_demos("reach-v3", 2, action_noise=0.3, instruction_tokens=4)
-    t = demos.transitions()
-    n = len(demos.obs)
-    assert t["actions"].shape == (n, 1, 4) and t["next_obs"].shape == t["obs"].shape
-    assert not torch.equal(t["actions"][:, 0], torch.from_numpy(demos.actions))  # noise kept
-    assert t["actions"].abs().max() <= 1.0 and torch.isfinite(t["rewards"]).all()
-    same_episode = torch.from_numpy(demos.episode[1:] == demos.episode[:-1])
-    assert torch.equal(t["next_obs"][:-1][same_episode], t["obs"][1:][same_episode])
-
-
-def test_an_rlpd_run_samples_the_scripted_demonstrations(tmp_path):
-    summary, held = run(
-        tmp_path,
-        *TINY,
-        "env.adapter=metaworld",
-        "env.id=reach-v3",
-        "env.max_episode_steps=40",
-        "env.total_num_envs=2",
-        "env.adapter_kwargs={instruction_tokens: 4}",
-        "replay.sft_demos=true",
-        "sft.demos=2",
-        "runner.max_env_steps=160",
-        inspect=lambda r: r.actor.execute_on(0).demo_count().wait(30)[0],
-    )
-    assert held > 0 and read_metrics(summary["run_dir"])[-1]["updates"] > 0
-
-
-# -- pixels (DrQ) ----------------------------------------------------------------------------
-
-
-def test_random_shift_translates_each_image_by_whole_pixels_with_the_border_replicated():
-    images = torch.rand(12, 3, 8, 8)
-    gen = torch.Generator().manual_seed(0)
-    assert random_shift(images, 0, gen) is images
-    shifted = random_shift(images, 2, gen)
-    assert shifted.shape == images.shape
-    padded = torch.nn.functional.pad(images, (2,) * 4, mode="replicate")
-    crops = {(dy, dx): padded[:, :, dy : dy + 8, dx : dx + 8] for dy in range(5) for dx in range(5)}
-    found = []
-    for i in range(len(images)):
-        hits = [k for k, c in crops.items() if torch.allclose(shifted[i], c[i], atol=1e-5)]
-        assert len(hits) == 1, f"image {i}: not one whole-pixel crop of the padded image"
-        found.append(hits[0])
-    assert len(set(found)) > 3  # each image its own offset
-    # a packed observation: the state before the pixels passes unchanged
-    layout = ObsLayout(state_dim=2, image_size=8)
-    obs = torch.cat([torch.randn(12, 2), images.movedim(1, -1).reshape(12, -1) * 255], 1)
-    out = shift_observations(obs, layout, 2, gen)
-    assert out.shape == obs.shape and torch.equal(out[:, :2], obs[:, :2])
-
-
-@pytest.mark.parametrize("model", ["sac_cnn", "sac_mlp"])
-def test_the_encoder_learns_from_the_critic_loss_only(monkeypatch, model):
-    """The actor worker's own update: which of its optimizer steps reach the encoder (sac_cnn's
-    convolutions and words; sac_mlp's words, when the observation carries instructions)."""
-    monkeypatch.setattr(SACActorWorker, "torch_device", lambda self, setting: torch.device("cpu"))
-    monkeypatch.setattr(SACActorWorker, "rank", 0)  # built outside a group: rank 0 of 1
-    monkeypatch.setattr(SACActorWorker, "world_size", 1)
-    pixels = model == "sac_cnn"
-    cfg = load(
-        f"model.name={model}",
-        "model.hidden_sizes=[16]",
-        "model.kwargs={channels: [4], feature_dim: 8}" if pixels else "model.kwargs={}",
-        "replay.batch_size=8",
-        f"algorithm.image_pad={int(pixels)}",
-    )
-    layout = ObsLayout(state_dim=2, num_tokens=3, vocab_size=64, image_size=8 if pixels else 0)
-    space = LayoutBox(layout)
-    sections = ConfigSections("actor", cfg, SACActorWorker.config_sections)
-    worker = SACActorWorker(sections, SimpleNamespace(env=1, stages=1), space, Box(-1, 1, (2,)))
-    n = 16
-    obs = torch.cat(
-        [
-            torch.randn(n, 2),
-            torch.randint(1, 64, (n, 3)).float(),
-            torch.randint(0, 256, (n, layout.image_numel)).float(),
-        ],
-        1,
-    )
-    worker.buffer.add(
-        {**_transitions(n), "obs": obs, "next_obs": obs, "actions": torch.zeros(n, 1, 2)}
-    )
-    encoder = worker.policy.encoder_parameters()
-    reached, step = {}, worker._step
-
-    def recording_step(name, loss):
-        for p in encoder:
-            p.grad = None
-        done = step(name, loss)
-        reached[name] = any(p.grad is not None and p.grad.abs().sum() > 0 for p in encoder)
-        return done
-
-    worker._step = recording_step
-    worker.update(1)
-    assert reached == {"critic": True, "actor": False, "alpha": False}
-
-
-def test_sac_mlp_reads_instruction_words_as_an_embedding_not_as_numbers():
-    """MT10's task arrives as hashed word ids (up to the vocabulary's size): sac_mlp embeds them
-    beside the state, so no id reaches its networks as a number."""
-    space = LayoutBox(ObsLayout(state_dim=3, num_tokens=4, vocab_size=1024))
-    policy = SquashedGaussianPolicy(space, Box(-1, 1, (2,)), hidden_sizes=(16,))
-    tokens = torch.tensor([[1000, 900, 0, 0], [3, 0, 0, 0]])
-    obs = torch.cat([torch.randn(2, 3), tokens.float()], 1)
-    features = policy.encode(obs)
-    assert features.shape == (2, 32 + 3) and policy.net[0].in_features == 35
-    assert torch.equal(features[:, :32], policy.encoder.words(tokens))
-    assert torch.equal(features[:, 32:], obs[:, :3])
-    assert features.abs().max() < 10  # (an id read as a number would be 1000 here)
-    assert policy.encoder_parameters() == list(policy.encoder.parameters())
-    with pytest.raises(ValueError, match="pixel observations need model.name sac_cnn"):
-        SquashedGaussianPolicy(LayoutBox(ObsLayout(state_dim=3, image_size=8)), Box(-1, 1, (2,)))
-    plain = SquashedGaussianPolicy(Box(-1, 1, (3,)), Box(-1, 1, (2,)), hidden_sizes=(16,))
-    assert plain.encoder is None and plain.encoder_parameters() == []
-
-
-def test_sac_cnn_without_pixels_is_refused_before_start(tmp_path):
-    cfg = load(f"runner.run_dir={tmp_path}", "model.name=sac_cnn")
-    with pytest.raises(ConfigError, match="sac_cnn': needs pixel observations"):
-        OffPolicyRunner(cfg)
-
-
-def test_the_buffer_stores_pixels_as_uint8_and_gives_them_back_as_floats():
-    n, image = 6, 4 * 4 * 3
-    obs = torch.cat([torch.randn(n, 2), torch.randint(0, 256, (n, image)).float()], 1)
-    batch = {**_transitions(n), "obs": obs, "next_obs": obs.flip(0)}
-    buf = ReplayBuffer(8, 2 + image, (1, 1), image_numel=image)
-    buf.add(batch)
-    assert buf.data["obs_pixels"].dtype == torch.uint8 and buf.data["obs"].shape == (8, 2)
-    got = buf.sample(16, torch.Generator().manual_seed(0))
-    rows = got["rewards"].long()
-    torch.testing.assert_close(got["obs"], obs[rows])
-    torch.testing.assert_close(got["next_obs"], obs.flip(0)[rows])
-
-
-def test_a_short_pixel_sac_run_updates_and_evaluates(tmp_path):
-    summary, _ = run(
-        tmp_path,
-        *TINY,
-        "model.kwargs={channels: [8, 8], feature_dim: 16}",
-        "env.image_size=16",
-        "env.total_num_envs=2",
-        "env.max_episode_steps=20",
-        "runner.max_env_steps=80",
-        "runner.eval_interval=3",
-        "replay.warmup_steps=32",
-        "replay.batch_size=16",
-        path=EXAMPLES / "metaworld_reach_pixels_sac.yaml",
-    )
-    rows = read_metrics(summary["run_dir"])
-    assert rows[-1]["updates"] > 0 and math.isfinite(rows[-1]["train/critic_loss"])
-    assert rows[-1]["eval/return_mean"] is not None

@@ -7,6 +7,7 @@ import re
 
 import pytest
 from agent_models import ADD_TOOL, QUESTION, tool_loop
+from deps import require
 from transformers import AutoTokenizer
 
 from tidal.inference import GenerationConfig, GenerationEngine, InferenceClient, InferenceServer
@@ -20,7 +21,7 @@ from tidal.inference.tool_calls import (
 )
 from tidal.models.chat_template import render_chat
 
-openai = pytest.importorskip("openai")
+openai = require("openai")
 from tidal.inference.agent_client import RecordingOpenAI  # noqa: E402
 from tidal.rollout.agent_workflow import AgentWorkflow  # noqa: E402
 

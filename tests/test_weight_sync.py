@@ -48,6 +48,11 @@ class Holder(Worker, WeightLinks):
     def weights(self) -> dict:
         return {k: v.clone() for k, v in self.model.state_dict().items()}
 
+    def link_end(self, link, role: str) -> tuple[str, str]:
+        """The backend this rank's end of a collective link chose, and its device's type."""
+        end = self.weight_end(link, role)
+        return end.backend, end.device.type
+
     def close_links(self) -> None:
         self.close_weight_links()
 

@@ -427,12 +427,30 @@ def validate_layout(cfg: EmbodiedConfig, worlds: dict[str, int]) -> None:
         "actor.global_batch_size",
         f"the {samples} samples of a step (total_num_envs x num_steps) must divide into batches of {act.global_batch_size}",
     )
-    require(
-        act.global_batch_size % (act.micro_batch_size * worlds["actor"]) == 0,
-        "actor.global_batch_size",
-        f"{act.global_batch_size} must be a multiple of micro_batch_size x actor ranks "
-        f"= {act.micro_batch_size} x {worlds['actor']}",
-    )
+    ranks, batch = worlds["actor"], act.global_batch_size
+    if batch % ranks:  # the batches that split over the ranks and divide the step's samples
+        fits = [b for b in range(ranks, samples + 1, ranks) if samples % b == 0]
+        nearest = min(fits, key=lambda b: abs(b - batch))
+        require(
+            False,
+            "actor.global_batch_size",
+            f"{batch} does not split over {ranks} actor ranks: e.g. actor.global_batch_size={nearest}",
+        )
+    share, micro = batch // ranks, rank_micro_batch(act, ranks)
+    if share % micro:
+        divisor = max(d for d in range(1, micro + 1) if share % d == 0)
+        require(
+            False,
+            "actor.micro_batch_size",
+            f"{micro} does not divide a rank's share of actor.global_batch_size ({share} = "
+            f"{batch} / {ranks} actor ranks): e.g. actor.micro_batch_size={divisor}",
+        )
+
+
+def rank_micro_batch(act: EmbodiedActorConfig, actor_ranks: int) -> int:
+    """The micro-batch an actor rank computes: ``actor.micro_batch_size``, or the rank's share
+    of ``actor.global_batch_size`` where that is smaller (more ranks need no new batch sizes)."""
+    return min(act.micro_batch_size, act.global_batch_size // actor_ranks)
 
 
 def validate_groups(cfg: EmbodiedConfig, actor_ranks: int) -> None:

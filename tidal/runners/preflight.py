@@ -28,6 +28,7 @@ from tidal.config.embodied import (
     EnvConfig,
     ModelConfig,
     components,
+    rank_micro_batch,
     same_process,
     validate_embodied,
     validate_groups,
@@ -35,7 +36,7 @@ from tidal.config.embodied import (
     validate_sft,
 )
 from tidal.config.loader import require
-from tidal.config.offpolicy import SAC_POLICIES
+from tidal.config.offpolicy import ON_POLICY, SAC_POLICIES
 from tidal.config.schema import decide
 from tidal.envs import adapter_arguments, env_make_kwargs, list_env_adapters, make_env
 from tidal.envs.demos import DEMO_SOURCES
@@ -218,6 +219,7 @@ def check_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
         decide_weight_sync(cfg, ("collective", "channel", "disk"), "a synchronous rollout")
     worlds = world_sizes(cfg.cluster, components(cfg), same_process(cfg))
     validate_layout(cfg, worlds)
+    _say_micro_batch(cfg, worlds["actor"])
     if spec.needs_groups:
         validate_groups(cfg, worlds["actor"])
     check_actor_ranks(cfg, worlds["actor"], "a data-parallel actor (more than one rank)")
@@ -226,6 +228,16 @@ def check_embodied(cfg: EmbodiedConfig) -> dict[str, int]:
     if cfg.replay.sft_demos:
         _check_demo_source(env.adapter, "replay.sft_demos", "replay.sft_demos")
     return worlds
+
+
+def _say_micro_batch(cfg: EmbodiedConfig, actor_ranks: int) -> None:
+    act, micro = cfg.actor, rank_micro_batch(cfg.actor, actor_ranks)
+    if cfg.algorithm.name in ON_POLICY and micro < act.micro_batch_size:
+        log.info(
+            f"actor.micro_batch_size: {act.micro_batch_size} is more than a rank's share of "
+            f"actor.global_batch_size ({act.global_batch_size} / {actor_ranks} actor ranks): "
+            f"each rank computes micro-batches of {micro}"
+        )
 
 
 def _check_renders(env: EnvConfig) -> None:
