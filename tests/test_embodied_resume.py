@@ -2,12 +2,16 @@
 bitwise as the uninterrupted run (CartPole, LoRA, async vector envs, MuJoCo, Ray), and one
 that cannot and says so."""
 
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from embodied_runs import EXAMPLES, TINY, read_metrics, run, without_timings
+from embodied_runs import (
+    EXAMPLES,
+    TINY,
+    assert_resume_is_exact,
+    read_metrics,
+    run,
+)
 
 from tidal.config import EmbodiedConfig, load_config
 from tidal.envs import GymnasiumVectorEnv, register_env
@@ -64,31 +68,6 @@ def test_ray_run_restarts_after_a_killed_actor_and_resumes(ray_session, tmp_path
 
 
 # -- exact resume ------------------------------------------------------------------------
-
-
-def assert_resume_is_exact(tmp_path, config, overrides, resume_at: int, max_steps: int):
-    """Run ``max_steps`` straight (saving at ``resume_at``); resume a copy of that checkpoint in
-    a new folder and run to ``max_steps`` again: every row after it and the final weights match
-    bitwise (only timings differ)."""
-    from safetensors.torch import load_file
-
-    overrides = [
-        *overrides,
-        f"runner.max_steps={max_steps}",
-        f"runner.save_interval={resume_at}",
-        "runner.keep_checkpoints=0",
-    ]
-    straight = Path(run(config, tmp_path, *overrides, "runner.experiment=straight")["run_dir"])
-    checkpoint = tmp_path / "resumed" / "checkpoints" / f"step_{resume_at:06d}"
-    shutil.copytree(straight / "checkpoints" / checkpoint.name, checkpoint)
-    resumed = Path(run(config, tmp_path, *overrides, f"runner.resume_from={checkpoint}")["run_dir"])
-    assert resumed == tmp_path / "resumed"
-    expected = [without_timings(r) for r in read_metrics(straight) if r["step"] >= resume_at]
-    assert [without_timings(r) for r in read_metrics(resumed)] == expected
-    final = f"checkpoints/step_{max_steps:06d}/model.safetensors"
-    weights, resumed_weights = load_file(straight / final), load_file(resumed / final)
-    assert weights.keys() == resumed_weights.keys()
-    assert all(torch.equal(weights[k], resumed_weights[k]) for k in weights)
 
 
 def test_resume_continues_exactly_as_the_uninterrupted_cartpole_run(tmp_path):

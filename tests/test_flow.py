@@ -7,7 +7,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from test_embodied import EXAMPLES, assert_resume_is_exact, read_metrics, run
+from embodied_runs import EXAMPLES, assert_resume_is_exact, read_metrics, run
 
 from tidal.algorithms.chunks import chunk_loss_inputs
 from tidal.algorithms.objectives import make_objective
