@@ -58,6 +58,8 @@ MISTAKES = [
     (CARTPOLE, ["cluster=local"], "cluster", "cluster.backend"),
     (CARTPOLE, ["rollout.weight_sync=nccl"], "rollout.weight_sync", "collective"),
     (CARTPOLE, ["algorithm.name=sac"], "algorithm.name", "Box"),
+    (PENDULUM_SAC, ["algorithm.name=ppo"], "algorithm.critic_lr", "algorithm.name=sac"),
+    (CARTPOLE, ["model.name=sac_mlp"], "model.name", "algorithm.name=sac"),
     (PENDULUM_SAC, ["algorithm.tau=2"], "algorithm.tau", "(0, 1]"),
     (PENDULUM_SAC, ["model.name=mlp"], "model.name", "sac_mlp"),
     (ARITH, ["rollout.group_size=0"], "rollout.group_size", ">= 1"),
@@ -178,6 +180,31 @@ def test_files_merge_left_to_right_then_overrides(tmp_path):
     assert cfg.env == base.env and cfg.algorithm == base.algorithm
     args = cli.main(["config", str(CARTPOLE), str(preset), "runner.seed=5"])
     assert args == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "key", "algorithm"),
+    [
+        (CARTPOLE, "algorithm.tau=0.01", "algorithm.name=sac"),
+        (CARTPOLE, "algorithm.utd_ratio=4", "algorithm.name=sac"),
+        (CARTPOLE, "replay.batch_size=512", "algorithm.name=sac"),
+        (PENDULUM_SAC, "algorithm.vf_coef=1.0", "algorithm.name=ppo"),
+        (PENDULUM_SAC, "algorithm.adv_type=grpo", "algorithm.name=ppo"),
+    ],
+)
+def test_a_key_of_another_algorithm_is_refused_saying_which_reads_it(path, key, algorithm):
+    schema_key = key.partition("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{schema_key}: applies only with {algorithm}"):
+        load_config(EmbodiedConfig, path, [key])
+
+
+def test_the_printed_config_shows_only_the_keys_the_algorithm_reads():
+    ppo = describe(load_config(EmbodiedConfig, CARTPOLE))
+    sac = describe(load_config(EmbodiedConfig, PENDULUM_SAC))
+    for key in ("tau:", "utd_ratio:", "num_critics:", "\nreplay:"):
+        assert key not in ppo and key in sac, key
+    for key in ("gae_lambda:", "vf_coef:", "update_epochs:", "adv_type:"):
+        assert key in ppo and key not in sac, key
 
 
 def test_the_half_comes_from_the_last_file_that_names_it(tmp_path):

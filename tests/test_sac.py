@@ -111,7 +111,7 @@ def test_discrete_actions_are_refused_naming_the_algorithm(tmp_path):
         ("algorithm.critic_subset=3", "algorithm.critic_subset"),
         ("algorithm.name=td3", "algorithm.name"),
         ("rollout.max_staleness=1", "rollout.max_staleness"),
-        ("algorithm.name=ppo", "model.name"),  # sac_mlp has no value head for PPO
+        ("algorithm.name=ppo", "algorithm.critic_lr"),  # the file's SAC keys do not apply
         ("replay.sft_demos=true", "replay.sft_demos"),  # Pendulum has no scripted expert
         ("algorithm.image_pad=4", "algorithm.image_pad"),  # sac_mlp reads no pixels
     ],

@@ -8,7 +8,7 @@ register a class under ``algorithm.name``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -89,37 +89,68 @@ def _as_micro_mean(share: torch.Tensor, whole: float | None, count) -> torch.Ten
     return (share * whole / max(float(count), 1.0)).detach()
 
 
+@dataclass(frozen=True)
+class PPOSettings:
+    """Every setting of the PPO family's objective, one typed object for both halves. A half's
+    algorithm section supplies the ones it has (``of``); the others keep plain PPO's values
+    below (the language half has no value loss or dual clip, the embodied half no rollout
+    correction or sequence-level ratio)."""
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    use_decoupled_loss: bool = False
+    prox_logp_method: str = "recompute"  # recompute | loglinear | metrics
+    behav_weight_cap: float | None = 5.0
+    cap_mode: str = "mask"
+    dual_clip: float | None = None
+    recompute_logprob: bool = False  # standard PPO's old log-probs from the trainer
+    policy_loss: str = "ppo"  # ppo | cispo
+    importance_level: str = "token"  # token | sequence (GSPO)
+    rollout_correction: str = "none"  # standard PPO's train-inference mismatch correction
+    rollout_correction_cap: float = 2.0
+    rollout_correction_lower: float = 0.5
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    kl_clamp: float | None = None
+    kl_in: str = "loss"  # loss | reward
+    entropy_bonus: float = 0.0
+    vf_coef: float = 0.0
+    value_clip: float | None = None
+    huber_delta: float | None = None
+
+    @classmethod
+    def of(cls, section) -> PPOSettings:
+        """The settings an algorithm section holds (any object with some of these names)."""
+        if isinstance(section, cls):
+            return section
+        names = [f.name for f in fields(cls)]
+        return cls(**{n: getattr(section, n) for n in names if hasattr(section, n)})
+
+
 @OBJECTIVES.register("ppo")
 class PPOObjective:
     """Clipped PPO against the behaviour policy, or decoupled PPO (a trust region around the
     proximal policy, behaviour weights capped or masked), plus an entropy bonus, a KL penalty
-    to a frozen reference and the value loss. ``alg`` is the algorithm section; keys one half
-    does not have take PPO's plain defaults."""
+    to a frozen reference and the value loss, as ``PPOSettings`` (or an algorithm section,
+    read as them) say."""
 
     def __init__(self, alg):
-        self.alg = alg
-        self.clip = (alg.clip_ratio_low, alg.clip_ratio_high)
-        self.decoupled = bool(alg.use_decoupled_loss)
-        self.prox_method = alg.prox_logp_method
-        self.dual_clip = getattr(alg, "dual_clip", None)
-        # standard PPO with the old log-probs recomputed by the trainer (language half)
-        self.recompute_old = getattr(alg, "recompute_logprob", False)
-        self.surrogate = getattr(alg, "policy_loss", "ppo")  # ppo | cispo
-        self.importance_level = getattr(alg, "importance_level", "token")  # token | sequence (GSPO)
+        self.settings = s = PPOSettings.of(alg)
+        self.clip = (s.clip_ratio_low, s.clip_ratio_high)
+        self.decoupled = bool(s.use_decoupled_loss)
+        self.prox_method = s.prox_logp_method
+        self.dual_clip = s.dual_clip
+        self.recompute_old = s.recompute_logprob
+        self.surrogate = s.policy_loss
+        self.importance_level = s.importance_level
         # train-inference mismatch correction of standard PPO (the decoupled loss has its own:
         # the behaviour weight, capped or masked)
-        self.correction = getattr(alg, "rollout_correction", "none")
-        self.correction_bounds = (
-            getattr(alg, "rollout_correction_cap", 2.0),
-            getattr(alg, "rollout_correction_lower", 0.5),
-        )
-        self.kl_coef, self.kl_kind = alg.kl_coef, alg.kl_kind
-        self.kl_clamp = getattr(alg, "kl_clamp", None)
-        self.kl_in_loss = getattr(alg, "kl_in", "loss") == "loss"
-        self.entropy_bonus = getattr(alg, "entropy_bonus", 0.0)
-        self.vf_coef = getattr(alg, "vf_coef", 0.0)
-        self.value_clip = getattr(alg, "value_clip", None)
-        self.huber_delta = getattr(alg, "huber_delta", None)
+        self.correction = s.rollout_correction
+        self.correction_bounds = (s.rollout_correction_cap, s.rollout_correction_lower)
+        self.kl_coef, self.kl_kind, self.kl_clamp = s.kl_coef, s.kl_kind, s.kl_clamp
+        self.kl_in_loss = s.kl_in == "loss"
+        self.entropy_bonus, self.vf_coef = s.entropy_bonus, s.vf_coef
+        self.value_clip, self.huber_delta = s.value_clip, s.huber_delta
 
     @property
     def needs_prox(self) -> bool:
@@ -145,8 +176,8 @@ class PPOObjective:
             p.advantages,
             p.mask,
             *self.clip,
-            behav_weight_cap=self.alg.behav_weight_cap,
-            cap_mode=self.alg.cap_mode,
+            behav_weight_cap=self.settings.behav_weight_cap,
+            cap_mode=self.settings.cap_mode,
             dual_clip=self.dual_clip,
             **agg,
         )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidal.config.loader import require
+from tidal.config.offpolicy import PPO_FAMILY
 from tidal.config.schema import decide, section, setting
 
 # Every wait has a bound; this one when nobody gives one (``runner.timeout_s``, and the runtime's
@@ -177,7 +178,9 @@ class ActorConfig:
 class AlgorithmConfig:
     """The advantage estimator and the PPO objective."""
 
-    adv_type: str = setting("gae", "advantage estimator from the registry (tidal.algorithms)")
+    adv_type: str = setting(
+        "gae", "advantage estimator from the registry (tidal.algorithms)", when=PPO_FAMILY
+    )
     gamma: float = setting(0.99, "discount")
     clip_ratio_low: float | None = setting(
         None, "PPO clip below 1; null: 0.2, or 3e-4 with algorithm.importance_level=sequence (GSPO)"
@@ -191,6 +194,7 @@ class AlgorithmConfig:
         "ppo",
         "ppo (the clipped surrogate) | cispo (every token's log-prob weighted by its clipped, "
         "stop-gradient importance ratio; MiniMax-M1)",
+        when=PPO_FAMILY,
     )
     loss_agg: str = setting(
         "token-mean",

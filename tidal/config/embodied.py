@@ -22,7 +22,14 @@ from tidal.config.common import (
 )
 from tidal.config.loader import require
 from tidal.config.lora import LoRAConfig, validate_lora
-from tidal.config.offpolicy import ON_POLICY, ReplayConfig, SACAlgorithmFields, validate_offpolicy
+from tidal.config.offpolicy import (
+    ON_POLICY,
+    PPO_FAMILY,
+    SAC_ONLY,
+    ReplayConfig,
+    SACAlgorithmFields,
+    validate_offpolicy,
+)
 from tidal.config.schema import section, setting
 
 
@@ -166,9 +173,11 @@ class EmbodiedAlgorithmConfig(AlgorithmConfig, SACAlgorithmFields):
     """The algorithm (``name``): the advantage estimator and the PPO objective with the
     embodied extras, or SAC's keys (tidal.config.offpolicy)."""
 
-    gae_lambda: float = setting(0.95, "GAE lambda")
+    gae_lambda: float = setting(0.95, "GAE lambda", when=PPO_FAMILY)
     normalize_advantages: bool = setting(
-        True, "whiten advantages over the batch (estimators that ask for it)"
+        True,
+        "whiten advantages over the batch (estimators that ask for it)",
+        when=PPO_FAMILY,
     )
     reward_type: str = setting(
         "chunk", "chunk: a chunk is one step; action: every action is a step"
@@ -177,25 +186,34 @@ class EmbodiedAlgorithmConfig(AlgorithmConfig, SACAlgorithmFields):
     logprob_type: str = setting(
         "chunk", "token | action | chunk: the level the PPO ratio is taken at"
     )
-    dual_clip: float | None = setting(None, "dual-clip PPO constant (> 1)")
+    dual_clip: float | None = setting(None, "dual-clip PPO constant (> 1)", when=PPO_FAMILY)
     value_clip: float | None = setting(
-        None, "clip value updates to this distance from the old values"
+        None,
+        "clip value updates to this distance from the old values",
+        when=PPO_FAMILY,
     )
     huber_delta: float | None = setting(
-        None, "Huber value loss with this delta; None: squared error"
+        None,
+        "Huber value loss with this delta; None: squared error",
+        when=PPO_FAMILY,
     )
-    vf_coef: float = setting(0.5, "value loss weight")
-    entropy_bonus: float = setting(0.0, "entropy bonus weight")
+    vf_coef: float = setting(0.5, "value loss weight", when=PPO_FAMILY)
+    entropy_bonus: float = setting(0.0, "entropy bonus weight", when=PPO_FAMILY)
     bootstrap_type: str = setting(
         "truncated", "truncated: bootstrap truncations; always: every done"
     )
-    update_epochs: int = setting(4, "passes over the batch per training step")
-    critic_warmup_steps: int = setting(0, "training steps that update only the critic")
-    target_kl: float | None = setting(None, "stop a step's epochs early past this approximate KL")
+    update_epochs: int = setting(4, "passes over the batch per training step", when=PPO_FAMILY)
+    critic_warmup_steps: int = setting(
+        0, "training steps that update only the critic", when=PPO_FAMILY
+    )
+    target_kl: float | None = setting(
+        None, "stop a step's epochs early past this approximate KL", when=PPO_FAMILY
+    )
     kl_coef: float = setting(
         0.0,
         "KL penalty (in the loss) to the policy training started from, e.g. model.path's "
         "behaviour-cloned one (> 0 keeps a frozen copy)",
+        when=PPO_FAMILY,
     )
     kl_kind: str = setting("k3", "KL estimator: k1 | k2 | k3 | abs")
     recompute_values: bool = setting(
@@ -238,15 +256,14 @@ class EmbodiedConfig:
     actor: EmbodiedActorConfig = section(EmbodiedActorConfig)
     reward: RewardConfig = section(RewardConfig)
     sft: SFTConfig = section(SFTConfig)
-    replay: ReplayConfig = section(ReplayConfig)
+    replay: ReplayConfig = section(ReplayConfig, when=SAC_ONLY)
 
     def __post_init__(self):
         resolve_algorithm(self)
 
     def inapplicable_sections(self) -> set[str]:
         """Sections this run does not read (``tidal config`` leaves them out at defaults)."""
-        unread = set() if self.algorithm.name == "sac" else {"replay"}
-        unread |= set() if self.replay.sft_demos else {"sft"}
+        unread = set() if self.replay.sft_demos else {"sft"}
         return unread | (set() if self.reward.enabled else {"reward"})
 
     def asynchronous_rollout(self) -> bool:

@@ -19,7 +19,15 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from tidal.config.aliases import alias_hint
-from tidal.config.schema import DECIDED, field_help, section_keys, written_form
+from tidal.config.schema import (
+    DECIDED,
+    conditions,
+    declared_default,
+    field_help,
+    inapplicable,
+    section_keys,
+    written_form,
+)
 
 T = TypeVar("T")
 
@@ -101,21 +109,39 @@ def load_config(
     its saved config.yaml) is not read: those keys are decided afresh."""
     keys = field_help(schema)
     moved = getattr(schema, "MOVED_KEYS", {})
-    layers = [OmegaConf.structured(schema)]
+    layers, given = [OmegaConf.structured(schema)], []
     for file in config_paths(path):
         data = read_yaml(file)
         data.pop(DECIDED, None)
         _check_keys(flat_items(data), schema, moved, f"{file}: ")
+        given += [(key, str(file)) for key, _ in flat_items(data)]
         layers.append(_guarded(lambda data=data: OmegaConf.create(data), keys, f"{file}: "))
     overrides = list(overrides or [])
     for item in overrides:
         check_override_spelling(item)
     pairs = (tuple(part.strip() for part in i.partition("=")[::2]) for i in overrides)
     _check_keys(pairs, schema, moved, "override ")
+    given += [(item.partition("=")[0].strip(), "") for item in overrides]
     if overrides:
         layers.append(_guarded(lambda: OmegaConf.from_dotlist(overrides), keys, "override "))
     merged = _guarded(lambda: OmegaConf.merge(*layers), keys)
-    return _guarded(lambda: OmegaConf.to_object(merged), keys)
+    cfg = _guarded(lambda: OmegaConf.to_object(merged), keys)
+    _check_applies(cfg, schema, given)
+    return cfg
+
+
+def _check_applies(cfg, schema: type, given: list[tuple[str, str]]) -> None:
+    """A key given (or a section given) that does not apply to this config (e.g.
+    ``algorithm.tau`` with ``algorithm.name: ppo``) is refused naming why, unless it holds its
+    default (a printed or saved config lists every key)."""
+    when = conditions(schema)
+    for key, where in given:
+        parts = key.split(".")
+        for ruled in (".".join(parts[:n]) for n in range(1, len(parts) + 1)):
+            why = inapplicable(cfg, when.get(ruled, {}))
+            if why is not None and schema_value(cfg, ruled) != declared_default(schema, ruled):
+                source = f" (in {where})" if where else ""
+                raise ConfigError(f"{key}: {why}{source}; remove it")
 
 
 def check_override_spelling(item: str) -> None:
@@ -202,6 +228,12 @@ def explain(exc: OmegaConfBaseException, known: dict[str, str], where: str = "")
 def _merge_key(message: str, known: dict[str, str]) -> str:
     match = re.search(r"subclass of (\w+)", message)
     return match.group(1) if match else "config"
+
+
+def schema_value(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def to_yaml(cfg: Any) -> str:

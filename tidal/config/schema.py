@@ -14,19 +14,63 @@ from typing import Any
 import yaml
 
 
-def setting(default: Any = dataclasses.MISSING, help: str = "", *, factory=None) -> Any:
-    """A dataclass field with a one-line help text (``factory`` for mutable defaults)."""
-    meta = {"help": help}
+def setting(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    factory=None,
+    when: dict[str, tuple[str, ...]] | None = None,
+) -> Any:
+    """A dataclass field with a one-line help text (``factory`` for mutable defaults).
+
+    ``when``: the key applies only where another key holds one of these values (e.g.
+    ``{"algorithm.name": ("sac",)}``); given elsewhere it is refused naming why, and
+    ``tidal config`` leaves it out. A root that has no such other key (the other half) takes it.
+    """
+    meta = {"help": help, "when": when or {}}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
 
-def section(cls: type, help: str = "") -> Any:
-    """A nested config section (a dataclass built with its own defaults)."""
-    return dataclasses.field(
-        default_factory=cls, metadata={"help": help or (cls.__doc__ or "").strip()}
-    )
+def section(cls: type, help: str = "", when: dict[str, tuple[str, ...]] | None = None) -> Any:
+    """A nested config section (a dataclass built with its own defaults); ``when`` as for
+    ``setting``."""
+    meta = {"help": help or (cls.__doc__ or "").strip(), "when": when or {}}
+    return dataclasses.field(default_factory=cls, metadata=meta)
+
+
+def conditions(cfg_cls: type) -> dict[str, dict[str, tuple[str, ...]]]:
+    """``{"section.key": when}`` of every field (nested too) that applies only conditionally."""
+    out = {}
+    for f in dataclasses.fields(cfg_cls):
+        if f.metadata.get("when"):
+            out[f.name] = f.metadata["when"]
+        kind = _section_type(f)
+        if kind is not None:
+            out.update({f"{f.name}.{k}": v for k, v in conditions(kind).items()})
+    return out
+
+
+def declared_default(cfg_cls: type, key: str) -> Any:
+    """The default a config class declares for dotted ``key`` (a section: its defaults)."""
+    name, _, rest = key.partition(".")
+    f = next(f for f in dataclasses.fields(cfg_cls) if f.name == name)
+    if rest:
+        return declared_default(_section_type(f), rest)
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def inapplicable(root: Any, when: dict[str, tuple[str, ...]]) -> str | None:
+    """Why a field with condition ``when`` does not apply to the config ``root`` (None: it does)."""
+    for key, values in when.items():
+        try:
+            actual = _owner(root, key)
+        except AttributeError:  # a half without the key: nothing rules it out
+            continue
+        if actual not in values:
+            return f"applies only with {key}={' | '.join(values)} (got {key}={actual})"
+    return None
 
 
 def field_help(cfg_cls: type) -> dict[str, str]:
@@ -48,9 +92,7 @@ def decide(cfg: Any, key: str, value: Any) -> None:
     the decision apart, so that what is saved and printed keeps what was written and a re-run
     with other keys decides afresh."""
     section, _, name = key.rpartition(".")
-    owner = cfg
-    for part in filter(None, section.split(".")):
-        owner = getattr(owner, part)
+    owner = _owner(cfg, section)
     decisions = cfg.__dict__.setdefault("_decided", {})
     written = decisions[key][0] if key in decisions else getattr(owner, name)
     setattr(owner, name, value)
@@ -101,16 +143,18 @@ def describe(cfg: Any) -> str:
     valid YAML that loads back to the same config."""
     skip = getattr(cfg, "inapplicable_sections", lambda: ())()
     shown = [f for f in dataclasses.fields(cfg) if f.name not in skip or _changed(cfg, f)]
-    return _describe(cfg, shown, decisions(cfg), "", 0)
+    return _describe(cfg, shown, decisions(cfg), "", 0, cfg)
 
 
 def _changed(cfg: Any, f: dataclasses.Field) -> bool:
     return getattr(cfg, f.name) != f.default_factory()
 
 
-def _describe(cfg: Any, shown, decided: dict, prefix: str, indent: int) -> str:
+def _describe(cfg: Any, shown, decided: dict, prefix: str, indent: int, root: Any) -> str:
     lines, pad = [], "  " * indent
     for f in shown:
+        if inapplicable(root, f.metadata.get("when", {})):
+            continue  # at its default: a key that applies elsewhere is refused when given
         value, key = getattr(cfg, f.name), f"{prefix}{f.name}"
         help_text = " ".join(f.metadata.get("help", "").split())
         if key in decided:
@@ -120,7 +164,7 @@ def _describe(cfg: Any, shown, decided: dict, prefix: str, indent: int) -> str:
         if dataclasses.is_dataclass(value):
             lines.append(f"{pad}{f.name}:{comment}")
             fields = dataclasses.fields(value)
-            lines.append(_describe(value, fields, decided, f"{key}.", indent + 1))
+            lines.append(_describe(value, fields, decided, f"{key}.", indent + 1, root))
         else:
             lines.append(f"{pad}{f.name}: {yaml_value(value)}{comment}")
     return "\n".join(lines)
@@ -153,6 +197,7 @@ def markdown_reference(halves: Mapping[str, type], header: str = "") -> str:
 
 
 def _owner(cfg: Any, section: str) -> Any:
+    """The object at dotted ``section`` of ``cfg`` (a section, or a key's value)."""
     for part in filter(None, section.split(".")):
         cfg = getattr(cfg, part)
     return cfg
@@ -164,7 +209,9 @@ def _markdown_rows(cfg: Any, prefix: str) -> list[str]:
         value, key = getattr(cfg, f.name), f"{prefix}{f.name}"
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         default = "(section)" if dataclasses.is_dataclass(value) else f"`{yaml_value(value)}`"
-        cells = [f"`{key}`", f"`{kind}`", default, f.metadata.get("help", "")]
+        only = "; ".join(f"{k}={' | '.join(v)}" for k, v in f.metadata.get("when", {}).items())
+        help_text = f.metadata.get("help", "") + (f" (only with {only})" if only else "")
+        cells = [f"`{key}`", f"`{kind}`", default, help_text]
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         if dataclasses.is_dataclass(value):
             rows += _markdown_rows(value, f"{key}.")
