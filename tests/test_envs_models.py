@@ -167,7 +167,7 @@ def test_running_norm_matches_numpy_over_batches():
 def test_policy_registry_errors():
     with pytest.raises(
         ValueError,
-        match="model.name: unknown policy 'nope'; registered: cnn, mlp, sac_cnn, sac_mlp, vla",
+        match="model.name: unknown policy .nope.; registered: cnn, flow, mlp, sac_cnn, sac_mlp, vla",
     ):
         build_policy("nope", gym.spaces.Box(-1, 1, (2,)), gym.spaces.Discrete(2), 1)
     with pytest.raises(ValueError, match="needs a flat Box observation space"):
