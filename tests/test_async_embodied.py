@@ -1,6 +1,7 @@
 """Asynchronous embodied RL (``rollout.max_staleness``): eta = 0 is the synchronous loop, no
 trained sample is more than eta versions old, decoupled PPO, resume, ray with several ranks."""
 
+import concurrent.futures as cf
 import json
 from pathlib import Path
 
@@ -10,8 +11,10 @@ import torch
 from tidal.asynchrony import StalenessManager
 from tidal.config import ConfigError, EmbodiedConfig, load_config
 from tidal.runners import EmbodiedRunner
-from tidal.runners.collection import Collection
+from tidal.runners.embodied.pacer import Pacer, StalenessBudget
 from tidal.runners.preflight import check_embodied
+from tidal.runtime import Handle
+from tidal.runtime.handle import CallResult
 from tidal.workers.actor_worker import ActorWorker
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "embodied"
@@ -242,35 +245,42 @@ def test_async_settings_are_validated_by_name(tmp_path, override, key):
         check_embodied(config(tmp_path, *override))
 
 
-class _Done:
-    """A finished handle: the collection's stand-in for a worker call."""
-
-    def done(self):
-        return True
-
-    def wait(self, timeout=None):
-        return [{}]
+def finished_call() -> Handle:
+    """A worker call that has finished: the pacer's stand-in for a collection."""
+    future = cf.Future()
+    future.set_result(CallResult(value={}))
+    return Handle("env", "interact", [0], [future])
 
 
 @pytest.mark.parametrize("eta", [0, 1, 3])
-def test_wait_admission_bounds_the_lag_between_start_and_training(eta, monkeypatch):
+def test_wait_admission_bounds_the_lag_between_start_and_training(eta):
     """However far collection runs ahead, a collection is trained at most eta versions after
     the version it started under; with drop, the ones that would not be are dropped."""
-    import tidal.runners.collection as collection_module
-
-    monkeypatch.setattr(collection_module, "wait_all", lambda hs, t: [h.wait(t) for h in hs])
     for policy in ("wait", "drop"):
         staleness = StalenessManager(eta, 4, 4)
-        collection = Collection(staleness, 4, policy, lambda: [_Done()], 1.0)
+        pacer = Pacer(StalenessBudget(staleness, 4, policy), lambda: [finished_call()], 1.0)
         for version in range(8):
             for _ in range(5):  # collection is much faster than training
-                collection.poll()
-            item = collection.next()
+                pacer.admit()
+                if pacer.running:  # finished at once: queued, and the next one admitted
+                    pacer.advance([])
+            item = pacer.next()
             while item.dropped:
-                item = collection.next()
+                item = pacer.next()
             assert 0 <= version - item.started_at <= eta
             staleness.set_version(version + 1)
         assert (staleness.stat.rejected > 0) == (policy == "drop")
+
+
+def test_the_pacer_names_a_call_that_never_finishes_and_collection_held_back():
+    hung = Handle("actor", "run_training", [0], [cf.Future()])
+    staleness = StalenessManager(0, 4, 4)
+    pacer = Pacer(StalenessBudget(staleness, 4, "wait"), lambda: [finished_call()], 0.2)
+    with pytest.raises(TimeoutError, match=r"actor.run_training: ranks \[0\] .* after 0.2 s"):
+        pacer.wait([hung])
+    pacer.next()  # the one collection eta = 0 admits at version 0
+    with pytest.raises(RuntimeError, match="admission holds collection back"):
+        pacer.next()  # the next waits for a version the trainer never reaches
 
 
 @pytest.mark.ray

@@ -22,6 +22,7 @@ from tidal.runtime import (
     send_weights,
     split_batch,
     wait_all,
+    wait_any,
 )
 
 
@@ -163,16 +164,19 @@ def test_timeout_names_pending_ranks(echo):
     assert handle.done()
 
 
-def test_wait_all_does_the_callers_work_between_waits_and_still_times_out(echo):
-    calls = []
-    handle = echo.execute_on(0).sleep(1.5)
+def test_wait_any_returns_what_finished_first_raises_failures_and_times_out(echo):
+    slow, fast = echo.execute_on(0).sleep(1.5), echo.execute_on(1).sleep(0.05)
     start = time.monotonic()
+    assert wait_any([slow, fast], 30) == [fast]
+    assert time.monotonic() - start < 1.0  # woken by the fast call, not the slow one
     with pytest.raises(
-        WorkerTimeoutError, match=r"echo.sleep: ranks \[0\] had not answered after 0.3 s"
+        WorkerTimeoutError, match=r"echo.sleep: ranks \[0\] had not answered after 0.2 s"
     ):
-        wait_all([handle], 0.3, between=lambda: calls.append(time.monotonic()), every=0.01)
-    assert time.monotonic() - start < 1.4 and len(calls) >= 5  # not the 1.5 s sleep
-    assert wait_all([handle], 30, between=lambda: None) == [[0]]  # finished: no timeout raised
+        wait_any([slow], 0.2)
+    with pytest.raises(WorkerError, match=r"echo\[rank 1\].fail_on failed"):  # at once
+        wait_any([slow, echo.fail_on(1)], 30)
+    assert wait_any([slow], 30) == [slow]
+    assert wait_all([slow, fast], 30) == [[0], [1]]
 
 
 def test_rank_serves_async_calls_while_a_long_method_runs(echo, cluster):

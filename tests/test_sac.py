@@ -251,21 +251,29 @@ def test_the_rollout_loads_only_the_newest_of_the_weights_waiting(tmp_path, monk
     assert 0 < len(loaded) < updates / 4  # 21 of 380 here; loaded in turn, 349
 
 
-def test_waiting_for_an_actor_call_that_never_ends_times_out_naming_it():
-    class Hung:
-        def done(self):
-            return False
+def test_an_update_that_never_ends_times_out_naming_it_while_collection_goes_on():
+    """The step waits on the actor's call and the running segment at once (no polling); a call
+    that does not finish within runner.timeout_s is named."""
+    import concurrent.futures as cf
 
-    runner = SimpleNamespace(
-        cfg=SimpleNamespace(runner=SimpleNamespace(timeout_s=0.2)),
-        actor_call=("update", Hung(), 8),
-        updates=0,
-    )
-    runner.poll_actor = lambda target: OffPolicyRunner.poll_actor(runner, target)
+    from tidal.runners.embodied.pacer import Pacer, UpdateLead
+    from tidal.runtime import Handle
+    from tidal.runtime.handle import CallResult
+
+    def segment():
+        future = cf.Future()
+        future.set_result(CallResult(value={"env_steps": 8}))
+        return [Handle("env", "collect", [0], [future])]
+
+    lead = UpdateLead(utd_ratio=1.0, max_lead=16, segment_env_steps=8, warmup=0)
+    pacer = Pacer(lead, segment, 0.2)
+    hung = Handle("actor", "update", [0], [cf.Future()])
     with pytest.raises(
-        TimeoutError, match=r"actor group's update of 8 .*runner.timeout_s \(0.2 s\)"
+        TimeoutError, match=r"actor.update: ranks \[0\] had not answered after 0.2 s"
     ):
-        OffPolicyRunner.wait_actor(runner)
+        pacer.wait([hung])
+    # meanwhile collection went on until it led the (never finished) updates by max_lead
+    assert lead.segments == 2 and lead.env_steps == 16 and lead.lead() == 16
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """Admission control for asynchronous rollouts, bounded by policy staleness: the one staleness
 manager of both halves (language episodes in tidal.rollout's dispatcher, embodied trajectory
-segments in tidal.runners.collection), and its run's owner of the trainer's weight version.
+segments in tidal.runners.embodied.pacer), and its run's owner of the trainer's weight version.
 
 With trainer version ``v``, consumer batch size ``b`` and ``eta = max_staleness``, at most
 ``(eta + v + 1) * b`` samples may ever be accepted or running: a sample admitted now is

@@ -20,7 +20,7 @@ _EXPORTS = {
         "WorkerError",
         "WorkerTimeoutError",
     ),
-    "tidal.runtime.handle": ("Handle", "wait_all"),
+    "tidal.runtime.handle": ("Handle", "wait_all", "wait_any"),
     "tidal.runtime.placement": ("ComponentPlacement", "parse_devices"),
     "tidal.runtime.sections": ("ConfigSections",),
     "tidal.runtime.weights": (

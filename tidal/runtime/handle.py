@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,35 +94,42 @@ class Handle:
         self._results[rank] = result
 
 
-def wait_all(
-    handles: list[Handle],
-    timeout: float | None = None,
-    between: Callable[[], None] | None = None,
-    every: float = 0.005,
-) -> list[list[Any]]:
+def wait_all(handles: list[Handle], timeout: float | None = None) -> list[list[Any]]:
     """Wait for several handles at once; the first failure anywhere raises at once (a rank
-    waiting on a peer that failed would otherwise hold the caller until the timeout).
-    ``between``: called at least every ``every`` seconds while waiting (the caller's own
-    work, e.g. keeping a collection going while the actor trains)."""
+    waiting on a peer that failed would otherwise hold the caller until the timeout)."""
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    while not all(h.done() for h in handles):
+        wait_any([h for h in handles if not h.done()], deadline - time.monotonic(), timeout)
+    for h in handles:  # every future is done: nothing blocks, a failed rank raises
+        for fut in h._futures:
+            h._collect(fut)
+    return [[h._results[r].value for r in h.ranks] for h in handles]
+
+
+def wait_any(
+    handles: list[Handle], timeout: float | None = None, reported: float | None = None
+) -> list[Handle]:
+    """Block until at least one of ``handles`` has finished on every rank; those that have.
+    A failed rank anywhere raises at once, naming it; past ``timeout`` the first handle still
+    pending is named (with ``reported`` as the timeout it was given: a caller's own deadline)."""
     timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
     deadline = time.monotonic() + timeout
     owner = {f: h for h in handles for f in h._futures}
-    pending = set(owner)
-    while pending:
+    pending = {f for f in owner if not f.done()}
+    for fut in set(owner) - pending:
+        owner[fut]._collect(fut)
+    while True:
+        finished = [h for h in handles if h.done()]
+        if finished:
+            return finished
         left = deadline - time.monotonic()
         if left <= 0:
-            late = [h for h in handles if any(f in pending for f in h._futures)]
-            h = late[0]
+            h = handles[0]
+            late = {f for f in h._futures if f in pending}
             raise WorkerTimeoutError(
-                h.group,
-                h.method,
-                h._pending_ranks({f for f in h._futures if f in pending}),
-                timeout,
+                h.group, h.method, h._pending_ranks(late), timeout if reported is None else reported
             )
-        wait = left if between is None else min(left, every)
-        finished, pending = cf.wait(pending, timeout=wait, return_when=cf.FIRST_COMPLETED)
-        for fut in finished:
+        done, pending = cf.wait(pending, timeout=left, return_when=cf.FIRST_COMPLETED)
+        for fut in done:
             owner[fut]._collect(fut)
-        if between is not None and pending:
-            between()
-    return [[h._results[r].value for r in h.ranks] for h in handles]

@@ -3,34 +3,40 @@
 The env and rollout groups collect segments (``rollout.num_steps`` chunk steps of every env)
 one after another, without waiting for the actor; each segment's transitions go to the actor's
 replay buffer over the actor channel. The actor updates meanwhile, paced by
-``algorithm.utd_ratio``: after the warm-up (``replay.warmup_steps`` env steps of uniform actions)
-``U(E) = floor(utd_ratio * (E - warmup))`` updates are owed for ``E`` env steps collected, and
-collection waits once it leads the updates by more than ``replay.max_lead`` env steps
-(``replay/lead``). The rollout takes the weights the actor sends every
-``runner.weight_sync_interval`` updates between chunk steps. A runner step ends when its
-segment is collected and the updates it owes are done.
+``algorithm.utd_ratio`` (``Pacer`` with the ``UpdateLead`` admission: after the warm-up,
+``replay.warmup_steps`` env steps of uniform actions, ``floor(utd_ratio * (E - warmup))``
+updates are owed for ``E`` env steps collected, and collection waits once it leads the updates
+by more than ``replay.max_lead`` env steps, ``replay/lead``). The rollout takes the weights the
+actor sends every ``runner.weight_sync_interval`` updates between chunk steps. A runner step
+ends when its segment is collected and the updates it owes are done. The groups, evaluation and
+checkpoint state are ``EmbodiedGroups``, as for the on-policy runner.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import gymnasium as gym
-import numpy as np
 import torch
 
-from tidal.config import ConfigError
-from tidal.config.embodied import components
+from tidal.config import ConfigError, EmbodiedConfig
+from tidal.config.embodied import components, same_process
 from tidal.config.offpolicy import SAC_POLICIES
-from tidal.runners.collection import POLL_S
+from tidal.runners.embodied.groups import (
+    EmbodiedGroups,
+    env_steps_reached,
+    env_steps_summary,
+    plan_groups,
+    rollout_metrics,
+)
+from tidal.runners.embodied.pacer import Pacer, UpdateLead
 from tidal.runners.embodied.sft import collect_demos
-from tidal.runners.embodied.train import EmbodiedRunner
-from tidal.runners.embodied.train import _success as success_of
-from tidal.runtime import Channel, Handle, wait_all
+from tidal.runners.loop import RunLoop
+from tidal.runners.preflight import check_trainer_checkpoint, probe_env
+from tidal.runtime import Handle
 from tidal.workers import RolloutWorker
 from tidal.workers.replay import buffer_layout, fit_demos, read_demos
 from tidal.workers.rollout_worker import make_policy
@@ -40,10 +46,36 @@ from tidal.workers.sac_env import TransitionEnvWorker
 log = logging.getLogger("tidal.train")
 
 
-class OffPolicyRunner(EmbodiedRunner):
-    asynchronous = False  # the base's on-policy asynchrony (staleness manager) is not used
+@dataclass
+class ActorCall:
+    kind: str  # "ingest" (finished segments into the buffer), then "update"
+    handle: Handle
+    count: int  # the updates it leads to
+
+
+class OffPolicyRunner(RunLoop):
+    def __init__(self, cfg: EmbodiedConfig, run_dir: Path | None = None):
+        self.worlds, self.topo = plan_groups(cfg)
+        self.spaces, _ = probe_env(cfg)
+        self.groups: EmbodiedGroups | None = None
+        self.cluster = None
+        self.env = self.rollout = self.actor = None  # the groups', once launched
+        self.pacer: Pacer | None = None
+        self.actor_call: ActorCall | None = None
+        super().__init__(cfg, run_dir)
+
+    @property
+    def initial_evaluation(self) -> bool:
+        """A run that starts from a saved policy evaluates it first."""
+        return self.cfg.model.path is not None
 
     # -- building --------------------------------------------------------------------------
+
+    def check_checkpoint(self, checkpoint: Path) -> None:
+        check_trainer_checkpoint(self.cfg, checkpoint)
+
+    def shared_processes(self) -> list[str]:
+        return same_process(self.cfg)
 
     def check_offpolicy(self) -> None:
         """What needs the world: a continuous action space, one actor rank, the demo file."""
@@ -95,186 +127,107 @@ class OffPolicyRunner(EmbodiedRunner):
 
     def build(self) -> None:
         self.check_offpolicy()
-        cfg, spaces, timeout = self.cfg, self.spaces, self.cfg.runner.timeout_s
-        self.cluster = self.start_cluster()
-        placement = self.place(components(cfg))
-        self.env = TransitionEnvWorker.create_group(cfg, self.topo).launch(
-            self.cluster, placement, name="env"
+        cfg, topo, spaces = self.cfg, self.topo, self.spaces
+        self.cluster = self.start_cluster()  # placement asks it
+        self.groups = g = EmbodiedGroups(cfg, self.run_dir, self.cluster)
+        g.launch(
+            self.place(components(cfg)),
+            env=TransitionEnvWorker.create_group(cfg, topo),
+            rollout=RolloutWorker.create_group(cfg, topo, *spaces),
+            actor=SACActorWorker.create_group(cfg, topo, *spaces),
         )
-        self.rollout = RolloutWorker.create_group(cfg, self.topo, *spaces).launch(
-            self.cluster, placement, name="rollout"
-        )
-        self.actor = SACActorWorker.create_group(cfg, self.topo, *spaces).launch(
-            self.cluster, placement, name="actor"
-        )
+        self.env, self.rollout, self.actor, self.channels = g.env, g.rollout, g.actor, g.channels
         if self.sft_demos is not None:
-            self.actor.set_demos(self.sft_demos).wait(timeout)  # every rank samples them
-        run_id = f"{cfg.runner.experiment}-{uuid.uuid4().hex[:6]}"
-        self.channels = {
-            name: Channel.create(f"{run_id}-{name}", self.cluster, consumer=reader)
-            for name, reader in self.channel_readers().items()
-        }
-        self.weights_link = self.channels["weights"]  # the rollout takes them between steps
-        self.eval_horizon = self.env.execute_on(0).eval_horizon().wait(timeout)[0]
-        self.segments = 0  # segments collected (and finished)
+            self.actor.set_demos(self.sft_demos).wait(
+                cfg.runner.timeout_s
+            )  # every rank samples them
+        segment = cfg.env.total_num_envs * cfg.rollout.num_steps * cfg.env.num_action_chunks
+        self.lead = UpdateLead(
+            cfg.algorithm.utd_ratio, cfg.replay.max_lead, segment, cfg.replay.warmup_steps
+        )
+        self.pacer = Pacer(self.lead, self.collection_handles, cfg.runner.timeout_s)
         self.reported = 0  # segments whose step has run (collection may be ahead)
-        self.owed_at: dict[int, int] = {}  # segment -> the updates owed once it was collected
-        self.updates = 0
-        self.pace = (0, float(cfg.replay.warmup_steps))  # U0, start: U(E) = U0 + utd * (E - start)
-        self.running: list[Handle] | None = None
-        self.actor_call: tuple[str, Handle, int] | None = None
-        self.finished: list[dict] = []  # env results of segments not yet reported
         self.update_logs: list[dict] = []
-        self.sync_weights()
+        g.sync_weights()
 
-    def channel_readers(self) -> dict:
-        return {
-            "env": self.env,
-            "rollout": self.rollout,
-            "actor": self.actor,
-            "weights": self.rollout,
-        }
+    def collection_handles(self) -> list[Handle]:
+        """One segment of every env; the rollout takes newer weights between chunk steps."""
+        c, timeout = self.channels, self.cfg.runner.timeout_s
+        return [
+            self.env.collect(c["rollout"], c["env"], c["actor"], timeout),
+            self.rollout.generate(
+                c["rollout"], c["env"], "train", timeout=timeout, weights_ch=c["weights"]
+            ),
+        ]
 
-    # -- pacing ----------------------------------------------------------------------------
+    # -- the actor's calls -----------------------------------------------------------------
 
-    def owed_updates(self, env_steps: int) -> int:
-        base, start = self.pace
-        return base + max(0, math.floor(self.cfg.algorithm.utd_ratio * (env_steps - start)))
-
-    def lead(self) -> float:
-        """Env steps collected beyond what the updates done have consumed, in owed updates: 0
-        once they caught up (a fractional ``utd_ratio`` leaves a remainder below one update's
-        worth of env steps, which must not hold collection back for good)."""
-        return (self.owed_updates(self.env_steps) - self.updates) / self.cfg.algorithm.utd_ratio
-
-    def poll_collection(self) -> bool:
-        """Take a finished segment, admit the next within the lead; whether anything moved."""
-        moved = False
-        if self.running is not None and all(h.done() for h in self.running):
-            self.take_segment()
-            moved = True
-        nominal = self.cfg.env.total_num_envs * self.cfg.rollout.num_steps
-        nominal *= self.cfg.env.num_action_chunks
-        if self.running is None and self.lead() <= self.cfg.replay.max_lead - nominal:
-            c, timeout = self.channels, self.cfg.runner.timeout_s
-            self.running = [
-                self.env.collect(c["rollout"], c["env"], c["actor"], timeout),
-                self.rollout.generate(
-                    c["rollout"], c["env"], "train", timeout=timeout, weights_ch=c["weights"]
-                ),
-            ]
-            moved = True
-        return moved
-
-    def take_segment(self) -> None:
-        results = wait_all(self.running, self.cfg.runner.timeout_s)[0]
-        self.running = None
-        self.segments += 1
-        self.env_steps += sum(r["env_steps"] for r in results)
-        self.owed_at[self.segments] = self.owed_updates(self.env_steps)
-        self.finished += results
-
-    def poll_actor(self, target: int) -> bool:
-        """Ingest then update towards ``target`` updates, a call at a time."""
-        if self.actor_call is not None:
-            kind, handle, count = self.actor_call
-            if not handle.done():
-                return False
-            result = handle.wait(self.cfg.runner.timeout_s)[0]
-            self.actor_call = None
-            if kind == "update":
-                self.updates += count
-                self.update_logs.append(result)
-                return True
-            if count:  # ingested: now update
-                update = self.actor.update(count, self.channels["weights"])
-                self.actor_call = ("update", update, count)
-            return True
-        if self.updates >= target:
-            return False
-        count = min(target - self.updates, self.cfg.algorithm.batch_updates)
-        # the data these updates need is collected; the actor takes every finished segment
+    def start_actor_call(self) -> None:
+        """With none in flight and updates owed: ingest every finished segment (the data the
+        owed updates need), then update towards what is owed, a batch of calls at a time."""
+        lead, owed = self.lead, self.lead.owed()
+        if self.actor_call is not None or lead.updates >= owed:
+            return
+        count = min(owed - lead.updates, self.cfg.algorithm.batch_updates)
         timeout = self.cfg.runner.timeout_s
-        ingest = self.actor.ingest(self.channels["actor"], self.segments, timeout)
-        self.actor_call = ("ingest", ingest, count)
-        return True
+        ingest = self.actor.ingest(self.channels["actor"], lead.segments, timeout)
+        self.actor_call = ActorCall("ingest", ingest, count)
 
-    def wait_actor(self) -> None:
-        """The actor's call in flight (and the update an ingest leads to) finished; a call that
-        moves on no further within ``runner.timeout_s`` is named, never waited on for ever."""
-        timeout = self.cfg.runner.timeout_s
-        last_move = time.monotonic()
-        while self.actor_call is not None:
-            if self.poll_actor(self.updates):
-                last_move = time.monotonic()
-            elif time.monotonic() - last_move > timeout:
-                kind, _, count = self.actor_call
-                raise TimeoutError(
-                    f"sac: the actor group's {kind} of {count} update(s) did not finish within "
-                    f"runner.timeout_s ({timeout} s)"
-                )
-            time.sleep(POLL_S)
+    def finish_actor_call(self) -> None:
+        """The call in flight, if it finished: an ingest goes on to its update; an update's
+        count is done."""
+        call = self.actor_call
+        if call is None or not call.handle.done():
+            return
+        result = call.handle.wait(self.cfg.runner.timeout_s)[0]
+        self.actor_call = None
+        if call.kind == "update":
+            self.lead.updates += call.count
+            self.update_logs.append(result)
+        else:
+            update = self.actor.update(call.count, self.channels["weights"])
+            self.actor_call = ActorCall("update", update, call.count)
 
     def drain(self) -> None:
-        """No call in flight: the running segment finished and ingested, the actor idle."""
-        self.wait_actor()
-        if self.running is not None:
-            self.take_segment()
-        self.actor.ingest(self.channels["actor"], self.segments, self.cfg.runner.timeout_s).wait(
-            self.cfg.runner.timeout_s
-        )
+        """No call in flight: the actor's (and the update an ingest leads to) finished, the
+        running segment finished and ingested; none started meanwhile."""
+        while self.actor_call is not None:
+            self.actor_call.handle.wait(self.cfg.runner.timeout_s)
+            self.finish_actor_call()
+        self.pacer.drain()  # its segment is reported with the next step's
+        timeout = self.cfg.runner.timeout_s
+        self.actor.ingest(self.channels["actor"], self.lead.segments, timeout).wait(timeout)
 
     # -- the run loop's step ---------------------------------------------------------------
 
     def train_step(self, step: int) -> dict:
-        start, env_steps, updates = time.perf_counter(), self.env_steps, self.updates
-        timeout = self.cfg.runner.timeout_s
+        lead = self.lead
+        start, env_steps, updates = time.perf_counter(), lead.env_steps, lead.updates
         self.reported += 1  # a step is one segment: evaluation cadence stays in env steps
-        wanted, last_move = self.reported, start
+        wanted = self.reported
         # the step's own segment, and the updates owed once it was collected (later segments
         # owe more, and the actor keeps working on them across the step's end)
-        while self.segments < wanted or self.updates < self.owed_at[wanted]:
-            moved = self.poll_collection()
-            moved |= self.poll_actor(self.owed_updates(self.env_steps))
-            now = time.perf_counter()
-            if moved:
-                last_move = now
-            elif now - last_move > timeout:
-                raise TimeoutError(
-                    f"sac step {step}: no progress in runner.timeout_s ({timeout} s): "
-                    f"{self.segments} segments, {self.updates} updates"
-                )
-            else:
-                time.sleep(POLL_S)
-        self.owed_at = {k: v for k, v in self.owed_at.items() if k > wanted}
+        while lead.segments < wanted or lead.updates < lead.owed_at[wanted]:
+            self.start_actor_call()
+            self.pacer.advance([] if self.actor_call is None else [self.actor_call.handle])
+            self.finish_actor_call()
+        lead.owed_at = {k: v for k, v in lead.owed_at.items() if k > wanted}
         elapsed = max(time.perf_counter() - start, 1e-9)
-        metrics = self.rollout_metrics_of(self.finished)
-        self.finished = []
+        finished = [r for item in self.pacer.take_finished() for r in item.results[0]]
+        metrics = rollout_metrics(finished)
         metrics.update(self.update_metrics())
         metrics.update(
             {
-                "env_steps": self.env_steps,
-                "updates": self.updates,
-                "version": self.updates,
-                "replay/lead": self.lead(),
-                "env_steps_per_s": (self.env_steps - env_steps) / elapsed,
-                "updates_per_s": (self.updates - updates) / elapsed,
+                "env_steps": lead.env_steps,
+                "updates": lead.updates,
+                "version": lead.updates,
+                "replay/lead": lead.lead(),
+                "env_steps_per_s": (lead.env_steps - env_steps) / elapsed,
+                "updates_per_s": (lead.updates - updates) / elapsed,
                 "time/step": elapsed,
             }
         )
         return metrics
-
-    def rollout_metrics_of(self, results: list[dict]) -> dict:
-        """The episodes the env ranks finished in this step's segments."""
-        returns = [r for res in results for r in res["returns"]]
-        lengths = [n for res in results for n in res["lengths"]]
-        return {
-            **success_of(results, "rollout"),
-            "rollout/return_mean": float(np.mean(returns)) if returns else None,
-            "rollout/episode_length_mean": float(np.mean(lengths)) if lengths else None,
-            "rollout/episodes": len(returns),
-            "rollout/nonfinite_env_steps": sum(res["nonfinite"] for res in results),
-        }
 
     def update_metrics(self) -> dict:
         logs, self.update_logs = self.update_logs, []
@@ -302,49 +255,54 @@ class OffPolicyRunner(EmbodiedRunner):
 
     # -- evaluation and checkpoints ----------------------------------------------------------
 
-    def current_rollout_weights(self, step: int) -> None:
-        """The rollout gets the actor's newest weights once nothing is in flight."""
+    @property
+    def env_steps(self) -> int:
+        return self.lead.env_steps
+
+    def evaluate(self, step: int) -> dict:
+        """The actor's newest weights, once nothing is in flight."""
         self.drain()
-        timeout = self.cfg.runner.timeout_s
-        self.rollout.take_weights(self.channels["weights"]).wait(timeout)
-        self.sync_weights()
+        self.groups.take_sent_weights()
+        self.groups.sync_weights()
+        return self.groups.evaluate(step)
+
+    def checkpoint_meta(self) -> dict:
+        return {"env_steps": self.lead.env_steps}
+
+    def should_stop(self, metrics: dict) -> bool:
+        return env_steps_reached(self.cfg, self.lead.env_steps)
+
+    def summarize(self) -> dict:
+        return env_steps_summary(self.cfg, self.evals, self.lead.env_steps)
 
     def save(self, path: Path, meta: dict) -> str:
         self.drain()
-        timeout = self.cfg.runner.timeout_s
-        envs, rollouts = wait_all([self.env.state_dict(), self.rollout.state_dict(True)], timeout)
-        meta = {
-            **meta,
-            "segments": self.segments,
-            "updates": self.updates,
-            "pace": list(self.pace),
-        }
-        extra = {"workers.pt": {"env": envs, "rollout": rollouts}}
-        return self.actor.save(str(path), meta, extra).wait(timeout)[0]
+        lead = self.lead
+        meta = {**meta, "segments": lead.segments, "updates": lead.updates, "pace": list(lead.pace)}
+        return self.groups.save(path, meta, stale_weights=True)
 
     def restore(self, checkpoint: Path) -> dict:
-        meta = self.actor.load(str(checkpoint)).wait(self.cfg.runner.timeout_s)[0]
-        self.env_steps, self.segments = meta["env_steps"], meta["segments"]
-        self.reported = self.segments  # segments collected ahead of the steps count as done
-        self.updates, self.pace = meta["updates"], tuple(meta["pace"])
-        self.restore_workers(checkpoint)
+        meta, lead = self.groups.restore(checkpoint), self.lead
+        lead.env_steps, lead.segments = meta["env_steps"], meta["segments"]
+        self.reported = lead.segments  # segments collected ahead of the steps count as done
+        lead.updates, lead.pace = meta["updates"], tuple(meta["pace"])
         if not meta["replay_restored"]:
             # the buffer refills with the trained policy before updates go on
             fill = max(self.cfg.replay.warmup_steps, self.cfg.replay.batch_size)
-            self.pace = (self.updates, float(self.env_steps + fill))
+            lead.pace = (lead.updates, float(lead.env_steps + fill))
             log.warning(
                 "resume is not exact: the checkpoint holds no replay buffer (replay.save false); "
                 "it refills for %d env steps before updates continue",
                 fill,
             )
-        self.sync_weights()
+        self.groups.sync_weights()
         return meta
 
     def cleanup_steps(self, graceful: bool) -> list:
         steps = []
-        if graceful and (self.running is not None or self.actor_call is not None):
+        if graceful and self.pacer is not None and (self.pacer.running or self.actor_call):
             steps.append(("running collection", self.drain))
-        return steps + super().cleanup_steps(graceful)
+        return steps + (self.groups.cleanup_steps(graceful) if self.groups is not None else [])
 
 
 def _fmt(v) -> str:
