@@ -19,12 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import gymnasium as gym
-import torch
-
-from tidal.config import ConfigError, EmbodiedConfig
+from tidal.config import EmbodiedConfig
 from tidal.config.embodied import components, same_process
-from tidal.config.offpolicy import SAC_POLICIES
 from tidal.runners.embodied.groups import (
     EmbodiedGroups,
     env_steps_reached,
@@ -35,11 +31,15 @@ from tidal.runners.embodied.groups import (
 from tidal.runners.embodied.pacer import Pacer, UpdateLead
 from tidal.runners.embodied.sft import collect_demos
 from tidal.runners.loop import RunLoop
-from tidal.runners.preflight import check_trainer_checkpoint, probe_env
+from tidal.runners.preflight import (
+    check_policy_builds,
+    check_sac,
+    check_trainer_checkpoint,
+    probe_env,
+)
 from tidal.runtime import Handle
 from tidal.workers import RolloutWorker
-from tidal.workers.replay import buffer_layout, fit_demos, read_demos
-from tidal.workers.rollout_worker import make_policy
+from tidal.workers.replay import buffer_layout, fit_demos
 from tidal.workers.sac_actor import SACActorWorker
 from tidal.workers.sac_env import TransitionEnvWorker
 
@@ -78,52 +78,19 @@ class OffPolicyRunner(RunLoop):
         return same_process(self.cfg)
 
     def check_offpolicy(self) -> None:
-        """What needs the world: a continuous action space, one actor rank, the demo file."""
-        _, action_space = self.spaces
-        if not isinstance(action_space, gym.spaces.Box):
-            raise ConfigError(
-                f"algorithm.name: sac needs a continuous (Box) action space; {self.cfg.env.id} "
-                f"has {action_space} (use algorithm.name ppo)"
-            )
-        self.check_actor_ranks()
-        if self.cfg.model.name not in SAC_POLICIES:
-            raise ConfigError(
-                f"model.name: algorithm.name sac needs one of {', '.join(SAC_POLICIES)}, got "
-                f"{self.cfg.model.name!r}"
-            )
-        with torch.random.fork_rng():  # built to be checked only: the workers' seeds unchanged
-            try:
-                make_policy(self.cfg, *self.spaces)
-            except ValueError as exc:  # e.g. sac_cnn without pixels
-                raise ConfigError(str(exc)) from None
-        obs_dim, chunks = self.spaces[0].shape[0], self.cfg.env.num_action_chunks
-        layout = buffer_layout(obs_dim, (chunks, action_space.shape[0]))
-        demo = self.cfg.replay.demo_path
-        if demo is not None:  # its shapes, before any worker starts
-            read_demos(demo, layout)
+        """What needs the world (preflight's SAC checks, as ``tidal config`` runs them), then
+        the scripted demonstrations ``replay.sft_demos`` asks for."""
+        cfg, (obs_space, action_space) = self.cfg, self.spaces
+        check_sac(cfg, self.worlds, self.spaces)
+        check_policy_builds(cfg, self.spaces)
         self.sft_demos = None
-        if self.cfg.replay.sft_demos:  # collected here, sent to the actor once it runs
-            demos = collect_demos(self.cfg)
+        if cfg.replay.sft_demos:  # collected here, sent to the actor once it runs
+            demos = collect_demos(cfg)
             log.info("replay: %d scripted demonstration transitions", len(demos.obs))
+            layout = buffer_layout(
+                obs_space.shape[0], (cfg.env.num_action_chunks, action_space.shape[0])
+            )
             self.sft_demos = fit_demos(demos.transitions(), layout, "replay.sft_demos")
-
-    def check_actor_ranks(self) -> None:
-        """Several actor ranks train data-parallel, each on the transitions of its own envs."""
-        ranks, cfg = self.worlds["actor"], self.cfg
-        if ranks == 1:
-            return
-        if cfg.replay.batch_size % ranks:
-            raise ConfigError(
-                f"replay.batch_size: {cfg.replay.batch_size} must divide evenly over {ranks} "
-                "actor ranks (each samples its share from its own buffer)"
-            )
-        stage_envs = self.topo.total_num_envs // (self.worlds["env"] * self.topo.stages)
-        if stage_envs % ranks:  # each samples the same share: its envs must be as many
-            raise ConfigError(
-                f"env.total_num_envs: each actor rank's buffer is fed by its own envs, and "
-                f"each rank samples an equal share of every minibatch; {stage_envs} env(s) "
-                f"per env rank and pipeline stage do not divide evenly over {ranks} actor ranks"
-            )
 
     def build(self) -> None:
         self.check_offpolicy()
