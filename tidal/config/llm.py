@@ -41,7 +41,9 @@ class LLMModelConfig:
 
     path: str = setting(
         "runs/models/arith",
-        "a local Hugging Face causal language model folder (tidal sft writes it)",
+        "a local Hugging Face causal language model folder (tidal sft writes it), a GGUF file, "
+        "or a packaged model (smollm2-135m-instruct, pkg://module/file.gguf): a GGUF is "
+        "dequantised once into a folder under ~/.cache/tidal (TIDAL_CACHE)",
     )
     dtype: str = setting("float32", "from_pretrained's dtype: float32 | bfloat16 | float16 | auto")
     attn_implementation: str | None = setting(

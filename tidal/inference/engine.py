@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from tidal.extras import needs_extra
+from tidal.models.gguf import model_folder
 
 with needs_extra("llm", "the generation engine"):
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -118,7 +119,7 @@ class GenerationEngine:
         weight_version: int = 0,
         device: torch.device | str = "cpu",
     ):
-        self.model_dir = str(model_dir)
+        self.model_dir = model_folder(model_dir)  # a GGUF file or packaged model: its folder
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
         self.model.to(self.device).eval()

@@ -38,6 +38,7 @@ with needs_extra("llm", "the vLLM engine"):
     import httpx
 
 from tidal.inference.client import ModelRequest, ModelResponse
+from tidal.models.gguf import model_folder
 
 REPO = Path(__file__).resolve().parents[2]
 # httpx logs every request at INFO: three lines per server at each weight update in train.log
@@ -206,7 +207,7 @@ class VLLMServer:
                 "vLLM's virtualenv was not found: build it with `make vllm` "
                 "or set TIDAL_VLLM_PYTHON to its python"
             )
-        self.model_dir, self.host = str(model_dir), host
+        self.model_dir, self.host = model_folder(model_dir), host  # a GGUF file: its folder
         self.port = port or _free_port(host)
         self.served_model_name = served_model_name
         args = [

@@ -3,7 +3,8 @@ tokenizer's chat template.
 
 Everything loads from local files only. :func:`check_causal_lm` validates ``model.path`` cheaply
 (config, weights, tokenizer files; no weights are read) so a bad folder fails before any server
-starts; :func:`load_causal_lm` loads the model and tokenizer.
+starts; :func:`load_causal_lm` loads the model and tokenizer. ``model.path`` may also name a GGUF
+file or a packaged model (``tidal.models.gguf``): each of these reads the folder it stands for.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from tidal.extras import needs_extra
 from tidal.models.chat_template import render_chat
+from tidal.models.gguf import ModelSourceError, model_folder
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,14 @@ class ModelConfigError(ValueError):
     """A model folder or option that does not fit; the message names the config key."""
 
 
+def hf_folder(path: str | Path, key: str = "model.path") -> str:
+    """The Hugging Face folder ``path`` names (a GGUF file or packaged model: its converted one)."""
+    try:
+        return model_folder(path, key)
+    except ModelSourceError as exc:
+        raise ModelConfigError(str(exc)) from None
+
+
 def _causal_lm_classes() -> set[str]:
     with needs_extra("llm", "Hugging Face causal LMs"):
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -57,7 +67,7 @@ def check_causal_lm(path: str | Path, key: str = "model.path"):
         from transformers import AutoConfig
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    folder = Path(path)
+    folder = Path(hf_folder(path, key))
     if not folder.is_dir():
         raise ModelConfigError(
             f"{key}: no such folder {str(folder)!r} (a Hugging Face model folder, "
@@ -112,7 +122,7 @@ def load_tokenizer(path: str | Path, key: str = "model.path"):
         from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(hf_folder(path, key), local_files_only=True)
     except Exception as exc:
         raise ModelConfigError(f"{key}: cannot load a tokenizer from {str(path)!r}: {exc}") from exc
     if tokenizer.pad_token is None:
@@ -135,6 +145,7 @@ def load_causal_lm(
         from transformers import AutoModelForCausalLM
 
     check_load_options(dtype, attn_implementation)
+    path = hf_folder(path, key)
     config = check_causal_lm(path, key)
     tokenizer = load_tokenizer(path, key)
     try:

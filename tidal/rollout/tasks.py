@@ -1,5 +1,6 @@
 """Verifiable tasks generated in code: multi-digit arithmetic, reversing digit strings of
-long-tailed lengths, and a number-guessing game. A task registers under the name ``data.task``
+long-tailed lengths, a number-guessing game, and one-step word problems for a pretrained chat
+model. A task registers under the name ``data.task``
 takes: ``problems(n, seed, data_cfg) -> [record]``; single-turn records hold ``prompt`` and
 ``answer``, multi-turn ones what their environment needs."""
 
@@ -12,7 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidal.registry import Registry
-from tidal.rollout.rewards import exact_match_reward  # noqa: F401  (re-exported: runners import it from here)
+from tidal.rollout.rewards import (  # exact_match_reward: re-exported, runners import it from here
+    exact_match_reward,  # noqa: F401
+    math_verify,
+)
 
 ARITH_ALPHABET = "0123456789+=-*<>?abcdefghijklmnopqrstuvwxyz "
 
@@ -139,3 +143,47 @@ def consistent_guesses(
 )
 def _guess_number_task(n: int, seed: int, data) -> list[dict]:
     return guess_number_problems(n, seed)
+
+
+WORD_PROBLEM_NAMES = ("Tom", "Anna", "Sam", "Lily", "Ben", "Maya", "Leo", "Emma", "Max", "Zoe")
+WORD_PROBLEM_ITEMS = (
+    "apples",
+    "books",
+    "marbles",
+    "stickers",
+    "pencils",
+    "cookies",
+    "cards",
+    "coins",
+)
+# (story, answer(a, b)): one step each; a >= b where the story takes b away
+WORD_PROBLEM_STORIES = (
+    ("{n} has {a} {i} and buys {b} more. How many {i} does {n} have now?", lambda a, b: a + b),
+    (
+        "{n} had {a} {i}. A friend gave {n} {b} more. How many {i} does {n} have?",
+        lambda a, b: a + b,
+    ),
+    ("{n} has {a} {i} and gives {b} of them away. How many {i} are left?", lambda a, b: a - b),
+    ("{n} had {a} {i} and lost {b}. How many {i} does {n} have left?", lambda a, b: a - b),
+)
+WORD_PROBLEM_FORMAT = "Put the final answer in \\boxed{}."
+
+
+def word_problems(n: int, seed: int = 0, high: int = 60) -> list[dict]:
+    """One-step word problems (``"Tom has 17 apples and buys 25 more. ..."``, answer ``"42"``):
+    a sum or a difference of two numbers in ``[2, high]``, asking for the answer in
+    ``\\boxed{}`` so that ``math_verify`` finds it in free text."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        story, answer = rng.choice(WORD_PROBLEM_STORIES)
+        a, b = sorted((rng.randint(2, high), rng.randint(2, high)), reverse=True)
+        name, item = rng.choice(WORD_PROBLEM_NAMES), rng.choice(WORD_PROBLEM_ITEMS)
+        prompt = f"{story.format(n=name, a=a, b=b, i=item)} {WORD_PROBLEM_FORMAT}"
+        out.append({"prompt": prompt, "answer": str(answer(a, b))})
+    return out
+
+
+@register_task("word_problems", reward=math_verify)
+def _word_problems_task(n: int, seed: int, data) -> list[dict]:
+    return word_problems(n, seed)

@@ -1,5 +1,6 @@
 """``tidal export RUN [--checkpoint DIR] -o OUT``: a training checkpoint as a folder other tools
-load as any model, with LoRA adapters merged into the base.
+load as any model, with LoRA adapters merged into the base. ``tidal export --from-gguf FILE -o OUT``:
+a GGUF file (or packaged model) as a float32 Hugging Face folder with its tokenizer and template.
 
 - language runs: a Hugging Face folder (weights, config, generation config, tokenizer with its
   chat template) that ``transformers``, ``tidal serve`` and vLLM load;
@@ -35,16 +36,52 @@ def run_config(run: str | Path):
     return task, load_config(schema, path, [])
 
 
-def export(run: str | Path, out: str | Path, checkpoint: str | None = None) -> dict:
+def export(
+    run: str | Path | None,
+    out: str | Path,
+    checkpoint: str | None = None,
+    from_gguf: str | None = None,
+) -> dict:
     """Write the folder; returns what was written."""
-    task, cfg = run_config(run)
-    folder = checkpoint_argument(checkpoint or str(Path(run) / "checkpoints"))
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"-o: {str(out)!r} exists and is not empty")
+    if (run is None) == (from_gguf is None):
+        raise ConfigError("RUN: give a run folder, or --from-gguf FILE (not both)")
+    if from_gguf is not None:
+        return export_gguf(from_gguf, out, checkpoint)
+    task, cfg = run_config(run)
+    folder = checkpoint_argument(checkpoint or str(Path(run) / "checkpoints"))
     (export_llm if task == "llm" else export_policy)(cfg, folder, out)
     log.info("export: %s -> %s", folder, out)
     return {"task": task, "checkpoint": str(folder), "out": str(out), "lora": cfg.model.lora.rank}
+
+
+def export_gguf(file: str, out: Path, checkpoint: str | None) -> dict:
+    """A GGUF file (or packaged model) dequantised into a Hugging Face folder at ``out``: a copy
+    of the folder ``model.path`` would use (converted into the cache first when missing)."""
+    import shutil
+
+    from tidal.models.gguf import (
+        CONVERTED,
+        ModelSourceError,
+        is_gguf,
+        local_model_path,
+        model_folder,
+    )
+
+    if checkpoint is not None:
+        raise ConfigError("--checkpoint: a run's; --from-gguf exports the file as it is")
+    try:
+        local = local_model_path(file, "--from-gguf")
+        if not is_gguf(local):
+            raise ConfigError(f"--from-gguf: {file!r} is not a .gguf file")
+        folder = model_folder(local, "--from-gguf")
+    except ModelSourceError as exc:
+        raise ConfigError(str(exc)) from None
+    shutil.copytree(folder, out, ignore=shutil.ignore_patterns(CONVERTED), dirs_exist_ok=True)
+    log.info("export: %s -> %s", local, out)
+    return {"task": "llm", "gguf": local, "out": str(out)}
 
 
 def export_llm(cfg, checkpoint: Path, out: Path) -> None:
@@ -52,13 +89,13 @@ def export_llm(cfg, checkpoint: Path, out: Path) -> None:
     tokenizer as it is (chat template included)."""
     from transformers import AutoTokenizer
 
-    from tidal.models.llm import load_causal_lm
+    from tidal.models.llm import hf_folder, load_causal_lm
 
     m = cfg.model
     model, _ = load_causal_lm(m.path, m.dtype, m.attn_implementation)
     model.load_state_dict(checkpoint_weights(model, checkpoint, m.lora, repr(m.path)))
     model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(m.path, local_files_only=True).save_pretrained(out)
+    AutoTokenizer.from_pretrained(hf_folder(m.path), local_files_only=True).save_pretrained(out)
 
 
 def export_policy(cfg, checkpoint: Path, out: Path) -> None:

@@ -26,6 +26,7 @@ from tidal.data.datasets import DataConfigError, load_conversations, load_prompt
 from tidal.inference.tool_calls import TOOL_PARSERS
 from tidal.memory import MemoryPlan
 from tidal.memory import plan as memory_plan
+from tidal.models.gguf import is_model_file
 from tidal.models.llm import (
     DTYPES,
     ModelConfigError,
@@ -97,6 +98,7 @@ def check_llm_sft(cfg: LLMConfig) -> None:
     tiny model it builds there."""
     validate_llm_sft(cfg)
     check_data(cfg, sft=True)
+    check_sft_destination(cfg.model.path)
     if Path(cfg.model.path).exists():  # else tidal sft builds a tiny model there
         check_llm_model(cfg)
         return
@@ -109,6 +111,15 @@ def check_llm_sft(cfg: LLMConfig) -> None:
         "data.chat_template",
         "tidal sft builds a chat model for a dataset file: set data.chat_template=true",
     )
+
+
+def check_sft_destination(path: str) -> None:
+    """tidal sft saves to model.path: a GGUF file or packaged model cannot take it."""
+    if is_model_file(path):
+        raise ConfigError(
+            f"model.path: tidal sft saves the model there, and {path!r} is a GGUF file or "
+            f"packaged model: run `tidal export --from-gguf {path} -o DIR` and set model.path=DIR"
+        )
 
 
 def check_llm_eval(cfg: LLMConfig, checkpoint: str | None, n: int) -> Path | None:
