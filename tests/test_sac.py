@@ -3,7 +3,6 @@ and short runs (pacing, ray smoke, NaN envs, data-parallel ranks, resume, learni
 
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import gymnasium as gym
 import pytest
