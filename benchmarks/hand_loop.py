@@ -154,3 +154,90 @@ def _split_part(pipe, core: int, num_envs: int, num_steps: int, env_id: str) -> 
 def make_hand_loop(num_envs: int, num_steps: int, hidden=(64, 64)) -> Callable[[], dict]:
     """One CartPole round of the hand loop (what the isolated collection mode pairs with)."""
     return HandLoop(num_envs, num_steps, hidden=hidden)
+
+
+class LiberoHandLoop:
+    """The LIBERO loop a user writes by hand: ``num_envs`` of LIBERO's own envs (copy ``i`` runs
+    task ``i % tasks`` of ``suite``, state only, from its official init states in turn), the
+    state vector (proprioception and object states) and the task's one-hot concatenated by hand,
+    an actor and a critic MLP, 7-D Gaussian actions held for ``chunk`` steps. No tidal class."""
+
+    def __init__(
+        self, num_envs: int, num_steps: int, suite: str, chunk: int = 4, hidden=(256, 256)
+    ):
+        import contextlib
+        import io
+
+        from libero.libero import benchmark, get_libero_path
+        from libero.libero.envs.env_wrapper import ControlEnv
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            bench = benchmark.get_benchmark_dict()[suite]()
+        self.num_envs, self.num_steps, self.chunk, self.limit = num_envs, num_steps, chunk, 280
+        self.tasks = [i % bench.n_tasks for i in range(num_envs)]
+        self.inits = [bench.get_task_init_states(t) for t in self.tasks]
+        self.envs = []
+        for t in self.tasks:
+            task = bench.get_task(t)
+            path = os.path.join(get_libero_path("bddl_files"), task.problem_folder, task.bddl_file)
+            self.envs.append(
+                ControlEnv(
+                    bddl_file_name=path,
+                    has_renderer=False,
+                    has_offscreen_renderer=False,
+                    use_camera_obs=False,
+                    hard_reset=False,
+                    ignore_done=True,
+                )
+            )
+        self.onehot = torch.eye(bench.n_tasks)[self.tasks]
+        self.episode = [0] * num_envs
+        self.steps = [0] * num_envs
+        self.env_steps = 0
+        self.obs = torch.stack([self._reset(i) for i in range(num_envs)])
+        dim = self.obs.shape[1]
+        self.actor, self.critic = mlp(dim, 7, hidden), mlp(dim, 1, hidden)
+        self.log_std = torch.full((7,), -1.0)
+        self()  # warm up
+
+    def _features(self, i: int, raw: dict) -> torch.Tensor:
+        state = torch.as_tensor(
+            [*raw["robot0_proprio-state"], *raw["object-state"]], dtype=torch.float32
+        )
+        return torch.cat([state, self.onehot[i]])
+
+    def _reset(self, i: int) -> torch.Tensor:
+        self.envs[i].reset()
+        init = self.inits[i][self.episode[i] % len(self.inits[i])]
+        self.episode[i] += 1
+        self.steps[i] = 0
+        return self._features(i, self.envs[i].set_init_state(init))
+
+    def __call__(self) -> dict:
+        store = {k: [] for k in ("obs", "actions", "logprobs", "values", "rewards", "dones")}
+        for _ in range(self.num_steps):
+            with torch.no_grad():
+                dist = torch.distributions.Normal(self.actor(self.obs), self.log_std.exp())
+                action = dist.sample()
+                logprob = dist.log_prob(action).sum(-1)
+                value = self.critic(self.obs).squeeze(-1)
+            rewards, dones, next_obs = torch.zeros(self.num_envs), [], []
+            for i, env in enumerate(self.envs):
+                for _ in range(self.chunk):
+                    raw, _, success, _ = env.step(action[i].clamp(-1, 1).numpy())
+                    self.steps[i] += 1
+                    self.env_steps += 1
+                    if success or self.steps[i] >= self.limit:
+                        break
+                rewards[i] = float(success)
+                dones.append(bool(success or self.steps[i] >= self.limit))
+                next_obs.append(self._reset(i) if dones[-1] else self._features(i, raw))
+            values = (self.obs, action, logprob, value, rewards, torch.tensor(dones))
+            for k, v in zip(store, values):
+                store[k].append(v)
+            self.obs = torch.stack(next_obs)
+        return {k: torch.stack(v, 1) for k, v in store.items()}
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
