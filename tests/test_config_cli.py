@@ -225,3 +225,27 @@ def test_aliases_name_keys_that_exist():
     for name, (_, target, _) in ALIASES.items():
         assert target in keys, f"{name} -> {target}"
         assert name not in leaves, f"{name} is a key of tidal's own: the alias would never show"
+
+
+def test_serve_and_export_name_a_missing_model_or_run_in_one_line(tmp_path, capsys):
+    code, err = run_cli(capsys, ["serve", "--model", str(tmp_path / "none")])
+    assert code == 2 and "Traceback" not in err
+    assert err.startswith("tidal: usage error: --model: no such folder"), err
+    code, err = run_cli(capsys, ["export", str(tmp_path), "-o", str(tmp_path / "out")])
+    assert_one_named_line(code, err, "RUN:", "config.yaml")
+
+
+def test_one_name_per_config_concept():
+    import tidal.config as config
+    from tidal.config import embodied, llm
+
+    assert not hasattr(config, "RewardConfig") and not hasattr(config, "SFTConfig")
+    assert embodied.EmbodiedConfig().reward.__class__.__name__ == "RewardModelConfig"
+    assert llm.LLMConfig().reward.__class__.__name__ == "LLMRewardConfig"
+    assert {
+        embodied.EmbodiedConfig().sft.__class__.__name__,
+        llm.LLMConfig().sft.__class__.__name__,
+    } == {
+        "EmbodiedSFTConfig",
+        "LLMSFTConfig",
+    }

@@ -239,13 +239,15 @@ def serve(args: argparse.Namespace) -> int:
     from tidal.inference import GenerationEngine, InferenceServer
     from tidal.inference.tool_calls import TOOL_PARSERS
     from tidal.models.gguf import ModelSourceError, model_folder
+    from tidal.models.llm import ModelConfigError, check_causal_lm
 
     if args.tool_parser not in TOOL_PARSERS.names():  # before the model loads
         known = ", ".join(TOOL_PARSERS.names())
         return _fail("usage error", f"--tool-parser: unknown {args.tool_parser!r}; one of {known}")
     try:
         folder = model_folder(args.model, "--model")  # a GGUF file or packaged model: converted
-    except ModelSourceError as exc:
+        check_causal_lm(folder, key="--model")  # before the model loads
+    except (ModelSourceError, ModelConfigError) as exc:
         return _fail("usage error", exc)
     engine = GenerationEngine(folder, max_batch_size=args.max_batch_size)
     server = InferenceServer(

@@ -157,7 +157,7 @@ class ModelConfig:
 
 
 @dataclass
-class SFTConfig(SFTSchedule):
+class EmbodiedSFTConfig(SFTSchedule):
     """Behaviour cloning on scripted demonstrations (``tidal sft``; metaworld, libero envs)."""
 
     demos: int = setting(10, "demonstrations per task")
@@ -236,7 +236,7 @@ class EmbodiedActorConfig(ActorConfig):
 
 
 @dataclass
-class RewardConfig:
+class RewardModelConfig:
     """An optional reward model group between env and actor."""
 
     enabled: bool = setting(False, "run a reward group")
@@ -254,8 +254,8 @@ class EmbodiedConfig:
     model: ModelConfig = section(ModelConfig)
     algorithm: EmbodiedAlgorithmConfig = section(EmbodiedAlgorithmConfig)
     actor: EmbodiedActorConfig = section(EmbodiedActorConfig)
-    reward: RewardConfig = section(RewardConfig)
-    sft: SFTConfig = section(SFTConfig)
+    reward: RewardModelConfig = section(RewardModelConfig)
+    sft: EmbodiedSFTConfig = section(EmbodiedSFTConfig)
     replay: ReplayConfig = section(ReplayConfig, when=SAC_ONLY)
 
     def __post_init__(self):

@@ -109,7 +109,7 @@ class DataConfig:
 
 
 @dataclass
-class RewardConfig:
+class LLMRewardConfig:
     """The reward of single-turn episodes and of evaluation."""
 
     name: str = setting(
@@ -286,7 +286,7 @@ class LLMActorConfig(ActorConfig):
 
 
 @dataclass
-class SFTConfig(SFTSchedule):
+class LLMSFTConfig(SFTSchedule):
     """``tidal sft``: supervised warm start."""
 
     steps: int = setting(600, "optimizer steps")
@@ -301,11 +301,11 @@ class LLMConfig:
     runner: LLMRunnerConfig = section(LLMRunnerConfig)
     model: LLMModelConfig = section(LLMModelConfig)
     data: DataConfig = section(DataConfig)
-    reward: RewardConfig = section(RewardConfig)
+    reward: LLMRewardConfig = section(LLMRewardConfig)
     rollout: LLMRolloutConfig = section(LLMRolloutConfig)
     algorithm: LLMAlgorithmConfig = section(LLMAlgorithmConfig)
     actor: LLMActorConfig = section(LLMActorConfig)
-    sft: SFTConfig = section(SFTConfig)
+    sft: LLMSFTConfig = section(LLMSFTConfig)
 
     def __post_init__(self):
         resolve_algorithm(self, self.algorithm.importance_level)
