@@ -329,6 +329,19 @@ def test_bad_flow_settings_name_their_key(overrides, key):
 
 
 @pytest.mark.parametrize(
+    "kwargs,key",
+    [
+        ({"hidden_sizes": ()}, "model.hidden_sizes"),
+        ({"time_dim": 7}, "model.kwargs.time_dim"),
+        ({"flow": {"step": 4}}, "model.flow.step"),
+    ],
+)
+def test_bad_constructor_arguments_name_their_key(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        build_policy("flow", STATE, ACTIONS, 1, **kwargs)
+
+
+@pytest.mark.parametrize(
     "config,overrides,key",
     [
         ("cartpole_ppo.yaml", [], "model.name"),

@@ -122,6 +122,10 @@ class FlowMatchingPolicy(EmbodiedPolicy):
             )
         if not (np.isfinite(action_space.low).all() and np.isfinite(action_space.high).all()):
             raise ValueError("model.name: flow acts in the action bounds, which must be finite")
+        if not hidden_sizes:
+            raise ValueError("model.hidden_sizes: flow's trunk needs at least one layer width")
+        if time_dim < 2 or time_dim % 2:
+            raise ValueError(f"model.kwargs.time_dim: must be even and >= 2, got {time_dim}")
         register_action_bounds(self, action_space)
         self.chunks, self.action_dim = num_action_chunks, action_space.shape[0]
         self.critic_detached, self.time_dim = critic_detached, time_dim
