@@ -62,6 +62,8 @@ MISTAKES = [
     (CARTPOLE, ["model.name=sac_mlp"], "model.name", "algorithm.name=sac"),
     (PENDULUM_SAC, ["algorithm.tau=2"], "algorithm.tau", "(0, 1]"),
     (PENDULUM_SAC, ["model.name=mlp"], "model.name", "sac_mlp"),
+    (CARTPOLE, ["runner.task=llm"], "env", "runner.task: embodied"),
+    (ARITH, ["rollout.num_steps=4"], "rollout.num_steps", "runner.task: embodied"),
     (ARITH, ["rollout.group_size=0"], "rollout.group_size", ">= 1"),
     (ARITH, ["rollout.top_p=0"], "rollout.top_p", "(0, 1]"),
     (ARITH, ["data.task=sudoku"], "data.task", "arithmetic"),

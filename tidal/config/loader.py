@@ -176,7 +176,7 @@ def _check_keys(given: Iterable[tuple[str, Any]], schema, moved: dict[str, str],
 
 def _unknown_key(key: str, known: dict[str, str], where: str = ""):
     section, _, name = key.rpartition(".")
-    hint = alias_hint(key, known)
+    hint = alias_hint(key, known) or _other_half_hint(key, known)
     if hint is None:
         siblings = [k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == section]
         close = difflib.get_close_matches(name, siblings, n=3, cutoff=0.6)
@@ -188,6 +188,19 @@ def _unknown_key(key: str, known: dict[str, str], where: str = ""):
     place = where.strip().rstrip(":")
     source = f" (in {place})" if place not in ("", "override") else ""
     raise ConfigError(f"{key}: no such key{source}; {hint}")
+
+
+def _other_half_hint(key: str, known: dict[str, str]) -> str | None:
+    """Where ``key`` is a key of the other half: which half, and how a config picks it."""
+    from tidal.config.embodied import EmbodiedConfig
+    from tidal.config.llm import LLMConfig
+
+    for root in (EmbodiedConfig, LLMConfig):
+        keys = field_help(root)
+        if key in keys and keys.keys() != known.keys():
+            task = root().runner.task
+            return f"it is a key of the {task} half: set runner.task: {task} (or drop the key)"
+    return None
 
 
 def _guarded(fn, known: dict[str, str], where: str = ""):
