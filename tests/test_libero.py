@@ -49,6 +49,8 @@ def test_spaces_instructions_and_the_official_init_states(two_tasks):
     assert np.allclose(obs[0, PROPRIO_DIM : PROPRIO_DIM + 3], soup, atol=1e-5)
     env.reset(mask=np.array([True, False]))  # its next episode: the next init state
     assert env.init_index.tolist() == [1, 0]
+    env.reset(seeds=[0, 1])  # a new round for all: the copy behind catches up
+    assert env.init_index.tolist() == [2, 2]
 
 
 def test_copies_of_a_task_run_its_init_states_in_order():

@@ -233,6 +233,9 @@ class LiberoVectorEnv:
 
     def reset(self, seeds: list[int] | None = None, mask: np.ndarray | None = None) -> np.ndarray:
         rows = range(self.num_envs) if mask is None else np.flatnonzero(mask)
+        if mask is None:  # a new round for every copy: copies that ended early (and restarted
+            # when stepped on) catch up, so a GRPO group's members keep sharing an init state
+            self._episodes[:] = self._episodes.max()
         for i in rows:
             if seeds is not None and mask is None:
                 self.envs[i].seed(int(seeds[i]))
