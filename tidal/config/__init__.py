@@ -22,6 +22,7 @@ from tidal.config.embodied import (
     RolloutConfig,
     validate_embodied,
 )
+from tidal.config.llm import LLMConfig
 from tidal.config.loader import ConfigError, load_config, read_yaml, to_yaml
 from tidal.config.schema import describe, field_help
 
@@ -35,6 +36,7 @@ __all__ = [
     "EmbodiedConfig",
     "EmbodiedRunnerConfig",
     "EnvConfig",
+    "LLMConfig",
     "ModelConfig",
     "RewardModelConfig",
     "RolloutConfig",

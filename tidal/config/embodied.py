@@ -30,7 +30,7 @@ from tidal.config.offpolicy import (
     SACAlgorithmFields,
     validate_offpolicy,
 )
-from tidal.config.schema import section, setting
+from tidal.config.schema import half, section, setting
 
 
 @dataclass
@@ -245,6 +245,7 @@ class RewardModelConfig:
     kwargs: dict[str, Any] = setting(factory=dict, help="passed to the reward model")
 
 
+@half("embodied")
 @dataclass
 class EmbodiedConfig:
     cluster: ClusterConfig = section(ClusterConfig)

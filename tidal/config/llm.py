@@ -21,7 +21,7 @@ from tidal.config.common import (
 )
 from tidal.config.loader import require
 from tidal.config.lora import LoRAConfig, validate_lora
-from tidal.config.schema import section, setting
+from tidal.config.schema import half, section, setting
 
 
 @dataclass
@@ -295,6 +295,7 @@ class LLMSFTConfig(SFTSchedule):
     eval_size: int = setting(256, "held-out problems scored at the end")
 
 
+@half("llm")
 @dataclass
 class LLMConfig:
     cluster: ClusterConfig = section(ClusterConfig)

@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from tidal.config.aliases import alias_hint
 from tidal.config.schema import (
     DECIDED,
+    HALVES,
     conditions,
     declared_default,
     field_help,
@@ -192,13 +193,9 @@ def _unknown_key(key: str, known: dict[str, str], where: str = ""):
 
 def _other_half_hint(key: str, known: dict[str, str]) -> str | None:
     """Where ``key`` is a key of the other half: which half, and how a config picks it."""
-    from tidal.config.embodied import EmbodiedConfig
-    from tidal.config.llm import LLMConfig
-
-    for root in (EmbodiedConfig, LLMConfig):
+    for task, root in HALVES.items():
         keys = field_help(root)
         if key in keys and keys.keys() != known.keys():
-            task = root().runner.task
             return f"it is a key of the {task} half: set runner.task: {task} (or drop the key)"
     return None
 

@@ -84,6 +84,19 @@ def field_help(cfg_cls: type) -> dict[str, str]:
     return out
 
 
+HALVES: dict[str, type] = {}  # runner.task -> its root config class (each registers itself)
+
+
+def half(task: str):
+    """Class decorator: the root config of the half ``runner.task: task`` names."""
+
+    def register(cls: type) -> type:
+        HALVES[task] = cls
+        return cls
+
+    return register
+
+
 DECIDED = "decided"  # the saved config's section of decided values; the loader skips it
 
 
