@@ -1,10 +1,11 @@
-"""actor.strategy: DDP and FSDP2 take the same steps on the same batches (2 ranks on ray), with
-LoRA adapters too (the same merged rollout weights), FSDP2's sharded checkpoints resume on another world size and survive a crash mid-save, the memory plan
+"""actor.strategy: DDP and FSDP2 take the steps one rank takes on the same batches (2 ranks on
+ray), with LoRA adapters too (the same merged rollout weights), FSDP2's sharded checkpoints resume on another world size and survive a crash mid-save, the memory plan
 matches the tensors, and bad input is a config error naming the key."""
 
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -72,6 +73,8 @@ def results(tmp_path_factory):
         out["resumed"] = group.resume("lm", ck, STEPS, ROWS, lora=True).wait(60)
         out["checkpoints"], out["checkpoints-lora"] = folder / "ck", folder / "ck-lora"
         out["weights-folder"] = folder / "weights"
+        for kind, lora in CASES:
+            out[kind, "one", lora] = one_rank(kind, lora)
         yield out
     finally:
         cluster.shutdown()
@@ -98,6 +101,29 @@ def save_tied_lm(folder: Path) -> Path:
     return folder
 
 
+def one_rank(kind: str, lora: bool) -> dict:
+    """The reference both strategies are held to: one process, no process group, each step's
+    whole batch in 4 micro-batches (the 2 ranks' 2 each), the same NaN step. Its history is
+    per rank as the ranks report it: the mean loss of that rank's 2 micro-batches (losses are
+    not reduced over the ranks), and the step's global gradient norm."""
+    engine = TrainEngine(build_model(kind, lora), actor_config("ddp", lora), 10)
+    history = {0: [], 1: []}
+    for step, batch in enumerate(make_batches(kind, STEPS, ROWS)):
+        micros = [{k: v[i : i + 2] for k, v in batch.items()} for i in range(0, ROWS, 2)]
+        if step == 1:
+            micros[1]["poison"] = micros[3]["poison"] = True  # each rank's last micro-batch
+        metrics = engine.train_batch(micros, micro_loss(kind, 4))
+        engine.end_step()
+        for rank in (0, 1):
+            loss = float(np.mean(metrics["loss"][2 * rank : 2 * rank + 2]))
+            history[rank].append((loss, metrics["grad_norm"][0]))
+    return {
+        "history": history,
+        "weights": engine.full_state_dict(0),
+        "skipped": engine.skipped_steps,
+    }
+
+
 @pytest.fixture
 def single_process_group():
     """FSDP2 in this process: the engine starts a process group of one; gone afterwards."""
@@ -114,15 +140,22 @@ def assert_close_relative(a: torch.Tensor, b: torch.Tensor, what: str, tol=1e-5)
 @pytest.mark.parametrize(("kind", "lora"), CASES)
 def test_ddp_and_fsdp2_take_the_same_steps(results, kind, lora):
     ddp, fsdp = results[kind, "ddp", lora], results[kind, "fsdp2", lora]
+    one = results[kind, "one", lora]
     # under fsdp2 rank 1 built a meta skeleton, its shards filled from rank 0's model
     assert [r["built_on_meta"] for r in fsdp] == [False, True]
     assert not any(r["built_on_meta"] for r in ddp)
-    # every rank reports the same (reduced) losses and norms; the NaN step skipped on both
+    # each rank reports the losses of its rows and the norm of the whole step's gradient, as one
+    # rank computes them on the whole batches; the NaN step skipped on both
+    assert one["skipped"] == 1 and len(one["history"][0]) == STEPS
     for rank in (0, 1):
         assert fsdp[rank]["skipped"] == ddp[rank]["skipped"] == 1
-        for a, b in zip(ddp[rank]["history"], fsdp[rank]["history"]):
+        for out in (ddp, fsdp):
             torch.testing.assert_close(
-                torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=0, equal_nan=True
+                torch.tensor(out[rank]["history"]),
+                torch.tensor(one["history"][rank]),
+                rtol=1e-5,
+                atol=0,
+                equal_nan=True,
             )
     clip = actor_config("ddp", lora).max_grad_norm
     assert min(n for _, n in ddp[0]["history"] if n == n) > clip  # clipping was active
@@ -134,6 +167,9 @@ def test_ddp_and_fsdp2_take_the_same_steps(results, kind, lora):
         for k in weights_ddp:
             assert weights_fsdp[k].dtype == weights_ddp[k].dtype
             assert_close_relative(weights_ddp[k], weights_fsdp[k], f"{part}: {k}")
+    assert set(one["weights"]) == set(ddp[0]["weights"])
+    for k, v in one["weights"].items():
+        assert_close_relative(v, ddp[0]["weights"][k], f"one rank against ddp: {k}")
     if kind == "vla":  # a forward method besides forward gathers its parameters too
         assert_close_relative(ddp[0]["value"], fsdp[0]["value"], "value")
     before = build_model(kind, lora).state_dict()

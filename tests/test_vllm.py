@@ -104,9 +104,14 @@ def run_client(address, body):
     return asyncio.run(main())
 
 
-def served(runner):
-    """The weights the trainer last wrote for vLLM (version 2 after the run)."""
-    return AutoModelForCausalLM.from_pretrained(runner.rollout.weights_dir).eval()
+def trained(runner):
+    """The trainer's own weights (its rank 0's, after the run's last update: version 2), in
+    fp32: what vLLM must serve. Not the folder vLLM reloads (a folder written wrong would
+    agree with what vLLM serves from it); the folder gives only the architecture."""
+    model = AutoModelForCausalLM.from_pretrained(runner.rollout.weights_dir).float().eval()
+    weights = runner.actor.state_dict().wait(60)[0]
+    model.load_state_dict(weights)  # strict: every weight the trainer has, none left as read
+    return model
 
 
 def test_the_demo_trains_and_vllm_serves_the_new_weights(run):
@@ -122,7 +127,7 @@ def test_the_demo_trains_and_vllm_serves_the_new_weights(run):
     out = runner._run(runner.client.agenerate(request))
     assert out.output_versions == [2] * 8
     got = torch.tensor(out.output_logprobs)
-    on_new = teacher_forced(served(runner), out.input_tokens, out.output_tokens)
+    on_new = teacher_forced(trained(runner), out.input_tokens, out.output_tokens)
     start = AutoModelForCausalLM.from_pretrained(start_model).eval()
     on_start = teacher_forced(start, out.input_tokens, out.output_tokens)
     assert (on_new - got).abs().max() < 1e-4
@@ -131,7 +136,7 @@ def test_the_demo_trains_and_vllm_serves_the_new_weights(run):
 
 def test_tokens_and_the_sampled_distributions_log_probs(run):
     runner = run[0]
-    model = served(runner)
+    model = trained(runner)
 
     async def body(client):
         greedy = await client.agenerate(
@@ -156,8 +161,8 @@ def test_tokens_and_the_sampled_distributions_log_probs(run):
 
 @pytest.fixture(scope="module")
 def other_weights(run, tmp_path_factory):
-    """Other weights of the same architecture, and the served ones (version 2)."""
-    model = served(run[0])
+    """Other weights of the same architecture, and the trained ones (version 2)."""
+    model = trained(run[0])
     folder = tmp_path_factory.mktemp("other")
     torch.manual_seed(1)
     AutoModelForCausalLM.from_config(model.config).save_pretrained(folder)
@@ -278,7 +283,7 @@ def test_a_run_connects_to_running_servers(run, tmp_path):
         assert other.rollout.servers is None and summary["steps"] == 1
         out = other._run(other.client.agenerate(ModelRequest([1, 5], GenerationConfig(4))))
         assert out.output_versions == [1] * 4
-        on_new = teacher_forced(served(other), out.input_tokens, out.output_tokens)
+        on_new = teacher_forced(trained(other), out.input_tokens, out.output_tokens)
         assert (on_new - torch.tensor(out.output_logprobs)).abs().max() < 1e-4
     finally:
         other.close()
