@@ -172,6 +172,7 @@ class LiberoVectorEnv:
         self.num_envs = num_envs
         self.max_episode_steps = max_episode_steps or SUITE_STEPS[env_id]
         self.reward, self.terminate_on_success = reward, terminate_on_success
+        self.first_env = first_env
         groups = [(first_env + i) // group_size for i in range(num_envs)]
         self.task_index = np.array([self.task_list[g % len(self.task_list)] for g in groups])
         names = self.suite.get_task_names()

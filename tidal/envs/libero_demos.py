@@ -164,22 +164,56 @@ def collect_libero_demos(
 ) -> Demonstrations:
     """``demos_per_task`` scripted episodes of each task of suite ``env_id`` (``tasks`` in
     ``adapter_kwargs``, default all), from LIBERO's random placements (not the official init
-    states, which stay the evaluation's), observed as the adapter emits them; the script's own
-    success per task in ``script_success``. One env copy per task, stepped together."""
+    states, which stay the evaluation's), observed as the adapter emits them (the layout of all
+    the tasks); the script's own success per task in ``script_success``. One task at a time, so
+    a task done early costs nothing while another still tries."""
     if demos_per_task < 1:
         raise ValueError(f"sft.demos: must be >= 1, got {demos_per_task}")
     adapter_kwargs.pop("max_episode_steps", None)
-    adapter_kwargs.update(first_env=0, group_size=1, random_init=True, terminate_on_success=True)
+    adapter_kwargs.update(group_size=1, random_init=True, terminate_on_success=True)
     suite = libero_suite(env_id)
     tasks = resolve_tasks(suite, adapter_kwargs.get("tasks"))
     _check_covered(suite, tasks)
-    env = LiberoVectorEnv(len(tasks), env_id, **adapter_kwargs)
-    try:
-        return _collect(
-            env, demos_per_task, action_noise, seed, max_attempts_factor, only_successful
+    rng = np.random.default_rng(seed)
+    rows = {k: [] for k in ("obs", "actions", "executed", "rewards", "terminations", "next_obs")}
+    episode, names, instructions, successes, rates, short = [], [], [], [], {}, []
+    for k in range(len(tasks)):
+        env = LiberoVectorEnv(1, env_id, **{**adapter_kwargs, "first_env": k})
+        try:
+            runs, tried = _task_runs(
+                env, rng, demos_per_task, action_noise, seed, max_attempts_factor, only_successful
+            )
+        finally:
+            env.close()
+        name = env.task_names[0]
+        rates[name] = sum(r["success"] for r in runs) / tried
+        if len(runs) < demos_per_task:
+            short.append(f"{name} ({len(runs)} of {tried})")
+        for run in runs:
+            for key in rows:
+                rows[key] += run[key]
+            episode += [len(names)] * len(run["obs"])
+            names.append(name)
+            instructions.append(env.instructions[0])
+            successes.append(run["success"])
+    if short:
+        raise RuntimeError(
+            f"the scripted demonstrations succeeded too rarely (action noise {action_noise}): "
+            + ", ".join(short)
         )
-    finally:
-        env.close()
+    return Demonstrations(
+        obs=np.stack(rows["obs"]).astype(np.float32),
+        actions=np.stack(rows["actions"]).astype(np.float32),
+        episode=np.array(episode),
+        tasks=names,
+        instructions=instructions,
+        successes=np.array(successes),
+        executed=np.stack(rows["executed"]).astype(np.float32),
+        rewards=np.array(rows["rewards"], dtype=np.float32),
+        terminations=np.array(rows["terminations"], dtype=bool),
+        next_obs=np.stack(rows["next_obs"]).astype(np.float32),
+        script_success=rates,
+    )
 
 
 def _check_covered(suite, tasks: list[int]) -> None:
@@ -194,60 +228,17 @@ def _check_covered(suite, tasks: list[int]) -> None:
         )
 
 
-def _collect(env, demos_per_task, action_noise, seed, max_attempts_factor, only_successful):
-    rng = np.random.default_rng(seed)
-    rows = {k: [] for k in ("obs", "actions", "executed", "rewards", "terminations", "next_obs")}
-    episode, tasks, instructions, successes = [], [], [], []
-    kept = np.zeros(env.num_envs, dtype=np.int64)
-    tried = np.zeros(env.num_envs, dtype=np.int64)
-    for attempt in range(demos_per_task * max_attempts_factor):
-        if (kept >= demos_per_task).all():
-            break
-        runs = _run_round(
-            env,
-            rng,
-            action_noise,
-            [seed * 100_003 + attempt * 1009 + i for i in range(env.num_envs)],
-        )
-        for i, run in enumerate(runs):
-            if kept[i] >= demos_per_task:
-                continue
-            tried[i] += 1
-            if only_successful and not run["success"]:
-                continue
-            for key in rows:
-                rows[key] += run[key]
-            episode += [len(tasks)] * len(run["obs"])
-            tasks.append(env.task_names[i])
-            instructions.append(env.instructions[i])
-            successes.append(run["success"])
-            kept[i] += 1
-    short = [
-        f"{env.task_names[i]} ({kept[i]} of {tried[i]})"
-        for i in range(env.num_envs)
-        if kept[i] < demos_per_task
-    ]
-    if short:
-        raise RuntimeError(
-            f"the scripted demonstrations succeeded too rarely (action noise {action_noise}): "
-            + ", ".join(short)
-        )
-    return Demonstrations(
-        obs=np.stack(rows["obs"]).astype(np.float32),
-        actions=np.stack(rows["actions"]).astype(np.float32),
-        episode=np.array(episode),
-        tasks=tasks,
-        instructions=instructions,
-        successes=np.array(successes),
-        executed=np.stack(rows["executed"]).astype(np.float32),
-        rewards=np.array(rows["rewards"], dtype=np.float32),
-        terminations=np.array(rows["terminations"], dtype=bool),
-        next_obs=np.stack(rows["next_obs"]).astype(np.float32),
-        script_success={
-            env.task_names[i]: float(kept[i] / tried[i]) if only_successful else float("nan")
-            for i in range(env.num_envs)
-        },
-    )
+def _task_runs(env, rng, wanted, action_noise, seed, attempts_factor, only_successful):
+    """Up to ``wanted`` episodes of the env's one task (successful ones with
+    ``only_successful``), and how many were tried."""
+    kept, tried = [], 0
+    while len(kept) < wanted and tried < wanted * attempts_factor:
+        episode_seed = seed * 100_003 + env.first_env * 1009 + tried
+        run = _run_round(env, rng, action_noise, [episode_seed])[0]
+        tried += 1
+        if run["success"] or not only_successful:
+            kept.append(run)
+    return kept, tried
 
 
 def _run_round(env, rng, action_noise, seeds) -> list[dict]:
