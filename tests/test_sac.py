@@ -111,13 +111,23 @@ def test_discrete_actions_are_refused_naming_the_algorithm(tmp_path):
         ("algorithm.name=td3", "algorithm.name"),
         ("rollout.max_staleness=1", "rollout.max_staleness"),
         ("algorithm.name=ppo", "algorithm.critic_lr"),  # the file's SAC keys do not apply
-        ("replay.sft_demos=true", "replay.sft_demos"),  # Pendulum has no scripted expert
         ("algorithm.image_pad=4", "algorithm.image_pad"),  # sac_mlp reads no pixels
     ],
 )
 def test_bad_sac_configs_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate_embodied(load(override))
+
+
+def test_demonstrations_from_an_env_without_a_scripted_expert_are_refused_before_start():
+    """Pendulum has no scripted expert: the preflight (which tidal config runs) says which
+    adapters have demonstrations."""
+    from tidal.runners.preflight import check_embodied
+
+    cfg = load("replay.sft_demos=true")
+    validate_embodied(cfg)  # the schema alone cannot know: it names no adapter
+    with pytest.raises(ConfigError, match=r"replay\.sft_demos: .*adapters with them: .*metaworld"):
+        check_embodied(cfg)
 
 
 # -- runs ------------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 As a command, tidal starts it once per episode with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` of
 the episode's recording session and the record (``{"prompt": ..., "answer": ...}``) as JSON on
-stdin; it prints ``{"reward": r}`` last. calculator_service.py serves the same ``solve`` over
+stdin; it prints ``{"reward": r}`` last. With ``rollout.agent.persistent: true`` one process per
+slot reads a request per line (the session's URL and key, the record) and answers a reward per
+line, so the SDK's import is paid once per process. calculator_service.py serves the same ``solve`` over
 HTTP, so the SDK's imports are paid once. Nothing in it knows about tidal: point
 ``OPENAI_BASE_URL`` at any OpenAI-compatible server and it runs the same.
 """
@@ -40,6 +42,14 @@ async def solve(record: dict, client: AsyncOpenAI) -> float:
 
 
 async def main() -> None:
+    if os.environ.get("TIDAL_AGENT_PERSISTENT"):  # rollout.agent.persistent: a request a line
+        for line in sys.stdin:
+            request = json.loads(line)
+            client = AsyncOpenAI(
+                base_url=request["session_base_url"], api_key=request["api_key"], max_retries=0
+            )
+            print(json.dumps({"reward": await solve(request["record"], client)}), flush=True)
+        return
     record = json.loads(sys.stdin.read())
     client = AsyncOpenAI(max_retries=0)  # the session's URL and key, from the environment
     print(json.dumps({"reward": await solve(record, client)}))
