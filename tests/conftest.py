@@ -35,6 +35,7 @@ def pytest_configure(config):
 RAY_MODULES = {
     "test_agent_runs",
     "test_async_embodied",
+    "test_chaos",
     "test_embodied",
     "test_embodied_resume",
     "test_gpu",

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from tidal.extras import needs_extra
+from tidal.runtime.errors import WeightSyncError
 
 with needs_extra("llm", "the vLLM engine"):
     import httpx
@@ -166,9 +167,16 @@ def resume(address: str, timeout: float = 120.0) -> None:
 
 
 def reload_weights(address: str, folder: str, version: int, timeout: float = 600.0) -> None:
-    """Reload a ``save_pretrained`` folder (while paused) and label the weights ``version``."""
+    """Reload a ``save_pretrained`` folder (while paused) and label the weights ``version``.
+    A server that stops answering mid-reload is a broken weight link (a restart cures it)."""
     for endpoint, payload in VLLMProtocol().update_from_disk(folder, version):
-        control(address, endpoint, payload, timeout=timeout)
+        try:
+            control(address, endpoint, payload, timeout=timeout)
+        except httpx.TransportError as exc:
+            raise WeightSyncError(
+                f"vLLM {address}{endpoint}: reload of {folder} (version {version}) failed: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
 
 def _kill_session(pid: int, sig: int) -> None:

@@ -37,7 +37,7 @@ from tidal.checkpoint import (
 )
 from tidal.metrics import MetricLogger, Timer, truncate_metrics
 from tidal.runners.run_folder import RunFolder, find_resume_checkpoint
-from tidal.runtime.errors import ChannelTimeoutError, WorkerError, WorkerTimeoutError
+from tidal.runtime.errors import is_restartable
 
 log = logging.getLogger("tidal.train")
 
@@ -288,6 +288,9 @@ class RunLoop(ABC):
         if self._closed:
             return
         self._closed = True
+        cluster = getattr(self, "cluster", None)  # what ``start_cluster`` made
+        if not graceful and cluster is not None:
+            cluster.abandon()  # end ranks without waiting on them: one may hang
         steps = self.cleanup_steps(graceful)
         if self.logger is not None:
             steps.append(("metric loggers", self.logger.close))
@@ -306,12 +309,11 @@ class RunLoop(ABC):
 
 
 def is_worker_fault(exc: BaseException) -> bool:
-    """A fault a restart can cure: a rank that died or stopped answering, a lost connection
-    (an inference server gone, or a supervised server process that exited: ``ServerDied``) —
-    not a bug that would fail again the same way."""
-    if isinstance(exc, WorkerError):
-        return exc.error.startswith(("rank died", "ServerDied"))
-    return isinstance(exc, WorkerTimeoutError | ChannelTimeoutError | ConnectionError)
+    """A fault a restart can cure (``tidal.runtime.errors.RESTARTABLE``): a rank that died or
+    stopped answering, a lost connection (an inference server gone, or a supervised server
+    process that exited: ``ServerDied``), a weight link broken mid-transfer — not a bug that
+    would fail again the same way."""
+    return is_restartable(exc)
 
 
 def run_with_restarts(make_runner: Callable[..., RunLoop], cfg: Any) -> dict:

@@ -17,6 +17,7 @@ _EXPORTS = {
     "tidal.runtime.errors": (
         "ChannelTimeoutError",
         "PlacementError",
+        "WeightSyncError",
         "WorkerError",
         "WorkerTimeoutError",
     ),

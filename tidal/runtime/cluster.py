@@ -103,8 +103,21 @@ class Cluster:
         each rank has its own)."""
         return self.backend_impl.shared_loop()
 
+    def abandon(self) -> None:
+        """The run failed: ranks shut down from now on are ended at once, without waiting for
+        them to close (one of them may hang), so that the exit is prompt."""
+        self.backend_impl.abandon()
+
     def shutdown(self) -> None:
-        self.backend_impl.stop()
+        """End every rank this cluster launched that is still running (a group a failing run
+        never shut down), then the backend."""
+        try:
+            for ranks in self._launched.values():
+                for rank in ranks:
+                    rank.kill()
+            self._launched.clear()
+        finally:
+            self.backend_impl.stop()
 
     def __enter__(self) -> Cluster:
         return self

@@ -53,5 +53,37 @@ class ChannelTimeoutError(TimeoutError):
         return type(self), (self.channel, self.op, self.key, self.timeout)
 
 
+class WeightSyncError(RuntimeError):
+    """A weight link failed: set-up, a peer gone mid-transfer, a timeout, a server's reload.
+    Names the link, the rank and the call. A restart (``runner.max_restarts``) cures it: the
+    restarted run opens a new link."""
+
+
+class WeightUpdateAborted(RuntimeError):
+    """The sender of a weight update failed while reading its weights (e.g. a sharded gather)
+    and aborted the update: its own error is the cause; no restart cures a bug."""
+
+
+# The errors a restart (``runner.max_restarts``) can cure, by the name a rank reports them with
+# (``CallResult.error`` starts with it): a rank whose process died, a supervised server gone, a
+# weight link broken, a wait on a peer that never answered. A bug fails the same way again.
+RESTARTABLE = (
+    "rank died",
+    "ServerDied",
+    "WeightSyncError",
+    "ChannelTimeoutError",
+    "WorkerTimeoutError",
+)
+
+
+def is_restartable(exc: BaseException) -> bool:
+    """A fault a restart can cure, raised here or reported by a rank (``WorkerError``)."""
+    if isinstance(exc, WorkerError):
+        return exc.error.startswith(RESTARTABLE)
+    return isinstance(
+        exc, WorkerTimeoutError | ChannelTimeoutError | WeightSyncError | ConnectionError
+    )
+
+
 class ClusterUnreachable(ConnectionError):
     """Nothing answers at the cluster address: a configuration error, named before anything runs."""

@@ -9,8 +9,10 @@ import inspect
 import threading
 import time
 import traceback
+from collections import Counter
 from dataclasses import dataclass
 
+from tidal.runtime.faults import fault_point
 from tidal.runtime.handle import CallResult
 
 
@@ -49,6 +51,7 @@ class RankRunner:
         self.info = info
         self.compute = cf.ThreadPoolExecutor(1, thread_name_prefix=f"{info.group}-{info.rank}")
         self.worker = None
+        self.calls: Counter[str] = Counter()  # per method (the ``call`` fault point counts them)
 
     async def construct(self, cls: type, args: tuple, kwargs: dict) -> CallResult:
         def build():
@@ -64,6 +67,9 @@ class RankRunner:
         return result
 
     async def call(self, method: str, args: tuple, kwargs: dict) -> CallResult:
+        self.calls[method] += 1
+        info = self.info
+        fault_point("call", group=info.group, rank=info.rank, method=method, n=self.calls[method])
         fn = getattr(self.worker, method)
         call = functools.partial(fn, *args, **kwargs)
         return await self._run(call, inspect.iscoroutinefunction(fn))

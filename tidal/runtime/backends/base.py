@@ -124,6 +124,11 @@ class Backend(ABC):
         """The event loop ranks share for their ``async`` methods, if the backend has one."""
         return None
 
+    def abandon(self) -> None:
+        """The run failed: from now on a rank shut down is ended at once, never waited for
+        (it may be the one that hangs). Nothing to do where ranks cannot be ended apart."""
+        return None
+
 
 # The built-in backends, imported on first use: reading a config that names one must not load
 # what running it needs (the ray backend's transports load torch and cloudpickle).

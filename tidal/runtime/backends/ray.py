@@ -10,9 +10,10 @@ import logging
 import os
 import socket
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from tidal.extras import needs_extra
+from tidal.runtime import faults
 from tidal.runtime.backends.base import Backend, register_backend
 from tidal.runtime.backends.ray_channel_actor import ChannelActorTransport, create_channel_actor
 from tidal.runtime.backends.ray_pipe import INBOX, OUTBOXES, REPLIES, DeathWatch, dumps, loads
@@ -23,7 +24,9 @@ from tidal.runtime.placement import CPU_SLOT_ENV, NodeInfo, pin_to_cpu_slot
 from tidal.runtime.rank import RankInfo, RankRunner
 
 log = logging.getLogger(__name__)
-RELEASE_TIMEOUT_S = 60.0  # a guest group's worker closing (envs, servers) in a shared process
+# a guest group's worker closing (envs, servers) in a shared process; a process that does not
+# answer within it is killed, with every group in it (a hung rank must not hold the exit up)
+RELEASE_TIMEOUT_S = 10.0
 
 
 def _free_port() -> int:
@@ -103,11 +106,19 @@ class RayRank:
     Ray call when their arguments cannot be pickled that way; Ray watches the process.
     ``tenants``: the groups whose rank runs in this process (one set per process)."""
 
-    def __init__(self, actor, info: RankInfo, inbox: str, tenants: set[str] | None = None):
-        self.actor, self.info, self.inbox = actor, info, inbox
+    def __init__(
+        self,
+        actor,
+        info: RankInfo,
+        inbox: str,
+        teardown: Teardown,
+        tenants: set[str] | None = None,
+    ):
+        self.actor, self.info, self.inbox, self.teardown = actor, info, inbox, teardown
         self.tenants = {info.group} if tenants is None else tenants
         self.tenants.add(info.group)
         self._watch: DeathWatch | None = None  # per process: made on first use
+        self._killed = False
 
     def construct(self, cls, args, kwargs) -> cf.Future:
         return self.actor.construct.remote(cls, args, kwargs, self.info).future()
@@ -130,19 +141,45 @@ class RayRank:
         return {**self.__dict__, "_watch": None}
 
     def kill(self) -> None:
-        """End this rank; its process ends with the last group in it."""
+        """End this rank (once); its process ends with the last group in it, or at once after
+        a failure (``Teardown.abandoned``: the rank may be the one that hangs)."""
+        if self._killed:
+            return
+        self._killed = True
+        self.tenants.discard(self.info.group)
+        if not self.tenants or self.teardown.abandoned:
+            self._kill_process()
+            return
         import ray
 
-        self.tenants.discard(self.info.group)
-        if not self.tenants:
-            ray.kill(self.actor, no_restart=True)
-            return
         # waited for: the release is a Ray call and later calls go by ZeroMQ, so unwaited, a
         # call made after shutdown could overtake it and be cancelled half-run by the release
         try:
             ray.get(self.actor.release.remote(self.info.group), timeout=RELEASE_TIMEOUT_S)
-        except Exception as exc:  # its process already ended, or the close hangs: go on
-            log.warning("%s rank %d: release: %r", self.info.group, self.info.rank, exc)
+        except Exception as exc:  # its process already ended, or the close hangs: kill it
+            others = ", ".join(sorted(self.tenants))
+            log.warning(
+                "%s rank %d: release: %r; its process is killed (with %s)",
+                self.info.group,
+                self.info.rank,
+                exc,
+                others,
+            )
+            self._kill_process()
+
+    def _kill_process(self) -> None:
+        """SIGKILL this rank's process (a stopped or hung one too), every group in it."""
+        import ray
+
+        self.tenants.clear()
+        ray.kill(self.actor, no_restart=True)
+
+
+@dataclass
+class Teardown:
+    """Shared by a backend's ranks: ``abandoned`` once the run failed (``Backend.abandon``)."""
+
+    abandoned: bool = False
 
 
 def _rank_death(cause: BaseException | None) -> BaseException:
@@ -156,6 +193,10 @@ class RayBackend(Backend):
     def __init__(self, options):
         super().__init__(options)
         self._started_ray = False
+        self.teardown = Teardown()
+
+    def abandon(self) -> None:
+        self.teardown.abandoned = True
 
     @classmethod
     def check_installed(cls) -> None:
@@ -253,13 +294,16 @@ class RayBackend(Backend):
             raise WorkerError(group, 0, "__init__", f"rank failed to start: {exc}") from exc
         infos = [replace(i, master_addr=master_addr, master_port=master_port) for i in infos]
         inboxes = ray.get([a.inbox_address.remote() for a in actors], timeout=timeout)
-        return [RayRank(a, i, box) for a, i, box in zip(actors, infos, inboxes)], infos
+        ranks = [RayRank(a, i, box, self.teardown) for a, i, box in zip(actors, infos, inboxes)]
+        return ranks, infos
 
-    @staticmethod
-    def _join_processes(infos: list[RankInfo], hosts: list[RayRank]):
+    def _join_processes(self, infos: list[RankInfo], hosts: list[RayRank]):
         """Ranks in their hosts' processes: no process to start, the host's inbox serves both
         (no rendezvous of their own: torch.distributed is the host's)."""
-        return [RayRank(h.actor, i, h.inbox, h.tenants) for i, h in zip(infos, hosts)], infos
+        ranks = [
+            RayRank(h.actor, i, h.inbox, self.teardown, h.tenants) for i, h in zip(infos, hosts)
+        ]
+        return ranks, infos
 
     @staticmethod
     def _start_actor(placement, info: RankInfo):
@@ -271,6 +315,7 @@ class RayBackend(Backend):
             # asyncio's loop even where uvloop is installed: under uvloop a rank process died of
             # heap corruption mid-training (CI, once), for 2-3% of a chunk step (collect.md)
             "RAY_USE_UVLOOP": "0",
+            **{k: os.environ[k] for k in (faults.ENV,) if k in os.environ},
             **dict(info.env),
         }
         if placement.node.device_kind == "gpu":

@@ -15,13 +15,13 @@ hands its end an iterator of ``(name, tensor)`` (``weight_tensors``: a sharded t
 gathered tensors one at a time); a receiver gets a ``WeightsUpdate`` to check and load.
 """
 
+from tidal.runtime.errors import WeightSyncError, WeightUpdateAborted
 from tidal.runtime.weight_sync import channel, collective, disk  # noqa: F401 (they register)
 from tidal.runtime.weight_sync.base import (
     WEIGHT_TRANSPORTS,
     LinkSpec,
     NamedTensors,
     WeightLinks,
-    WeightSyncError,
     WeightTransport,
     open_weight_link,
 )
@@ -39,6 +39,7 @@ __all__ = [
     "WeightLinks",
     "WeightSyncError",
     "WeightTransport",
+    "WeightUpdateAborted",
     "WeightsRejected",
     "check_weights",
     "first_non_finite",

@@ -10,15 +10,11 @@ from typing import Any, ClassVar
 import torch
 
 from tidal.registry import Registry
+from tidal.runtime.errors import WeightSyncError
 from tidal.runtime.handle import wait_all
 from tidal.runtime.weights import WeightsUpdate
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
-
-
-class WeightSyncError(RuntimeError):
-    """A weight link failed: set-up, a peer gone mid-transfer, a timeout. Names the link, the
-    rank and the call."""
 
 
 @dataclass
@@ -76,11 +72,9 @@ class WeightTransport:
     def close(self) -> None:
         pass
 
-    def error(self, call: str, exc: BaseException | str) -> WeightSyncError:
+    def error(self, call: str, exc: BaseException | str, kind=WeightSyncError) -> RuntimeError:
         who = "sender" if self.role == "send" else f"receiver rank {self.rank}"
-        return WeightSyncError(
-            f"weight link {self.spec.name} ({self.name}): {who}: {call} failed: {exc}"
-        )
+        return kind(f"weight link {self.spec.name} ({self.name}): {who}: {call} failed: {exc}")
 
 
 WEIGHT_TRANSPORTS: Registry[type[WeightTransport]] = Registry(

@@ -22,6 +22,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from tidal.runtime.errors import WeightUpdateAborted
+from tidal.runtime.faults import fault_point
 from tidal.runtime.weight_sync.base import WEIGHT_TRANSPORTS, LinkSpec, WeightTransport
 from tidal.runtime.weights import WeightsUpdate
 
@@ -184,6 +186,7 @@ class CollectiveTransport(WeightTransport):
             flat.copy_(torch.cat([t.reshape(-1) for _, t in bucket]))
         self._finish_inflight()
         self._header(header, what)
+        fault_point("weights.send", transport=self.name, version=version, bucket=index, rank=0)
         try:
             self._inflight = (self.pg.broadcast(flat, 0), what)
         except Exception as exc:  # noqa: BLE001 (named and re-raised)
@@ -199,10 +202,13 @@ class CollectiveTransport(WeightTransport):
             what = f"bucket {index}"
             header = self._header(None, what)
             if "abort" in header:
-                raise self.error("receive", f"the sender aborted the update: {header['abort']}")
+                aborted = f"the sender aborted the update: {header['abort']}"
+                raise self.error("receive", aborted, WeightUpdateAborted)
             versions.add(header["version"])
             if header.get("end"):
                 break
+            where = {"version": header["version"], "bucket": index, "rank": self.rank}
+            fault_point("weights.recv", transport=self.name, **where)
             shapes = header["shapes"]
             sizes = [math.prod(s) for s in shapes]
             flat = self._buffer((self._staging_set, index), sum(sizes), _dtype(header["dtype"]))
