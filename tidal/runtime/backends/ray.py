@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import faulthandler
 import logging
 import os
+import signal
 import socket
 import sys
 from dataclasses import dataclass, replace
@@ -79,6 +81,12 @@ class RayRankActor:
         finally:
             runner.close()
 
+    def process(self) -> tuple[str, int]:
+        """This rank's node address and process id (what a prompt kill needs)."""
+        import ray
+
+        return ray.util.get_node_ip_address(), os.getpid()
+
     async def inbox_address(self) -> str:
         """The inbox of group calls and of the items of channels bound to this rank's group
         (``ray_routed``)."""
@@ -113,8 +121,10 @@ class RayRank:
         inbox: str,
         teardown: Teardown,
         tenants: set[str] | None = None,
+        process: tuple[str, int] | None = None,
     ):
         self.actor, self.info, self.inbox, self.teardown = actor, info, inbox, teardown
+        self.process = process  # (node address, pid)
         self.tenants = {info.group} if tenants is None else tenants
         self.tenants.add(info.group)
         self._watch: DeathWatch | None = None  # per process: made on first use
@@ -168,11 +178,18 @@ class RayRank:
             self._kill_process()
 
     def _kill_process(self) -> None:
-        """SIGKILL this rank's process (a stopped or hung one too), every group in it."""
+        """End this rank's process, every group in it. Ray asks the process to exit first and
+        kills it only later (seconds, measured); one on this node that may hang gets SIGKILL
+        at once (``Teardown.abandoned``)."""
         import ray
 
         self.tenants.clear()
         ray.kill(self.actor, no_restart=True)
+        if self.teardown.abandoned and self.process is not None:
+            node, pid = self.process
+            if node == ray.util.get_node_ip_address():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 @dataclass
@@ -291,17 +308,23 @@ class RayBackend(Backend):
             master_addr, master_port = ray.get(refs[0])
         except Exception as exc:
             _kill_all(actors)
-            raise WorkerError(group, 0, "__init__", f"rank failed to start: {exc}") from exc
+            # its process ended before it could answer (killed, out of memory): a death
+            raise WorkerError(group, 0, "__init__", f"rank died while starting: {exc}") from exc
         infos = [replace(i, master_addr=master_addr, master_port=master_port) for i in infos]
         inboxes = ray.get([a.inbox_address.remote() for a in actors], timeout=timeout)
-        ranks = [RayRank(a, i, box, self.teardown) for a, i, box in zip(actors, infos, inboxes)]
+        processes = ray.get([a.process.remote() for a in actors], timeout=timeout)
+        ranks = [
+            RayRank(a, i, box, self.teardown, process=p)
+            for a, i, box, p in zip(actors, infos, inboxes, processes)
+        ]
         return ranks, infos
 
     def _join_processes(self, infos: list[RankInfo], hosts: list[RayRank]):
         """Ranks in their hosts' processes: no process to start, the host's inbox serves both
         (no rendezvous of their own: torch.distributed is the host's)."""
         ranks = [
-            RayRank(h.actor, i, h.inbox, self.teardown, h.tenants) for i, h in zip(infos, hosts)
+            RayRank(h.actor, i, h.inbox, self.teardown, h.tenants, h.process)
+            for i, h in zip(infos, hosts)
         ]
         return ranks, infos
 
