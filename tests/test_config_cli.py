@@ -251,3 +251,48 @@ def test_one_name_per_config_concept():
         "EmbodiedSFTConfig",
         "LLMSFTConfig",
     }
+
+
+REACH_VLA = ROOT / "examples" / "embodied" / "metaworld_reach_vla.yaml"
+
+
+@pytest.fixture(scope="module")
+def cartpole_checkpoint(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("eval") / "runs"
+    argv = ["train", str(CARTPOLE), "runner.max_steps=1", f"runner.run_dir={runs}"]
+    assert cli.main([*argv, "runner.progress=false", "runner.eval_interval=0"]) == 0
+    return runs / "cartpole_ppo" / "checkpoints"
+
+
+@pytest.mark.parametrize(
+    ("argv", "key", "fix"),
+    [
+        (["model.name=vla"], "model.name", "flat Box"),
+        (["env.id=Nope-v0"], "env.id", "Nope-v0"),
+        (["--episodes", "0"], "--episodes", ">= 1"),
+        (["learning_rate=3"], "learning_rate", "actor.lr"),
+    ],
+)
+def test_eval_mistakes_are_one_named_line(tmp_path, capsys, cartpole_checkpoint, argv, key, fix):
+    runs = tmp_path / "runs"
+    command = ["eval", str(CARTPOLE), "--checkpoint", str(cartpole_checkpoint)]
+    code, err = run_cli(capsys, [*command, *argv, f"runner.run_dir={runs}"])
+    assert_one_named_line(code, err, key, fix)
+    assert not runs.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "key", "fix"),
+    [
+        (["model.name=cnn"], "model.kwargs.hidden_size", "it takes"),
+        (["sft.steps=0"], "sft.steps", ">= 1"),
+        (["sft.lr=-1"], "sft.lr", "> 0"),
+        (["algorithm.name=ppo2"], "algorithm.name", "ppo, sac"),
+        (["model.path=null"], "model.path", "set it"),
+    ],
+)
+def test_sft_mistakes_are_one_named_line(tmp_path, capsys, argv, key, fix):
+    runs = tmp_path / "runs"
+    code, err = run_cli(capsys, ["sft", str(REACH_VLA), *argv, f"runner.run_dir={runs}"])
+    assert_one_named_line(code, err, key, fix)
+    assert not runs.exists()

@@ -136,6 +136,13 @@ def _check_applies(cfg, schema: type, given: list[tuple[str, str]]) -> None:
     ``algorithm.tau`` with ``algorithm.name: ppo``) is refused naming why, unless it holds its
     default (a printed or saved config lists every key)."""
     when = conditions(schema)
+    named = {}  # the values each deciding key is known to take (another: preflight names it)
+    for rule in when.values():
+        for decider, values in rule.items():
+            named.setdefault(decider, set()).update(values)
+    for decider, values in named.items():
+        if schema_value(cfg, decider, default=values) not in values:
+            return
     for key, where in given:
         parts = key.split(".")
         for ruled in (".".join(parts[:n]) for n in range(1, len(parts) + 1)):
@@ -240,9 +247,16 @@ def _merge_key(message: str, known: dict[str, str]) -> str:
     return match.group(1) if match else "config"
 
 
-def schema_value(cfg: Any, key: str) -> Any:
+_ABSENT = object()
+
+
+def schema_value(cfg: Any, key: str, default: Any = _ABSENT) -> Any:
+    """The value at dotted ``key``; ``default`` where the config has no such key (else the
+    AttributeError)."""
     for part in key.split("."):
-        cfg = getattr(cfg, part)
+        cfg = getattr(cfg, part) if default is _ABSENT else getattr(cfg, part, _ABSENT)
+        if cfg is _ABSENT:
+            return next(iter(default))
     return cfg
 
 

@@ -8,6 +8,7 @@ runs them too, so a runner, ``tidal sft`` and ``tidal eval`` call one function e
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -294,6 +295,21 @@ def probe_env(cfg: EmbodiedConfig):
     """The spaces and time limit of the configured env, from one instance made here: an env
     that cannot be made, or a saved policy made for other spaces, is a config error."""
     env = cfg.env
+    spaces, max_episode_steps = env_spaces(env)
+    if cfg.model.path is not None:
+        check_saved_policy(cfg.model, env.num_action_chunks)
+        _check_saved_spaces(cfg.model.path, *spaces)
+    for key, problem in POLICIES.get(cfg.model.name).config_problems(
+        cfg.model, cfg.algorithm, spaces[1]
+    ):
+        raise ConfigError(f"{key}: {problem}")
+    check_policy_lora(cfg.model, *spaces, env.num_action_chunks)
+    return spaces, max_episode_steps
+
+
+def env_spaces(env: EnvConfig):
+    """The spaces and time limit of the ``env`` section's env, from one instance made here; an
+    env that cannot be made is a config error naming env.id (or env.kwargs)."""
     try:
         probe = make_env(env.adapter, 1, **{**env_make_kwargs(env), "vectorization_mode": "sync"})
     except MissingExtraError as exc:
@@ -307,18 +323,9 @@ def probe_env(cfg: EmbodiedConfig):
             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         ) from None
     try:
-        spaces = (probe.observation_space, probe.action_space)
+        return (probe.observation_space, probe.action_space), probe.max_episode_steps
     finally:
         probe.close()
-    if cfg.model.path is not None:
-        check_saved_policy(cfg.model, env.num_action_chunks)
-        _check_saved_spaces(cfg.model.path, *spaces)
-    for key, problem in POLICIES.get(cfg.model.name).config_problems(
-        cfg.model, cfg.algorithm, spaces[1]
-    ):
-        raise ConfigError(f"{key}: {problem}")
-    check_policy_lora(cfg.model, *spaces, env.num_action_chunks)
-    return spaces, probe.max_episode_steps
 
 
 def check_embodied_run(cfg: EmbodiedConfig) -> None:
@@ -332,14 +339,17 @@ def check_embodied_run(cfg: EmbodiedConfig) -> None:
     check_policy_builds(cfg, spaces)
 
 
-def check_policy_builds(cfg: EmbodiedConfig, spaces) -> None:
+def check_policy_builds(cfg: EmbodiedConfig, spaces, from_path: bool = True) -> None:
     """The policy ``model.name`` names takes this env's spaces (e.g. a CNN needs pixels, a VLA
-    continuous actions): built on the meta device, no weights."""
-    if cfg.model.path is not None:  # a saved policy: checked against the spaces by probe_env
+    continuous actions): built on the meta device, no weights. ``from_path``: a set
+    ``model.path`` is the saved policy the run starts from (checked by probe_env), not one to
+    build (``tidal sft`` writes it)."""
+    if from_path and cfg.model.path is not None:
         return
+    model = dataclasses.replace(cfg.model, path=None)
     try:
         with torch.random.fork_rng(), torch.device("meta"):
-            build_from_config(cfg.model, *spaces, cfg.env.num_action_chunks)
+            build_from_config(model, *spaces, cfg.env.num_action_chunks)
     except (ValueError, TypeError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(
@@ -427,6 +437,7 @@ def check_embodied_sft(cfg: EmbodiedConfig) -> None:
     check_embodied(cfg)
     validate_sft(cfg)
     _check_demo_source(cfg.env.adapter, "env.adapter", "tidal sft")
+    check_policy_builds(cfg, env_spaces(cfg.env)[0], from_path=False)  # it builds model.path
 
 
 def _check_demo_source(adapter: str, key: str, what: str) -> None:
@@ -440,8 +451,8 @@ def _check_demo_source(adapter: str, key: str, what: str) -> None:
 
 def check_embodied_eval(cfg: EmbodiedConfig, checkpoint: str | None, episodes: int) -> Path | None:
     """A policy to evaluate (saved, or built from the config for a checkpoint's weights), a
-    positive episode count, and the checkpoint folder when one is given; all before the env or
-    the run folder exists."""
+    positive episode count, and the checkpoint folder when one is given; all before the run
+    folder exists."""
     if episodes < 1:
         raise ConfigError(f"--episodes: must be >= 1, got {episodes}")
     if cfg.model.path is None and checkpoint is None:
@@ -450,7 +461,8 @@ def check_embodied_eval(cfg: EmbodiedConfig, checkpoint: str | None, episodes: i
         )
     folder = checkpoint_lora_argument(checkpoint, cfg.model.lora)
     check_embodied(cfg)
-    check_saved_policy(cfg.model, cfg.env.num_action_chunks)
+    spaces, _ = probe_env(cfg)  # the env made once, a saved policy checked against it
+    check_policy_builds(cfg, spaces)
     return folder
 
 
