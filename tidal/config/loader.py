@@ -141,8 +141,11 @@ def _check_applies(cfg, schema: type, given: list[tuple[str, str]]) -> None:
         for decider, values in rule.items():
             named.setdefault(decider, set()).update(values)
     for decider, values in named.items():
-        if schema_value(cfg, decider, default=values) not in values:
-            return
+        try:
+            if schema_value(cfg, decider) not in values:
+                return  # an unknown value: preflight names it, not the keys it would rule out
+        except AttributeError:  # a half without the deciding key
+            continue
     for key, where in given:
         parts = key.split(".")
         for ruled in (".".join(parts[:n]) for n in range(1, len(parts) + 1)):
@@ -247,16 +250,10 @@ def _merge_key(message: str, known: dict[str, str]) -> str:
     return match.group(1) if match else "config"
 
 
-_ABSENT = object()
-
-
-def schema_value(cfg: Any, key: str, default: Any = _ABSENT) -> Any:
-    """The value at dotted ``key``; ``default`` where the config has no such key (else the
-    AttributeError)."""
+def schema_value(cfg: Any, key: str) -> Any:
+    """The value at dotted ``key`` (an AttributeError where the config has no such key)."""
     for part in key.split("."):
-        cfg = getattr(cfg, part) if default is _ABSENT else getattr(cfg, part, _ABSENT)
-        if cfg is _ABSENT:
-            return next(iter(default))
+        cfg = getattr(cfg, part)
     return cfg
 
 
