@@ -47,6 +47,7 @@ MISTAKES = [
     (CARTPOLE, ["--runner.max_steps=3"], "override '--runner.max_steps=3'", "runner.max_steps=3"),
     (CARTPOLE, ["++runner.seed=3"], "override '++runner.seed=3'", "runner.seed=3"),
     (CARTPOLE, ["runner.max_steps"], "override 'runner.max_steps'", "runner.max_steps=VALUE"),
+    (CARTPOLE, ["~algorithm.dual_clip"], "override '~algorithm.dual_clip'", "dual_clip=null"),
     (CARTPOLE, ["runner.seed=one"], "runner.seed", "whole number"),
     (CARTPOLE, ["env.auto_reset=sometimes"], "env.auto_reset", "true or false"),
     (CARTPOLE, ["rollout.max_staleness=-1"], "rollout.max_staleness", ">= 0"),

@@ -156,17 +156,27 @@ def _check_applies(cfg, schema: type, given: list[tuple[str, str]]) -> None:
 
 
 def check_override_spelling(item: str) -> None:
-    """``key.sub=value``; Hydra's ``+key=``, ``++key=``, ``~key`` and ``--key=v`` get told how
-    tidal spells them."""
+    """``key.sub=value``; Hydra's ``+key=``, ``++key=``, ``~key`` and argparse's ``--key=v`` get
+    told how tidal spells them."""
     name, eq, value = item.partition("=")
     bare = name.lstrip("+~-").strip()
-    if name.startswith(("+", "~", "-")):
+    spelled = f"{bare}={value or 'VALUE'}"
+    if name.startswith("~"):
         raise ConfigError(
-            f"override {item!r}: tidal spells an override key.sub=value, e.g. {bare}={value or 'VALUE'} "
-            "(every key exists in the schema, so no '+'; to unset a key give it null, or its default)"
+            f"override {item!r}: tidal removes no keys; give it null ({bare}=null) or its "
+            "default, or leave it out of the file"
+        )
+    if name.startswith("+"):
+        raise ConfigError(
+            f"override {item!r}: tidal spells an override key.sub=value, without '+' (every "
+            f"key exists in the schema): {spelled}"
+        )
+    if name.startswith("-"):
+        raise ConfigError(
+            f"override {item!r}: tidal spells an override key.sub=value, without dashes: {spelled}"
         )
     if not eq:
-        raise ConfigError(f"override {item!r}: expected key.sub=value, e.g. {bare}=VALUE")
+        raise ConfigError(f"override {item!r}: expected key.sub=value, e.g. {spelled}")
 
 
 def _check_keys(given: Iterable[tuple[str, Any]], schema, moved: dict[str, str], where: str):
