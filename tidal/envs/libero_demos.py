@@ -13,12 +13,15 @@ episode draws its own waypoint offsets, so the data covers states off one fixed 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from tidal.envs.demos import Demonstrations, register_demos
 from tidal.envs.libero import LiberoVectorEnv, libero_suite, resolve_tasks, task_problem
+
+log = logging.getLogger("tidal.sft")
 
 # Heights above an object's body origin, metres.
 HOVER = 0.10  # approach from above, and carry at target + this
@@ -186,7 +189,9 @@ def collect_libero_demos(
         finally:
             env.close()
         name = env.task_names[0]
-        rates[name] = sum(r["success"] for r in runs) / tried
+        succeeded = sum(r["success"] for r in runs)
+        rates[name] = succeeded / tried
+        log.info("libero demos: %s: %d of %d scripted episodes succeeded", name, succeeded, tried)
         if len(runs) < demos_per_task:
             short.append(f"{name} ({len(runs)} of {tried})")
         for run in runs:
