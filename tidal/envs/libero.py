@@ -16,8 +16,9 @@ them. Members of a GRPO group share their task and init state. ``init_states`` p
 sft``'s demonstrations: the official states stay the evaluation's).
 
 A step pays ``success`` (1 when the goal predicate holds, else 0; the episode terminates there)
-or, with ``reward: shaped``, that plus a small staged term from privileged state (reach the
-object, lift it, bring it over its target) for RL from scratch.
+or, with ``reward: shaped``, that plus the step's change of a potential from privileged state
+(the gripper near the object, the object over its target; potential-based, so an episode's
+shaping sums to its last potential less its first, below 0.5) for RL from scratch.
 
 Observations (``env.obs_mode``): ``state`` is the proprioception (robosuite's 39 values) and the
 objects (position, quaternion, both relative to the gripper: 14 each), the task's objects of
@@ -207,6 +208,7 @@ class LiberoVectorEnv:
         self.raw_obs: list[dict] = [{} for _ in range(num_envs)]
         self.states = np.zeros((num_envs, PROPRIO_DIM + OBJECT_DIM * self.max_objects))
         self.successes = np.zeros(num_envs, dtype=bool)
+        self._potential = np.zeros(num_envs)  # reward: shaped, the last step's
         self.init_index = np.zeros(num_envs, dtype=np.int64)
         self._steps = np.zeros(num_envs, dtype=np.int64)
         self._ended = np.zeros(num_envs, dtype=bool)
@@ -254,7 +256,9 @@ class LiberoVectorEnv:
             self.successes[i] = bool(done)  # LIBERO's done is its goal predicate
             rewards[i] = float(self.successes[i])
             if self.reward == "shaped":
-                rewards[i] += self.shaping(i)
+                potential = self.shaping(i)
+                rewards[i] += potential - self._potential[i]
+                self._potential[i] = potential
         self._steps += 1
         terms = self.successes & self.terminate_on_success
         truncs = (self._steps >= self.max_episode_steps) & ~terms
@@ -290,6 +294,8 @@ class LiberoVectorEnv:
             obs = env.set_init_state(self.init_states[task][self.init_index[i]])
         self._take(i, obs)
         self._steps[i], self._ended[i], self.successes[i] = 0, False, False
+        if self.reward == "shaped":
+            self._potential[i] = self.shaping(i)
 
     def _objects_of(self, i: int) -> list[str]:
         """Copy ``i``'s object instances, its objects of interest first."""
@@ -351,8 +357,8 @@ class LiberoVectorEnv:
         return np.asarray(self.raw_obs[i]["robot0_eef_pos"], dtype=np.float64)
 
     def shaping(self, i: int) -> float:
-        """Reach (gripper to object), lift (object above its start), carry (object to over the
-        target): each in [0, 1), weighted to sum below 0.5 so success (1) dominates."""
+        """The shaping potential of copy ``i``, in [0, 0.4): reach (the gripper near the object)
+        and carry (the object over its target, while near the gripper)."""
         _, obj, target = self.goal(i)
         hand, at, goal = self.gripper_position(i), self.position(i, obj), self.position(i, target)
         reach = 1.0 - np.tanh(5.0 * np.linalg.norm(hand - at))
