@@ -23,21 +23,21 @@ import gymnasium as gym
 import torch
 
 from tidal.config import EmbodiedConfig, load_config
+from tidal.data.replay import ReplayBuffer
 from tidal.envs.layout import LayoutBox, ObsLayout
 from tidal.runtime import ConfigSections
-from tidal.workers.replay import ReplayBuffer
-from tidal.workers.sac_actor import SACActorWorker
+from tidal.workers.sac_actor import SACActor
 
 PENDULUM = "examples/embodied/pendulum_sac.yaml"
 PIXELS = "examples/embodied/metaworld_reach_pixels_sac.yaml"
 
 
-def worker(path: str, overrides: list[str], obs_space, action_space) -> SACActorWorker:
-    SACActorWorker.torch_device = lambda self, setting="auto": torch.device("cpu")
-    SACActorWorker.rank, SACActorWorker.world_size = 0, 1  # built outside a group
+def worker(path: str, overrides: list[str], obs_space, action_space) -> SACActor:
+    SACActor.torch_device = lambda self, setting="auto": torch.device("cpu")
+    SACActor.rank, SACActor.world_size = 0, 1  # built outside a group
     cfg = load_config(EmbodiedConfig, path, overrides)
-    sections = ConfigSections("bench", cfg, SACActorWorker.config_sections)
-    return SACActorWorker(sections, types.SimpleNamespace(env=1, stages=1), obs_space, action_space)
+    sections = ConfigSections("bench", cfg, SACActor.config_sections)
+    return SACActor(sections, types.SimpleNamespace(env=1, stages=1), obs_space, action_space)
 
 
 def transitions(obs: torch.Tensor, next_obs: torch.Tensor, actions: torch.Tensor, g) -> dict:

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tidal.algorithms import reshape_logprobs  # noqa: E402
 from tidal.config import EmbodiedConfig, load_config  # noqa: E402
 from tidal.runners import EmbodiedRunner  # noqa: E402
-from tidal.workers.actor_worker import ActorWorker  # noqa: E402
+from tidal.workers.embodied_actor import EmbodiedActor  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "examples" / "embodied" / "pendulum_ppo.yaml"
 CASES = {
@@ -34,23 +34,23 @@ CASES = {
 }
 
 
-def per_sample(actor: ActorWorker, logp: torch.Tensor) -> torch.Tensor:
+def per_sample(actor: EmbodiedActor, logp: torch.Tensor) -> torch.Tensor:
     """Log-probs at the loss's level, one number per sample (mean over the rest)."""
     x = reshape_logprobs(logp, actor.cfg.algorithm.logprob_type)
     return x.reshape(x.shape[0], -1).mean(-1)
 
 
 def probe(overrides: list[str], steps: int, seed: int) -> list[dict]:
-    rows, original = [], ActorWorker.run_training
+    rows, original = [], EmbodiedActor.run_training
 
     def run_training(self):
-        before = per_sample(self, self._logprobs_under(self.policy))
+        before = per_sample(self, self._logprobs_under(self.model))
         behave = per_sample(self, self.batch["old_logprobs"])
         lag = self.engine.step - self.batch["versions"]
         stale = lag > 0
         log_ratio = (before - behave)[stale]
         metrics = original(self)
-        after = per_sample(self, self._logprobs_under(self.policy))
+        after = per_sample(self, self._logprobs_under(self.model))
         rows.append(
             {
                 "step": self.engine.step - 1,
@@ -64,7 +64,7 @@ def probe(overrides: list[str], steps: int, seed: int) -> list[dict]:
         )
         return metrics
 
-    ActorWorker.run_training = run_training
+    EmbodiedActor.run_training = run_training
     try:
         cfg = load_config(
             EmbodiedConfig,
@@ -86,7 +86,7 @@ def probe(overrides: list[str], steps: int, seed: int) -> list[dict]:
         finally:
             runner.close()
     finally:
-        ActorWorker.run_training = original
+        EmbodiedActor.run_training = original
     return rows
 
 

@@ -15,7 +15,7 @@ from tidal.runners.embodied.pacer import Pacer, StalenessBudget
 from tidal.runners.preflight import check_embodied
 from tidal.runtime import Handle
 from tidal.runtime.handle import CallResult
-from tidal.workers.actor_worker import ActorWorker
+from tidal.workers.embodied_actor import EmbodiedActor
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "embodied"
 CARTPOLE = EXAMPLES / "cartpole_ppo.yaml"
@@ -139,7 +139,7 @@ def test_the_decoupled_loss_is_the_default_exactly_when_samples_may_be_stale(tmp
 def trained_versions(monkeypatch):
     """(trainer version, versions of the samples in the loss) of every training step."""
     seen = []
-    original = ActorWorker.run_training
+    original = EmbodiedActor.run_training
 
     def recording(self):
         mask = self.batch["mask"]
@@ -147,7 +147,7 @@ def trained_versions(monkeypatch):
         seen.append((self.engine.step, self.batch["versions"][in_loss].clone()))
         return original(self)
 
-    monkeypatch.setattr(ActorWorker, "run_training", recording)
+    monkeypatch.setattr(EmbodiedActor, "run_training", recording)
     return seen
 
 
@@ -184,17 +184,17 @@ def test_async_values_are_the_actors_critics_unless_switched_off(tmp_path, monke
     """GAE, returns and value clipping take the values of the critic being trained, not the
     older one the rollout collected with (``algorithm.recompute_values``)."""
     seen = []  # per step: (lag of each sample, the batch's old values, the critic's values now)
-    original = ActorWorker.run_training
+    original = EmbodiedActor.run_training
 
     def recording(self):
         inputs = {k[3:]: v for k, v in self.batch.items() if k.startswith("in.")}
         with torch.no_grad():
-            now = self.policy.value(inputs).float()
+            now = self.model.value(inputs).float()
         lag = self.engine.step - self.batch["versions"]
         seen.append((lag, self.batch["old_values"].clone(), now))
         return original(self)
 
-    monkeypatch.setattr(ActorWorker, "run_training", recording)
+    monkeypatch.setattr(EmbodiedActor, "run_training", recording)
     cfg = config(
         tmp_path,
         "rollout.max_staleness=1",

@@ -27,7 +27,7 @@ from tidal.engine import TrainEngine
 from tidal.runners.loop import Interrupted, RunLoop
 from tidal.runners.preflight import decide_loggers
 from tidal.runners.run_folder import find_resume_checkpoint
-from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker
+from tidal.workers import EmbodiedActor, EnvWorker, RewardWorker, RolloutWorker
 from tidal.workers.llm_actor import LLMActor
 
 ROOT = Path(__file__).parent.parent
@@ -269,7 +269,7 @@ def test_shared_concepts_have_one_key_in_both_halves():
     [
         (EnvWorker, EmbodiedConfig),
         (RolloutWorker, EmbodiedConfig),
-        (ActorWorker, EmbodiedConfig),
+        (EmbodiedActor, EmbodiedConfig),
         (RewardWorker, EmbodiedConfig),
         (LLMActor, LLMConfig),
     ],

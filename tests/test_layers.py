@@ -107,6 +107,30 @@ def test_config_imports_nothing_of_tidal_but_the_registry_and_the_extras():
     assert not outside, f"tidal.config reaches out of the schema: {sorted(outside)}"
 
 
+def test_no_worker_module_imports_another():
+    """Workers are glue, each read and changed alone: what two of them share lives below them
+    (the actors' base in tidal.trainer, routes in tidal.data.routes, records in tidal.envs)."""
+    inside = sorted(
+        f"{a} -> {b}"
+        for a, b in import_graph().edges
+        if a.startswith("tidal.workers.") and package(b) == "tidal.workers"
+    )
+    assert not inside, "worker modules importing each other:\n" + "\n".join(inside)
+
+
+WORKER_LINES = 250
+
+
+def test_every_worker_module_is_short():
+    """Thin glue: logic that is not goes to the layers below (envs, data, algorithms)."""
+    long = {
+        path.name: n
+        for path in sorted((ROOT / "tidal" / "workers").glob("*.py"))
+        if (n := len(path.read_text().splitlines())) > WORKER_LINES
+    }
+    assert not long, f"worker modules over {WORKER_LINES} lines: {long}"
+
+
 def test_no_modules_import_each_other_in_a_cycle():
     cycles = [sorted(c) for c in nx.strongly_connected_components(import_graph()) if len(c) > 1]
     assert not cycles, f"import cycles: {cycles}"

@@ -4,7 +4,7 @@ copies hold its state; after onload training continues bitwise as without offloa
 import torch
 
 from tidal.config.common import ActorConfig
-from tidal.engine import TrainEngine
+from tidal.engine import MultiOptimizerEngine, TrainEngine
 from tidal.runtime.offload import HostParkedModule, module_and_optimizer_tensors
 
 
@@ -72,3 +72,45 @@ def test_a_reference_copy_steps_off_with_the_engine_and_a_view_is_never_moved():
     assert view.park() == 0 and view.resident_bytes() == 0
     with view.in_use() as same:
         assert same is view.module
+
+
+def _parts_engine(seed: int, **actor) -> MultiOptimizerEngine:
+    """SAC's shape: two parts of one model, each stepped on a loss of its own."""
+    model = _frozen(seed).requires_grad_(True)
+    parts = {
+        "first": (list(model[0].parameters()), 1e-2),
+        "last": (list(model[2].parameters()), 1e-3),
+    }
+    return MultiOptimizerEngine(model, parts, ActorConfig(**actor), name="sac")
+
+
+def _train_parts(engine: MultiOptimizerEngine, steps: int, offload: bool) -> list[bool]:
+    gen, applied = torch.Generator().manual_seed(4), []
+    for _ in range(steps):
+        if offload:
+            assert engine.offload() > 0
+            assert all(p.untyped_storage().size() == 0 for p in engine.model.parameters())
+            engine.onload()
+        x = torch.randn(8, 6, generator=gen)
+        for part in ("first", "last"):
+            applied.append(engine.step_loss(part, (engine.model(x) ** 2).mean()))
+        engine.end_step()
+    return applied
+
+
+def test_the_multi_optimizer_engine_offloads_bitwise_and_guards_each_part():
+    """MultiOptimizerEngine (SAC's): offload and onload leave training bitwise as it was; a
+    non-finite loss skips only its part's step, counted; clipping bounds each part's norm."""
+    plain, offloaded = _parts_engine(5), _parts_engine(5)
+    assert _train_parts(plain, 3, False) == _train_parts(offloaded, 3, True) == [True] * 6
+    for a, b in zip(plain.model.parameters(), offloaded.model.parameters()):
+        assert torch.equal(a, b)
+    before = [p.clone() for p in plain.model.parameters()]
+    assert not plain.step_loss("first", torch.tensor(float("nan"), requires_grad=True))
+    assert plain.skipped_steps == 1 and plain.skips["first"].in_a_row == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, plain.model.parameters()))
+    clipped = _parts_engine(5, max_grad_norm=1e-3)
+    x = torch.randn(8, 6)
+    clipped.step_loss("first", (clipped.model(x) ** 2).mean() * 1e3)
+    grads = [p.grad for p in clipped.model[0].parameters()]
+    assert abs(float(torch.nn.utils.get_total_norm(grads)) - 1e-3) < 1e-6

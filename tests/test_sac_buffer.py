@@ -7,10 +7,10 @@ from sac_runs import TINY, load, read_metrics, run, transitions
 
 from tidal.config import ConfigError
 from tidal.data import EnvOutput
+from tidal.data.replay import ReplayBuffer, buffer_layout, fit_demos
 from tidal.envs.demos import collect_metaworld_demos
+from tidal.envs.recorder import chunk_transition
 from tidal.runners.embodied.offpolicy import OffPolicyRunner
-from tidal.workers.replay import ReplayBuffer, buffer_layout, fit_demos
-from tidal.workers.sac_env import chunk_transition
 
 
 def test_a_chunk_transition_keeps_the_final_observation_and_the_end():

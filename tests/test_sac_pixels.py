@@ -15,7 +15,7 @@ from tidal.models.sac import SquashedGaussianPolicy
 from tidal.models.sac_cnn import random_shift, shift_observations
 from tidal.runners.embodied.offpolicy import OffPolicyRunner
 from tidal.runtime import ConfigSections
-from tidal.workers.sac_actor import SACActorWorker
+from tidal.workers.sac_actor import SACActor
 
 
 def test_random_shift_translates_each_image_by_whole_pixels_with_the_border_replicated():
@@ -43,9 +43,9 @@ def test_random_shift_translates_each_image_by_whole_pixels_with_the_border_repl
 def test_the_encoder_learns_from_the_critic_loss_only(monkeypatch, model):
     """The actor worker's own update: which of its optimizer steps reach the encoder (sac_cnn's
     convolutions and words; sac_mlp's words, when the observation carries instructions)."""
-    monkeypatch.setattr(SACActorWorker, "torch_device", lambda self, setting: torch.device("cpu"))
-    monkeypatch.setattr(SACActorWorker, "rank", 0)  # built outside a group: rank 0 of 1
-    monkeypatch.setattr(SACActorWorker, "world_size", 1)
+    monkeypatch.setattr(SACActor, "torch_device", lambda self, setting: torch.device("cpu"))
+    monkeypatch.setattr(SACActor, "rank", 0)  # built outside a group: rank 0 of 1
+    monkeypatch.setattr(SACActor, "world_size", 1)
     pixels = model == "sac_cnn"
     cfg = load(
         f"model.name={model}",
@@ -56,8 +56,8 @@ def test_the_encoder_learns_from_the_critic_loss_only(monkeypatch, model):
     )
     layout = ObsLayout(state_dim=2, num_tokens=3, vocab_size=64, image_size=8 if pixels else 0)
     space = LayoutBox(layout)
-    sections = ConfigSections("actor", cfg, SACActorWorker.config_sections)
-    worker = SACActorWorker(sections, SimpleNamespace(env=1, stages=1), space, Box(-1, 1, (2,)))
+    sections = ConfigSections("actor", cfg, SACActor.config_sections)
+    worker = SACActor(sections, SimpleNamespace(env=1, stages=1), space, Box(-1, 1, (2,)))
     n = 16
     obs = torch.cat(
         [
@@ -71,7 +71,7 @@ def test_the_encoder_learns_from_the_critic_loss_only(monkeypatch, model):
         {**transitions(n), "obs": obs, "next_obs": obs, "actions": torch.zeros(n, 1, 2)}
     )
     encoder = worker.policy.encoder_parameters()
-    reached, step = {}, worker._step
+    reached, step = {}, worker.engine.step_loss
 
     def recording_step(name, loss):
         for p in encoder:
@@ -80,7 +80,7 @@ def test_the_encoder_learns_from_the_critic_loss_only(monkeypatch, model):
         reached[name] = any(p.grad is not None and p.grad.abs().sum() > 0 for p in encoder)
         return done
 
-    worker._step = recording_step
+    worker.engine.step_loss = recording_step
     worker.update(1)
     assert reached == {"critic": True, "actor": False, "alpha": False}
 

@@ -12,6 +12,9 @@ and its checkpoint state. A trainer hands it micro-batches and a loss function::
 
 ``loss_fn(module, micro_batch) -> (loss, metrics)`` returns the micro-batch's share of the
 minibatch loss (the shares sum to the minibatch loss): the engine backpropagates it as is.
+
+``MultiOptimizerEngine`` is its sibling for a model whose parts step on losses of their own
+(SAC's agent), with the same clipping and non-finite guard (``clip_and_step``, ``SkipGuard``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,17 @@ from typing import Any
 
 import torch
 
-from tidal.checkpoint import rng_state, set_rng_state
+from tidal.checkpoint import (
+    load_checkpoint,
+    load_extra,
+    load_strict,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    staging_folder,
+    staging_path,
+)
+from tidal.config import ConfigError
 from tidal.config.common import ActorConfig
 from tidal.runtime.offload import HostOffload, module_and_optimizer_tensors
 from tidal.strategies import make_strategy
@@ -68,6 +81,36 @@ class SkipGuard:
             )
 
 
+def make_optimizer(cfg: ActorConfig, params, lr: float, **options) -> torch.optim.Optimizer:
+    """``actor.optimizer`` over ``params`` at ``lr``, with the actor's epsilon and weight decay."""
+    return OPTIMIZERS[cfg.optimizer](
+        params, lr=lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay, **options
+    )
+
+
+def clip_and_step(
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    max_norm: float | None,
+    finite: bool = True,
+) -> float:
+    """Clip ``params``' gradients to a global norm of ``max_norm`` (None: no clipping) and step,
+    unless the gradient is not finite (a non-finite update would poison the weights) or is
+    known not to be (``finite`` false: e.g. another rank's loss). Returns the norm: not finite
+    when the step was skipped."""
+    if not finite:
+        return math.nan
+    norm = global_grad_norm(params)
+    if params:  # by a factor of exactly 1 when under max_norm
+        torch.nn.utils.clip_grads_with_norm_(
+            params, math.inf if max_norm is None else max_norm, norm
+        )
+    norm = float(norm)
+    if math.isfinite(norm):
+        optimizer.step()
+    return norm
+
+
 def lr_lambda(schedule: str, warmup: int, total: int) -> Callable[[int], float]:
     """The LR factor at a training step: linear warm-up, then constant, linear or cosine decay."""
 
@@ -99,9 +142,7 @@ class TrainEngine:
         self.strategy = make_strategy(cfg, distributed)
         self.module = self.strategy.wrap(model)  # what the loss calls
         params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = OPTIMIZERS[cfg.optimizer](
-            params, lr=cfg.lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
-        )
+        self.optimizer = make_optimizer(cfg, params, cfg.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps)
         )
@@ -174,17 +215,12 @@ class TrainEngine:
         return metrics
 
     def _optimizer_step(self) -> float:
-        """Clip and step, unless the gradient is not finite: then skip the step (a non-finite
-        update would poison the weights), warn, and abort after too many in a row."""
+        """Clip and step, unless the gradient is not finite: then skip the step, warn, and
+        abort after too many in a row."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
-        norm = global_grad_norm(params)
-        if params:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        norm = float(norm)
+        norm = clip_and_step(self.optimizer, params, self.cfg.max_grad_norm)
         self.optimizer_steps += 1
         if math.isfinite(norm):
-            self.optimizer.step()
             self.skips.stepped()
         else:
             self.skipped_steps += 1
@@ -258,6 +294,151 @@ class TrainEngine:
         self.optimizer_steps = counters.get("optimizer_steps", 0)
         self.skipped_steps = counters.get("skipped_steps", 0)
         return meta
+
+
+class MultiOptimizerEngine:
+    """The train engine's sibling for a model whose parts each step on a loss of their own
+    (SAC: the actor, the critics, the temperature): one optimizer per part, each step with the
+    same non-finite guard and clipping as ``TrainEngine``'s; over several ranks the model starts
+    as rank 0's and each step averages the part's gradients over the ranks (one flat
+    all-reduce, which also tells every rank whether any rank's loss was not finite, so all
+    skip alike); offload and the checkpoint state (per-rank state included) as the engine's.
+
+    ``step`` counts training steps (``end_step``), the version of the weights."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        parts: dict[str, tuple[list[torch.nn.Parameter], float]],
+        cfg: ActorConfig,
+        world_size: int = 1,
+        name: str = "actor",
+    ):
+        self.model, self.cfg, self.world_size = model, cfg, world_size
+        self.optimizers = {
+            part: make_optimizer(cfg, params, lr, foreach=True)
+            for part, (params, lr) in parts.items()
+        }
+        # per part: one may keep failing while the others step
+        self.skips = {part: SkipGuard(f"{name} {part}", cfg.max_skipped_steps) for part in parts}
+        self.step = 0
+        self.skipped_steps = 0  # over all parts
+        self._host = HostOffload()
+        if world_size > 1:
+            broadcast_from_rank0(model)
+
+    def step_loss(self, part: str, loss: torch.Tensor) -> bool:
+        """One optimizer step of ``part`` on ``loss``; whether it was applied (a non-finite loss
+        or gradient on any rank is skipped, counted, and warned about)."""
+        optimizer = self.optimizers[part]
+        optimizer.zero_grad(set_to_none=True)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        finite = bool(torch.isfinite(loss))
+        if finite:
+            loss.backward()
+        if self.world_size > 1:  # the mean of an overflowed gradient overflows on every rank
+            finite = average_gradients(params, finite, self.world_size)
+        with_grad = [p for p in params if p.grad is not None]
+        norm = clip_and_step(optimizer, with_grad, self.cfg.max_grad_norm, finite)
+        if math.isfinite(norm):
+            self.skips[part].stepped()
+            return True
+        self.skipped_steps += 1
+        self.skips[part].skipped(f"update {self.step + 1}", self.skipped_steps)
+        return False
+
+    def end_step(self) -> None:
+        self.step += 1
+
+    def offload(self) -> int:
+        """As ``TrainEngine.offload``, every part's optimizer state included."""
+        tensors = module_and_optimizer_tensors(self.model, None)
+        for optimizer in self.optimizers.values():
+            tensors += [
+                v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+            ]
+        return self._host.offload(tensors)
+
+    def onload(self) -> int:
+        return self._host.onload()
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def save(
+        self, path: str | Path, meta: dict, extra: dict | None, rank: int, own: dict
+    ) -> Path | None:
+        """The model (``model.safetensors``: the ranks hold the same), rank 0's optimizers, and
+        each rank's own state (``own``, with its RNG and the engine's counters): rank 0's in
+        ``state.pt``, a rank > 0's in ``rank_file(rank)`` of the staging folder rank 0 then
+        renames into place (a crash before leaves older checkpoints whole). Every rank calls
+        it; the folder's path on rank 0."""
+        counters = {"updates": self.step, "skipped": self.skipped_steps}
+        own = {**own, "rng": rng_state(), "counters": {**counters, **own.get("counters", {})}}
+        meta = {**meta, "version": self.step, "actor_ranks": self.world_size}
+        staged = None
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            staged = staging_folder(path, "ranks") if rank == 0 else None
+            dist.barrier()  # the folder exists
+            if rank != 0:
+                torch.save(own, staging_path(path, "ranks") / rank_file(rank))
+            dist.barrier()  # every rank's file is written
+            if rank != 0:
+                return None
+        own["optimizers"] = {k: o.state_dict() for k, o in self.optimizers.items()}
+        return save_checkpoint(path, self.model.state_dict(), own, meta, extra, staged)
+
+    def load(self, path: str | Path, rank: int) -> tuple[dict, dict]:
+        """Model, optimizers, RNG and counters, strictly; this rank's own state and the meta.
+        A checkpoint of another number of ranks is refused (each rank kept its own state)."""
+        model_state, state, meta = load_checkpoint(path)
+        saved_ranks = meta.get("actor_ranks", 1)
+        if saved_ranks != self.world_size:
+            raise ConfigError(
+                f"cluster.placement: the checkpoint {path} was trained on {saved_ranks} actor "
+                f"rank(s), each with state of its own; resume it on {saved_ranks}, got "
+                f"{self.world_size}"
+            )
+        load_strict(self.model, model_state, str(path))
+        for k, optimizer in self.optimizers.items():
+            optimizer.load_state_dict(state["optimizers"][k])
+        own = state if rank == 0 else load_extra(path, rank_file(rank))
+        set_rng_state(own["rng"])
+        self.step, self.skipped_steps = own["counters"]["updates"], own["counters"]["skipped"]
+        return own, meta
+
+
+def rank_file(rank: int) -> str:
+    """What rank ``rank`` > 0 of a ``MultiOptimizerEngine`` keeps in a checkpoint."""
+    return f"actor_rank{rank}.pt"
+
+
+def broadcast_from_rank0(model: torch.nn.Module) -> None:
+    """Rank 0's weights on every rank (the seeds agree; this makes it certain)."""
+    import torch.distributed as dist
+
+    for t in model.state_dict().values():
+        dist.broadcast(t, 0)
+
+
+def average_gradients(params: list[torch.nn.Parameter], finite: bool, world_size: int) -> bool:
+    """The mean of the ranks' gradients in place, as one flat all-reduce that also counts the
+    ranks whose loss was finite; whether all were."""
+    import torch.distributed as dist
+
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    flag = torch.tensor([float(finite)], device=grads[0].device)
+    flat = torch.cat([*(g.reshape(-1) for g in grads), flag])
+    dist.all_reduce(flat)
+    if flat[-1].item() < world_size:
+        return False
+    flat /= world_size
+    offset = 0
+    for p, g in zip(params, grads, strict=True):
+        p.grad = flat[offset : offset + g.numel()].view_as(g)
+        offset += g.numel()
+    return True
 
 
 def host_floats(metrics: dict[str, list]) -> dict[str, list[float]]:

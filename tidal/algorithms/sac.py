@@ -118,3 +118,46 @@ class SACObjective:
     def alpha(self, log_alpha: torch.Tensor, logp: torch.Tensor) -> tuple[torch.Tensor, dict]:
         loss = alpha_loss(log_alpha, logp, self.target_entropy)
         return loss, {"alpha_loss": loss.detach()}
+
+    def update(self, agent, batch: dict, alpha, step, version: int, generator=None) -> dict:
+        """One SAC update of ``agent`` (``policy``, ``critics``, ``targets``, ``log_alpha``) on
+        a minibatch (observations already augmented): the critics' step, every
+        ``policy_delay``-th ``version`` the actor's and the temperature's, then the targets.
+        ``step(part, loss)`` applies one part's optimizer step and says whether it did (the
+        train engine's); returns the terms (tensors), none when the critics' step was skipped."""
+        policy = agent.policy
+        with torch.no_grad():  # the target critics read the online encoder (as DrQ-v2)
+            next_features = policy.encode(batch["next_obs"])
+            next_actions, next_logp = policy.sample_features(next_features)
+            next_q = agent.targets(next_features, next_actions)
+            target = self.target(batch, next_q, next_logp, alpha, generator)
+        features = policy.encode(batch["obs"])
+        loss, info = self.critic(agent.critics(features, batch["actions"]), target)
+        if not step("critic", loss):
+            return {}
+        if version % self.policy_delay == 0:
+            # the critics' features, detached: the actor's loss does not train the encoder
+            features = features.detach()
+            actions, logp = policy.sample_features(features)
+            loss, actor_info = self.actor(
+                logp, frozen_call(agent.critics, features, actions), alpha
+            )
+            if step("actor", loss):
+                info.update(actor_info)
+            if self.tunes_alpha:
+                loss, alpha_info = self.alpha(agent.log_alpha, logp)
+                if step("alpha", loss):
+                    info.update(alpha_info)
+        polyak_update(agent.targets, agent.critics, self.tau)
+        return info
+
+
+def frozen_call(module: torch.nn.Module, *args) -> torch.Tensor:
+    """``module(*args)`` with its weights frozen: a loss that needs the gradient through the
+    inputs only (SAC's actor through the critics) would pay a third of its backward pass for
+    the weights' gradients (and the next critic step clears them anyway)."""
+    module.requires_grad_(False)
+    try:
+        return module(*args)
+    finally:
+        module.requires_grad_(True)

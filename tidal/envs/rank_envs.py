@@ -10,7 +10,7 @@ from tidal.data import EnvOutput
 from tidal.envs.base import ChunkedEnv, VectorEnvAdapter, env_make_kwargs, make_env
 from tidal.envs.checks import NonFiniteGuard
 from tidal.envs.recorder import StageRecorder
-from tidal.envs.seeds import evaluation_seeds, training_seeds
+from tidal.envs.seeds import evaluation_offset, evaluation_seeds, training_seeds
 from tidal.envs.video import FrameRecorder
 
 
@@ -133,3 +133,25 @@ class EvaluationEnvs:
             False,
             evaluation_seeds(runner.seed, count, first=rank * count),
         )
+
+    def start(self, epoch: int) -> None:
+        """A new evaluation after training epoch ``epoch`` (its seeds' offset): every env
+        resets, the recorder starts filming."""
+        if self.video is not None:
+            self.video.start()
+        self.obs = self.env.reset(seed_offset=evaluation_offset(epoch)).obs
+        self.env.stats.drain()
+
+    def step(self, actions: np.ndarray, where: str) -> None:
+        out = self.env.step(actions)
+        self.guard.check(out, ("obs", "rewards"), "eval env", where)
+        self.obs = out.obs
+
+    def results(self) -> dict:
+        """Whether every env has finished its episode, the frames filmed since the last call,
+        and the episodes' statistics."""
+        finished = self.env.all_reported()
+        video = None if self.video is None else self.video.take()
+        if finished and self.video is not None:
+            self.video.stop()
+        return {"finished": finished, "video": video, **self.env.stats.drain()}

@@ -87,3 +87,56 @@ class PolicyRecorder:
             versions=_stack([a.version for a in steps]),
             bootstrap_inputs=last.forward_inputs,
         )
+
+
+def chunk_transition(
+    obs: torch.Tensor, actions: torch.Tensor, out: EnvOutput, gamma: float
+) -> dict[str, torch.Tensor]:
+    """One chunk step as one transition per env (off-policy): the chunk's rewards discounted
+    within it, its end (termination wins over truncation), the observation it ended on
+    (``final_obs`` where an episode ended, else the next one) and the actions it took
+    (``steps``)."""
+    dones = out.dones
+    chunk = dones.shape[1]
+    ended = dones.any(-1)
+    steps = torch.where(
+        ended, dones.float().argmax(-1) + 1, torch.full_like(ended, chunk, dtype=torch.long)
+    )
+    discounts = gamma ** torch.arange(chunk, dtype=torch.float32)
+    final = out.final_obs if out.final_obs is not None else out.obs
+    terminated = out.terminations.any(-1)
+    return {
+        "obs": obs.float(),
+        "actions": actions.float(),
+        "rewards": (out.rewards.float() * discounts).sum(-1),
+        "terminations": terminated,
+        "truncations": out.truncations.any(-1) & ~terminated,
+        "next_obs": torch.where(ended[:, None], final, out.obs).float(),
+        "steps": steps.long(),
+    }
+
+
+class SegmentRecorder:
+    """One stage's transitions of an off-policy collection segment, each env's kept for one
+    actor rank (contiguous blocks of the stage's envs, so every rank's buffer holds whole
+    episodes of its own envs); rows with a non-finite value are left out."""
+
+    def __init__(self, stage_envs: int, actor_ranks: int, gamma: float):
+        self.actor_of_env = torch.arange(stage_envs) * actor_ranks // stage_envs
+        self.actor_ranks, self.gamma = actor_ranks, gamma
+        self.records: list[dict[str, torch.Tensor]] = []
+
+    def add(self, obs: torch.Tensor, actions: torch.Tensor, out: EnvOutput, bad) -> None:
+        record = chunk_transition(obs, actions, out, self.gamma)
+        record["actor_rank"] = self.actor_of_env
+        keep = ~torch.as_tensor(bad)
+        self.records.append({k: v[keep] for k, v in record.items()})
+
+    def transitions(self) -> int:
+        return sum(r["rewards"].shape[0] for r in self.records)
+
+    def per_actor(self) -> list[dict[str, torch.Tensor]]:
+        """The segment's transitions split by actor rank."""
+        segment = {k: torch.cat([r[k] for r in self.records]) for k in self.records[0]}
+        owner = segment.pop("actor_rank")
+        return [{k: v[owner == a] for k, v in segment.items()} for a in range(self.actor_ranks)]

@@ -39,6 +39,7 @@ from tidal.config.embodied import (
 from tidal.config.loader import require
 from tidal.config.offpolicy import ON_POLICY, SAC_POLICIES
 from tidal.config.schema import decide
+from tidal.data.replay import buffer_layout, read_demos
 from tidal.envs import adapter_arguments, env_make_kwargs, list_env_adapters, make_env
 from tidal.envs.demos import DEMO_SOURCES
 from tidal.extras import MissingExtraError, installed, missing_extra
@@ -54,7 +55,6 @@ from tidal.runtime.backends import backend_class, backend_names
 from tidal.runtime.devices import DeviceError, check_device_setting
 from tidal.runtime.placement import _parse_spec_string
 from tidal.strategies import STRATEGIES, check_resume
-from tidal.workers.replay import buffer_layout, read_demos
 from tidal.workers.reward_worker import REWARD_MODELS
 
 # -- both halves ---------------------------------------------------------------------------------

@@ -1,5 +1,8 @@
 """The env worker: steps its share of vectorised envs in action chunks, talks to the rollout
-over channels stage by stage, and assembles the trajectories it sends to the actor."""
+over channels stage by stage, and sends what it recorded to the actor: an epoch's trajectories
+(``interact``, on-policy) or a segment's transitions for the replay buffer (``collect``,
+off-policy). Its envs are ``tidal/envs/rank_envs.py``'s, its records ``tidal/envs/recorder.py``'s
+and its routes ``tidal/data/routes.py``'s."""
 
 from __future__ import annotations
 
@@ -8,20 +11,12 @@ import math
 import torch
 
 from tidal.algorithms import advantage_spec
-from tidal.data import ChunkActions, EnvOutput, PolicyRecord
+from tidal.data import ChunkActions, EnvOutput
+from tidal.data.routes import EnvRoutes, Topology
 from tidal.envs import ChunkedEnv
 from tidal.envs.rank_envs import EvaluationEnvs, TrainingEnvs
-from tidal.envs.recorder import StageRecorder
-from tidal.envs.seeds import evaluation_offset
-from tidal.runtime import Channel, ConfigSections, Outbox, Worker, async_recv_batch
-from tidal.workers.routes import (
-    TRAJECTORY_TAG,
-    Topology,
-    action_tag,
-    obs_tag,
-    policy_tag,
-    reward_tags,
-)
+from tidal.envs.recorder import SegmentRecorder, StageRecorder
+from tidal.runtime import Channel, ConfigSections, Outbox, Worker
 
 
 class EnvWorker(Worker):
@@ -39,8 +34,11 @@ class EnvWorker(Worker):
         self.stages, self.stage_envs = self.train_envs.num_stages, self.train_envs.stage_envs
         self.max_episode_steps = self.train_envs.max_episode_steps
         self.eval_envs = EvaluationEnvs(cfg.env, cfg.runner, self.rank, self.world_size)
+        self.routes = EnvRoutes(self.rank, self.world_size, topology)
         self.epoch = 0
         self._prefetched = False  # the next epoch's first observations were already sent
+        # off-policy: each stage's last answer of a segment, stepped first in the next one
+        self.pending: list[ChunkActions | None] = [None] * self.stages
 
     # -- one training epoch -------------------------------------------------------------
 
@@ -66,7 +64,7 @@ class EnvWorker(Worker):
         needs = [nothing_ended] * self.stages
         for t in range(steps + 1):
             for s in range(self.stages):
-                act: ChunkActions = await self._recv_actions(env_ch, "train", s, timeout)
+                act: ChunkActions = await self.routes.recv_actions(env_ch, "train", s, timeout)
                 rec = recorders[s]
                 if t > 0 and act.final_values is not None and needs[s] is not nothing_ended:
                     rec.add_bootstrap(needs[s], act.final_values, self.gamma)
@@ -77,7 +75,7 @@ class EnvWorker(Worker):
                 where = f"training step {self.epoch + 1}, chunk step {t}"
                 bad = train.guards[s].check(out, ("obs", "final_obs", "rewards"), "env", where)
                 if reward_ch is not None:
-                    out.rewards = await self._model_rewards(
+                    out.rewards = await self.routes.model_rewards(
                         outbox, reward_ch, env_ch, out, s, timeout
                     )
                     bad |= train.guards[s].check(out, ("rewards",), "reward model", where)
@@ -93,7 +91,7 @@ class EnvWorker(Worker):
                 train.obs[s] = out.obs
                 # final_obs always travels (a copy of obs where nothing ended): shards merge alike
                 final_obs = out.final_obs if out.final_obs is not None else out.obs
-                await self._send_obs(
+                await self.routes.send_obs(
                     outbox,
                     rollout_ch,
                     EnvOutput(obs=out.obs, final_obs=final_obs, needs_bootstrap=needs[s]),
@@ -102,15 +100,8 @@ class EnvWorker(Worker):
                 )
         for s, rec in enumerate(recorders):
             train.last_dones[s] = rec.dones[-1]
-            policy = await self._recv_policy_record(env_ch, s, timeout)
-            await outbox.send(
-                actor_ch,
-                rec.trajectory(policy),
-                self.rank * self.stages + s,
-                self.world_size * self.stages,
-                self.topo.actor,
-                tag=TRAJECTORY_TAG,
-            )
+            policy = await self.routes.recv_policy_record(env_ch, s, timeout)
+            await self.routes.send_trajectory(outbox, actor_ch, rec.trajectory(policy), s)
         await outbox.flush()
         self.epoch += 1
         return {
@@ -125,7 +116,7 @@ class EnvWorker(Worker):
         to the rollout."""
         self.train_envs.start_epoch(self.epoch)
         for s in range(self.stages):
-            await self._send_obs(
+            await self.routes.send_obs(
                 outbox, rollout_ch, EnvOutput(obs=self.train_envs.obs[s]), "train", s
             )
 
@@ -154,24 +145,14 @@ class EnvWorker(Worker):
         has finished its episode, so short episodes end an evaluation early."""
         ev = self.eval_envs
         if start:
-            if ev.video is not None:
-                ev.video.start()
-            ev.obs = ev.env.reset(seed_offset=evaluation_offset(self.epoch)).obs
-            ev.env.stats.drain()
+            ev.start(self.epoch)
         outbox = Outbox()
         for _ in range(num_steps):
-            await self._send_obs(outbox, rollout_ch, EnvOutput(obs=ev.obs), "eval", 0)
-            act = await self._recv_actions(env_ch, "eval", 0, timeout)
-            out = ev.env.step(act.env_actions.numpy())
-            where = f"the evaluation after training step {self.epoch}"
-            ev.guard.check(out, ("obs", "rewards"), "eval env", where)
-            ev.obs = out.obs
+            await self.routes.send_obs(outbox, rollout_ch, EnvOutput(obs=ev.obs), "eval", 0)
+            act = await self.routes.recv_actions(env_ch, "eval", 0, timeout)
+            ev.step(act.env_actions.numpy(), f"the evaluation after training step {self.epoch}")
         await outbox.flush()
-        finished = ev.env.all_reported()
-        video = None if ev.video is None else ev.video.take()
-        if finished and ev.video is not None:
-            ev.video.stop()
-        return {"finished": finished, "video": video, **ev.env.stats.drain()}
+        return ev.results()
 
     async def _step(self, env: ChunkedEnv, actions):
         """With several pipeline stages and an event loop shared with the rollout (local), the
@@ -182,64 +163,52 @@ class EnvWorker(Worker):
             return await self.offload(env.step, actions)
         return env.step(actions)
 
-    # -- routing ------------------------------------------------------------------------
+    # -- one off-policy segment ---------------------------------------------------------
 
-    async def _send_obs(
-        self, outbox: Outbox, rollout_ch: Channel, out: EnvOutput, mode: str, stage: int
-    ) -> None:
-        await outbox.send(
-            rollout_ch, out, self.rank, self.world_size, self.topo.rollout, tag=obs_tag(mode, stage)
-        )
-
-    async def _recv_actions(
-        self, env_ch: Channel, mode: str, stage: int, timeout: float
-    ) -> ChunkActions:
-        return await async_recv_batch(
-            env_ch,
-            self.rank,
-            self.topo.rollout,
-            self.world_size,
-            self.topo.stage_batch(mode),
-            tag=action_tag(mode, stage),
-            timeout=timeout,
-        )
-
-    async def _recv_policy_record(
-        self, env_ch: Channel, stage: int, timeout: float
-    ) -> PolicyRecord:
-        """The rollout's half of this stage's epoch (``RolloutWorker.generate`` with
-        ``policy_record``): the envs of this rank, from every rollout rank that served them."""
-        return await async_recv_batch(
-            env_ch,
-            self.rank,
-            self.topo.rollout,
-            self.world_size,
-            self.topo.stage_batch("train"),
-            tag=policy_tag(stage),
-            timeout=timeout,
-        )
-
-    async def _model_rewards(
-        self,
-        outbox: Outbox,
-        reward_ch: Channel,
-        env_ch: Channel,
-        out: EnvOutput,
-        stage: int,
-        timeout: float,
-    ) -> torch.Tensor:
-        tag_in, tag_out = reward_tags(stage)
-        await outbox.send(reward_ch, out, self.rank, self.world_size, self.topo.reward, tag=tag_in)
-        rewards = await async_recv_batch(
-            env_ch,
-            self.rank,
-            self.topo.reward,
-            self.world_size,
-            self.topo.stage_batch("train"),
-            tag=tag_out,
-            timeout=timeout,
-        )
-        return rewards["rewards"]
+    async def collect(
+        self, rollout_ch: Channel, env_ch: Channel, actor_ch: Channel, timeout: float = 600.0
+    ) -> dict:
+        """One segment: ``rollout.num_steps`` chunk steps per env (``+ 1`` after the first
+        segment: the answer kept from the last one, so no action is wasted and the envs never
+        wait for a reset between segments); each stage's transitions go to the actor ranks as
+        one message each. Transitions with a non-finite observation or reward are named by the
+        guard, left out, and their env restarted."""
+        train, steps, routes = self.train_envs, self.cfg.rollout.num_steps, self.routes
+        outbox = Outbox()
+        first = self.pending[0] is None
+        for s in range(self.stages) if first else ():
+            await routes.send_obs(outbox, rollout_ch, EnvOutput(obs=train.obs[s]), "train", s)
+        segments = [
+            SegmentRecorder(self.stage_envs, self.topo.actor, self.gamma)
+            for _ in range(self.stages)
+        ]
+        for t in range(steps if first else steps + 1):
+            for s in range(self.stages):
+                act = self.pending[s] if t == 0 and not first else None
+                if act is None:
+                    act = await routes.recv_actions(env_ch, "train", s, timeout)
+                out = await self._step(train.envs[s], act.env_actions.numpy())
+                where = f"collection segment {self.epoch + 1}, chunk step {t}"
+                bad = train.guards[s].check(out, ("obs", "final_obs", "rewards"), "env", where)
+                segments[s].add(train.obs[s], act.actions, out, bad)
+                if bad.any():
+                    out.obs = train.envs[s].restart(bad, out.obs)
+                train.guards[s].count(bad, where)
+                train.obs[s] = out.obs
+                await routes.send_obs(outbox, rollout_ch, EnvOutput(obs=out.obs), "train", s)
+        for s, segment in enumerate(segments):
+            self.pending[s] = await routes.recv_actions(env_ch, "train", s, timeout)
+            await routes.send_transitions(outbox, actor_ch, segment.per_actor(), s)
+        await outbox.flush()
+        self.epoch += 1
+        chunks = len(segments[0].records) * self.stage_envs * self.stages
+        return {
+            **train.episodes(),
+            "env_steps": chunks * self.cfg.env.num_action_chunks,
+            "transitions": sum(segment.transitions() for segment in segments),
+            "chunk_steps": chunks,
+            "nonfinite": train.drain_nonfinite(),
+        }
 
     # -- checkpoints --------------------------------------------------------------------
 
@@ -247,8 +216,13 @@ class EnvWorker(Worker):
         """Where the training envs are (``TrainingEnvs.state_dict``) and the epoch (it also
         offsets the reset and evaluation seeds). The eval envs restart at every evaluation, so
         they have nothing to keep. A prefetched epoch start (``prefetched``) is for the runner to
-        redo on resume: its resets are seeded, so it sends the same observations."""
-        return {"epoch": self.epoch, **self.train_envs.state_dict(), "prefetched": self._prefetched}
+        redo on resume: its resets are seeded, so it sends the same observations. Off-policy:
+        the kept answers (``pending``; the next segment steps them first)."""
+        pending = None
+        if self.pending[0] is not None:
+            pending = [{"actions": p.actions, "env_actions": p.env_actions} for p in self.pending]
+        state = {"epoch": self.epoch, **self.train_envs.state_dict()}
+        return {**state, "prefetched": self._prefetched, "pending": pending}
 
     def load_state_dict(self, state: dict) -> list[str]:
         """Restore what ``state_dict`` saved; returns what it could not capture or restore."""
@@ -257,6 +231,8 @@ class EnvWorker(Worker):
             return [mismatch]  # another layout: keep the fresh envs
         self.train_envs.load_state_dict(state)
         self._prefetched = False
+        if state.get("pending") is not None and not state["missed"]:
+            self.pending = [ChunkActions(**p) for p in state["pending"]]
         return state["missed"]
 
     def close(self) -> None:

@@ -8,34 +8,18 @@ import functools
 import numpy as np
 import torch
 
-from tidal.algorithms.objectives import (
-    PolicyInputs,
-    make_objective,
-    minibatch_denominators,
-    staleness_metrics,
-)
+from tidal.algorithms.objectives import PolicyInputs, minibatch_denominators, staleness_metrics
 from tidal.algorithms.tokens import (
     length_grouped_micro_batches,
     sequence_token_advantages,
     token_logprobs,
 )
 from tidal.data import LLMBatch
-from tidal.engine import TrainEngine
 from tidal.models.llm import load_causal_lm
-from tidal.models.lora import (
-    apply_lora,
-    drain,
-    lora_meta,
-    reference_model,
-    rollout_weight_stream,
-    rollout_weights,
-    save_pretrained_folder,
-)
-from tidal.runtime import ConfigSections, Worker
+from tidal.models.lora import apply_lora, save_pretrained_folder
+from tidal.runtime import ConfigSections
 from tidal.runtime.devices import to_device
-from tidal.runtime.weight_sync import WeightLinks
-from tidal.strategies import build_model
-from tidal.workers.offloading import ActorOffload
+from tidal.trainer import Trainer
 
 
 def trained_model(m, weights: bool = True) -> torch.nn.Module:
@@ -47,55 +31,18 @@ def trained_model(m, weights: bool = True) -> torch.nn.Module:
     return apply_lora(model, m.lora, repr(m.path))
 
 
-class LLMActor(Worker, WeightLinks, ActorOffload):
+class LLMActor(Trainer):
+    """The language actor: token log-probs, advantages and PPO-family steps over token-budget
+    micro-batches; the model, its reference, the engine, the weights out and the checkpoints
+    are the ``Trainer``'s (tidal/trainer.py)."""
+
     config_sections = ("cluster", "runner", "rollout", "model", "actor", "algorithm")
 
     def __init__(self, cfg: ConfigSections):
-        self.cfg = cfg
-        torch.set_num_threads(cfg.cluster.torch_threads)
-        torch.manual_seed(cfg.runner.seed)
-        m = cfg.model
-        self.compute_device = self.torch_device(cfg.cluster.device)
-        # fsdp2: only rank 0 reads the weights; the others fill their shards from it. A KL
-        # reference without LoRA is a full copy of the model: then every rank loads it
-        keep_ref = cfg.algorithm.kl_coef > 0
-        self.model = build_model(
-            cfg.actor,
-            lambda: trained_model(m),
-            self.rank,
-            self.world_size,
-            self.compute_device,
-            skeleton=lambda: trained_model(m, weights=False),
-            whole=keep_ref and m.lora.rank == 0,
-        )
-        self.ref = reference_model(self.model, keep=keep_ref)
-        self.init_offload()
-        if self.world_size > 1:
-            self.init_distributed()
-        self.engine = TrainEngine(
-            self.model, cfg.actor, cfg.runner.max_steps, distributed=self.world_size > 1
-        )
+        self.setup_rank(cfg)
+        # fsdp2: only rank 0 reads the weights; the others fill their shards from it
+        self.build_trainer(functools.partial(trained_model, cfg.model))
         self.temperature = cfg.rollout.temperature
-        self.objective = make_objective(cfg.algorithm)
-
-    def send_weights(self, link, num_servers: int = 0) -> int:
-        """Rank 0 sends over the run's weight link (or a bare channel to ``num_servers``);
-        every rank calls it, since sharded weights are gathered."""
-        weights = self.weight_stream()
-        if self.rank == 0:
-            self.weight_end(link, "send", num_servers).send(weights, self.version)
-        else:
-            drain(weights)  # this rank's part of each layer's gather
-        return self.version
-
-    def weight_tensors(self):
-        """The ``(name, tensor)`` pairs a weight link sends, on rank 0 (None elsewhere)."""
-        return rollout_weights(self.model, self.engine, self.rank)
-
-    def weight_stream(self):
-        """The same pairs read lazily (gathered layer by layer under fsdp2): every rank reads
-        it to the end, and only rank 0's yields."""
-        return rollout_weight_stream(self.model, self.engine, self.rank)
 
     def save_weights_folder(self, folder: str) -> int:
         """The weights as a ``save_pretrained`` safetensors folder (for servers that reload from
@@ -104,15 +51,6 @@ class LLMActor(Worker, WeightLinks, ActorOffload):
         if self.rank == 0:
             save_pretrained_folder(self.model, folder, dict(weights))
         return self.version
-
-    @property
-    def version(self) -> int:
-        """The policy version: training steps applied to the weights."""
-        return self.engine.step
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's own weights (under fsdp2: its shards; ``send_weights`` gathers)."""
-        return self.model.state_dict()
 
     def my_rows(self, minibatch: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous block of a global minibatch's rows: equal blocks, or one row
@@ -220,11 +158,3 @@ class LLMActor(Worker, WeightLinks, ActorOffload):
         )
         loss, info = self.objective.loss(policy, norm=norm, agg=alg.loss_agg)
         return loss, {k: v.detach() if torch.is_tensor(v) else float(v) for k, v in info.items()}
-
-    def save(self, path: str, meta: dict) -> str | None:
-        meta = {**meta, "version": self.version, "lora": lora_meta(self.cfg.model.lora)}
-        saved = self.engine.save(path, meta, rank=self.rank)
-        return None if saved is None else str(saved)
-
-    def load(self, path: str) -> dict:
-        return self.engine.load(path)

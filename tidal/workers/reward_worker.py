@@ -8,9 +8,9 @@ from collections.abc import Callable
 import torch
 
 from tidal.data import EnvOutput
+from tidal.data.routes import Topology, reward_tags
 from tidal.registry import Registry
 from tidal.runtime import Channel, ConfigSections, Outbox, Worker, async_recv_batch
-from tidal.workers.routes import Topology, reward_tags
 
 RewardModel = Callable[[EnvOutput], torch.Tensor]  # -> rewards [B, C]
 REWARD_MODELS: Registry[Callable[..., RewardModel]] = Registry("reward model", "reward.name")

@@ -9,6 +9,7 @@ import torch
 from tidal.checkpoint import rng_state, set_rng_state
 from tidal.config import EmbodiedConfig
 from tidal.data import ChunkActions, EnvOutput
+from tidal.data.routes import Topology, action_tag, obs_tag, policy_tag
 from tidal.envs.recorder import PolicyRecorder
 from tidal.models.factory import build_from_config
 from tidal.runtime import (
@@ -21,7 +22,6 @@ from tidal.runtime import (
 )
 from tidal.runtime.devices import to_host
 from tidal.runtime.weight_sync import WeightLinks, load_checked
-from tidal.workers.routes import Topology, action_tag, obs_tag, policy_tag
 
 
 def make_policy(

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tidal.config import EmbodiedConfig
 from tidal.config.embodied import components, same_process
+from tidal.data.replay import buffer_layout, fit_demos
 from tidal.runners.embodied.groups import (
     EmbodiedGroups,
     env_steps_reached,
@@ -38,10 +39,8 @@ from tidal.runners.preflight import (
     probe_env,
 )
 from tidal.runtime import Handle
-from tidal.workers import RolloutWorker
-from tidal.workers.replay import buffer_layout, fit_demos
-from tidal.workers.sac_actor import SACActorWorker
-from tidal.workers.sac_env import TransitionEnvWorker
+from tidal.workers import EnvWorker, RolloutWorker
+from tidal.workers.sac_actor import SACActor
 
 log = logging.getLogger("tidal.train")
 
@@ -99,9 +98,9 @@ class OffPolicyRunner(RunLoop):
         self.groups = g = EmbodiedGroups(cfg, self.run_dir, self.cluster)
         g.launch(
             self.place(components(cfg)),
-            env=TransitionEnvWorker.create_group(cfg, topo),
+            env=EnvWorker.create_group(cfg, topo),
             rollout=RolloutWorker.create_group(cfg, topo, *spaces),
-            actor=SACActorWorker.create_group(cfg, topo, *spaces),
+            actor=SACActor.create_group(cfg, topo, *spaces),
         )
         self.env, self.rollout, self.actor, self.channels = g.env, g.rollout, g.actor, g.channels
         if self.sft_demos is not None:

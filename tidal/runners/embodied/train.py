@@ -28,7 +28,7 @@ from tidal.runners.embodied.pacer import Pacer, StalenessBudget
 from tidal.runners.loop import RunLoop, fmt
 from tidal.runners.preflight import check_trainer_checkpoint, probe_env
 from tidal.runtime import wait_all
-from tidal.workers import ActorWorker, EnvWorker, RewardWorker, RolloutWorker
+from tidal.workers import EmbodiedActor, EnvWorker, RewardWorker, RolloutWorker
 
 log = logging.getLogger("tidal.train")
 
@@ -72,7 +72,7 @@ class EmbodiedRunner(RunLoop):
             self.place(components(cfg)),
             env=EnvWorker.create_group(cfg, topo),
             rollout=RolloutWorker.create_group(cfg, topo, *spaces),
-            actor=ActorWorker.create_group(cfg, topo, *spaces, self.max_episode_steps),
+            actor=EmbodiedActor.create_group(cfg, topo, *spaces, self.max_episode_steps),
             reward=RewardWorker.create_group(cfg, topo) if cfg.reward.enabled else None,
         )
         self.env, self.rollout, self.actor, self.reward = g.env, g.rollout, g.actor, g.reward

@@ -1,5 +1,7 @@
-"""The actor worker: receives trajectories, computes advantages from the registry, and trains
-the policy with PPO (micro-batches, gradient accumulation, data parallel over ranks)."""
+"""The embodied on-policy actor: receives trajectories, computes advantages from the registry,
+and trains the policy with the PPO family's objective (micro-batches, gradient accumulation,
+data parallel over ranks). The model, its reference, the engine, the weights out and the
+checkpoints are the ``Trainer``'s (tidal/trainer.py)."""
 
 from __future__ import annotations
 
@@ -10,32 +12,24 @@ import numpy as np
 import torch
 
 from tidal.algorithms.chunks import chunk_advantages, chunk_loss_inputs, chunk_masks, spread_to
-from tidal.algorithms.objectives import drop_stale, make_objective, minibatch_denominators
+from tidal.algorithms.objectives import drop_stale, minibatch_denominators
 from tidal.data import Trajectory
 from tidal.data.records import flat_time_major, flatten_steps
-from tidal.engine import TrainEngine
+from tidal.data.routes import TRAJECTORY_TAG, Topology
 from tidal.models.factory import build_from_config
-from tidal.models.lora import (
-    apply_lora,
-    drain,
-    lora_meta,
-    reference_model,
-    rollout_weight_stream,
-    rollout_weights,
-)
-from tidal.runtime import Channel, CommMapper, ConfigSections, Worker, merge_batches
+from tidal.models.lora import apply_lora
+from tidal.runtime import Channel, CommMapper, ConfigSections, merge_batches
 from tidal.runtime.devices import to_device
-from tidal.runtime.weight_sync import WeightLinks
-from tidal.strategies import build_model
-from tidal.workers.offloading import ActorOffload
-from tidal.workers.routes import TRAJECTORY_TAG, Topology
+from tidal.trainer import Trainer
 
 
 def _time_major(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1)
 
 
-class ActorWorker(Worker, WeightLinks, ActorOffload):
+class EmbodiedActor(Trainer):
+    """The on-policy embodied actor (the PPO family): trajectories in, advantages, epochs."""
+
     config_sections = ("cluster", "runner", "env", "rollout", "model", "actor", "algorithm")
 
     def __init__(
@@ -46,68 +40,31 @@ class ActorWorker(Worker, WeightLinks, ActorOffload):
         action_space: gym.Space,
         max_episode_steps: int | None = None,
     ):
-        self.cfg, self.topo = cfg, topology
-        torch.set_num_threads(cfg.cluster.torch_threads)
-        torch.manual_seed(cfg.runner.seed)
-        self.compute_device = self.torch_device(cfg.cluster.device)
+        self.topo = topology
+        self.setup_rank(cfg)
 
         def build(weights: bool = True):
             spaces = (observation_space, action_space, cfg.env.num_action_chunks)
             policy = build_from_config(cfg.model, *spaces, weights=weights)
             return apply_lora(policy, cfg.model.lora, f"policy {cfg.model.name!r}")
 
-        # a KL penalty keeps the policy near the one training started from (model.path, e.g.
-        # the behaviour-cloned policy), kept as the language half keeps its reference (made
-        # before the engine shards the policy; without LoRA a full copy, so every rank builds
-        # the whole policy; else under fsdp2 the ranks but 0 build a skeleton on the meta device)
-        keep_ref = cfg.algorithm.kl_coef > 0
-        self.policy = build_model(
-            cfg.actor,
-            build,
-            self.rank,
-            self.world_size,
-            self.compute_device,
-            skeleton=lambda: build(weights=False),
-            whole=keep_ref and cfg.model.lora.rank == 0,
-        )
-        self.ref = reference_model(self.policy, keep=keep_ref)
-        self.init_offload()
-        if self.world_size > 1:
-            self.init_distributed()
-        self.engine = TrainEngine(
-            self.policy, cfg.actor, cfg.runner.max_steps, distributed=self.world_size > 1
-        )
-        self.objective = make_objective(cfg.algorithm)
+        # the KL reference is the policy training started from (model.path, e.g. the
+        # behaviour-cloned policy), kept as the language half keeps its own
+        self.build_trainer(build)
         self.max_chunk_steps = math.ceil(
             (max_episode_steps or cfg.rollout.num_steps) / cfg.env.num_action_chunks
         )
         self.batch: dict[str, torch.Tensor] | None = None
         self.traj: Trajectory | None = None
 
-    # -- weights -------------------------------------------------------------------------
+    @property
+    def weight_receivers(self) -> int:
+        return self.topo.rollout
 
-    def send_weights(self, link) -> int:
-        """Rank 0 sends its weights to every rollout rank over the run's weight link (or a
-        bare channel); every rank calls it, since sharded weights are gathered. Asynchronous
-        runs send a copy: the update may wait in the channel while the next step changes the
-        weights in place."""
-        weights = self.weight_stream()
-        if self.rank == 0:
-            end = self.weight_end(link, "send", self.topo.rollout)
-            snapshot = self.cfg.rollout.max_staleness > 0
-            end.send(weights, self.engine.step, snapshot=snapshot)
-        else:
-            drain(weights)  # this rank's part of each layer's gather
-        return self.engine.step
-
-    def weight_tensors(self):
-        """The ``(name, tensor)`` pairs a weight link sends, on rank 0 (None elsewhere)."""
-        return rollout_weights(self.policy, self.engine, self.rank)
-
-    def weight_stream(self):
-        """The same pairs read lazily (gathered layer by layer under fsdp2): every rank reads
-        it to the end, and only rank 0's yields."""
-        return rollout_weight_stream(self.policy, self.engine, self.rank)
+    @property
+    def sends_snapshot(self) -> bool:
+        # asynchronous runs: the update may wait in the channel while the next step trains
+        return self.cfg.rollout.max_staleness > 0
 
     # -- data ----------------------------------------------------------------------------
 
@@ -138,8 +95,8 @@ class ActorWorker(Worker, WeightLinks, ActorOffload):
         cfg, alg, traj = self.cfg, self.cfg.algorithm, self.traj
         # a policy started from model.path (e.g. cloned by ``tidal sft``) keeps the statistics
         # its weights were fitted with: moving them would change what it does without a step
-        if self.policy.obs_norm is not None and traj.raw_obs is not None and cfg.model.path is None:
-            self.policy.obs_norm.update(traj.raw_obs)
+        if self.model.obs_norm is not None and traj.raw_obs is not None and cfg.model.path is None:
+            self.model.obs_norm.update(traj.raw_obs)
         values = self._values(traj)
         out = chunk_advantages(
             _time_major(traj.rewards).float() * alg.reward_scale,
@@ -185,7 +142,7 @@ class ActorWorker(Worker, WeightLinks, ActorOffload):
 
     def _critic(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The current critic's values of flat inputs."""
-        return self._no_grad_passes(lambda part: self.policy.value(part), inputs)
+        return self._no_grad_passes(lambda part: self.model.value(part), inputs)
 
     def _staleness(self) -> dict[str, float]:
         """How many versions behind the weights the samples are; asynchronous runs leave those
@@ -215,7 +172,7 @@ class ActorWorker(Worker, WeightLinks, ActorOffload):
         generator = torch.Generator().manual_seed(self.cfg.runner.seed + 1000 * self.rank + step)
         critic_only = step < alg.critic_warmup_steps
         if self.objective.needs_prox:
-            self.batch["prox_logprobs"] = self._logprobs_under(self.policy)
+            self.batch["prox_logprobs"] = self._logprobs_under(self.model)
 
         def loss_for(micro_batches):  # every term divided by its count over the minibatch
             masks = [chunk_masks(m, alg.logprob_type) for m in micro_batches]
@@ -274,15 +231,3 @@ class ActorWorker(Worker, WeightLinks, ActorOffload):
             max_episode_steps=self.max_chunk_steps,
         )
         return loss, {k: v.detach() for k, v in info.items()}  # read once per optimizer step
-
-    # -- checkpoints ---------------------------------------------------------------------
-
-    def save(self, path: str, meta: dict, extra: dict | None = None) -> str | None:
-        """The checkpoint (rank 0 writes all of it, or each rank its shards); ``extra``: other
-        groups' state, saved alongside. Its path on rank 0."""
-        meta = {**meta, "version": self.engine.step, "lora": lora_meta(self.cfg.model.lora)}
-        saved = self.engine.save(path, meta, extra, rank=self.rank)
-        return None if saved is None else str(saved)
-
-    def load(self, path: str) -> dict:
-        return self.engine.load(path)

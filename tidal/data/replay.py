@@ -142,6 +142,12 @@ class ReplayBuffer:
             out[key] = torch.cat([out[key], pixels.to(out[key].dtype)], 1)
         return out
 
+    def summary(self) -> dict:
+        """What the buffer holds: its size and whether every stored value is finite."""
+        held = {k: v[: self.size] for k, v in self.data.items()}
+        finite = all(bool(torch.isfinite(v).all()) for v in held.values() if v.is_floating_point())
+        return {"size": self.size, "added": self.added, "finite": finite}
+
     # -- checkpoints ----------------------------------------------------------------------
 
     def state_dict(self, with_data: bool) -> dict:
