@@ -101,10 +101,8 @@ def clip_and_step(
     if not finite:
         return math.nan
     norm = global_grad_norm(params)
-    if params:  # by a factor of exactly 1 when under max_norm
-        torch.nn.utils.clip_grads_with_norm_(
-            params, math.inf if max_norm is None else max_norm, norm
-        )
+    if params and max_norm is not None:  # (by a factor of exactly 1 when under max_norm)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     norm = float(norm)
     if math.isfinite(norm):
         optimizer.step()
