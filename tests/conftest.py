@@ -36,6 +36,7 @@ RAY_MODULES = {
     "test_agent_runs",
     "test_async_embodied",
     "test_chaos",
+    "test_soak",
     "test_embodied",
     "test_embodied_resume",
     "test_gpu",
