@@ -3,7 +3,11 @@ exists: names against their registries (estimators, backends, policies, env adap
 tasks, rewards, KL kinds, aggregations), the placement's ranks, dataset files and their keys,
 model folders, the env (one instance made here), saved-policy folders. Each fails with a
 ``ConfigError`` naming the key. The rules between keys are tidal.config's; every function here
-runs them too, so a runner, ``tidal sft`` and ``tidal eval`` call one function each.
+runs them too, so a runner, ``tidal sft`` and ``tidal eval`` call one function each, and
+``tidal config`` runs a training run's whole set (``check_embodied_run``, and
+``tidal.runners.llm.preflight.check_llm_run``) without starting anything. The keys written
+null/auto that need the world to decide (``rollout.weight_sync``, ``runner.loggers``) are
+decided here, once, and recorded as decided (``tidal.config.schema.decide``).
 """
 
 from __future__ import annotations
