@@ -36,7 +36,7 @@ RAY_MODULES = {
     "test_agent_runs",
     "test_async_embodied",
     "test_chaos",
-    "test_soak",
+    "test_docs_ray",
     "test_embodied",
     "test_embodied_resume",
     "test_gpu",
@@ -45,6 +45,7 @@ RAY_MODULES = {
     "test_runtime",
     "test_runtime_ray",
     "test_sac",
+    "test_soak",
     "test_strategies",
 }
 

@@ -1,20 +1,25 @@
-"""The documents a user reads: sizes, the generated config reference, links and commands."""
+"""The documents a user reads: sizes, the generated config reference, links, and every command\nthey show, run (tests/doc_commands.py says how)."""
 
 from __future__ import annotations
 
-import argparse
 import re
-import shlex
 from pathlib import Path
 
 import pytest
+from doc_commands import (
+    COMMANDS,
+    command_params,
+    documented_commands,
+    key,
+    run_documented,
+    workspace,  # noqa: F401 (a fixture)
+)
 
 from tidal import cli
 from tidal.config import field_help
 
 ROOT = Path(__file__).resolve().parent.parent
 REGENERATE = "tidal config --markdown > docs/config.md"
-CONFIG_COMMANDS = ("train", "sft", "eval", "config")  # those that take a config file
 
 
 @pytest.mark.parametrize(("name", "limit"), [("README.md", 10_000), ("BENCHMARKS.md", 20_000)])
@@ -57,24 +62,25 @@ def test_relative_links_point_at_files(name):
         assert (doc.parent / target).exists(), f"{name}: {target} does not exist"
 
 
-def readme_commands() -> list[list[str]]:
-    """Every `tidal train|sft|eval|config FILE ...` of the README's code blocks, as argv."""
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
-    commands = []
-    for block in blocks:
-        for line in block.replace("\\\n", " ").splitlines():
-            for part in line.split("&&"):
-                words = shlex.split(part, comments=True)
-                if words and words[0].endswith("tidal") and words[1] in CONFIG_COMMANDS:
-                    commands.append(words[1:])
-    return commands
+def test_every_documented_command_has_a_way_to_run():
+    """Each command of README.md and docs/*.md is run below (or in test_docs_ray.py), or
+    checked by `tidal config`, or (a make target) says what runs it."""
+    documented = documented_commands()
+    missing = [f"{doc}: {key(argv)}" for doc, argv in documented if key(argv) not in COMMANDS]
+    assert not missing, f"add these to tests/doc_commands.py's COMMANDS: {missing}"
+    stale = set(COMMANDS) - {key(argv) for _, argv in documented}
+    assert not stale, f"in tests/doc_commands.py, no longer documented: {sorted(stale)}"
+    make = (ROOT / "Makefile").read_text()
+    for _, argv in documented:
+        way = COMMANDS[key(argv)]
+        if argv[0] == "make":
+            assert way.not_run and re.search(rf"^{argv[1]}:", make, flags=re.M), argv
+    recipe = re.search(r"^train:.*\n\t(.*)$", make, flags=re.M).group(1)
+    assert recipe.endswith("tidal train examples/embodied/cartpole_ppo.yaml"), recipe
 
 
-@pytest.mark.parametrize("argv", readme_commands(), ids=" ".join)
-def test_readme_commands_name_configs_and_keys_that_resolve(argv):
-    _, path, *rest = argv
-    overrides = [w for w in rest if "=" in w and not w.startswith("--")]
-    assert (ROOT / path).is_file(), path
-    args = argparse.Namespace(config=str(ROOT / path), overrides=overrides)
-    task, cfg = cli._config(args)
-    assert task in cli.HALVES and cfg is not None
+@pytest.mark.parametrize(("doc", "argv", "way"), command_params(ray=False))
+def test_a_documented_command_runs(workspace, doc, argv, way, capsys):  # noqa: F811
+    """The documents' commands in their order (an sft before the train that starts from its
+    model, two CartPole runs before the plot that draws both), each shortened."""
+    run_documented(workspace, doc, argv, way, capsys)
