@@ -282,3 +282,36 @@ def test_a_hung_rank_is_named_killed_and_the_run_exits_promptly(ray_session, tmp
         time.sleep(0.1)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert_nothing_left(spec)
+
+
+def test_a_rank_killed_while_the_run_builds_restarts_it_in_the_same_folder(tmp_path):
+    """A fault raised while a runner builds its groups (a rank killed as it starts) restarts the
+    run like one raised while it trains, in the folder the first attempt made."""
+    from test_core import FakeConfig, FakeRunner
+
+    from tidal.runners.loop import run_with_restarts
+
+    class DiesWhileBuilding(FakeRunner):
+        attempts = 0
+
+        def build(self):
+            DiesWhileBuilding.attempts += 1
+            if DiesWhileBuilding.attempts == 1:
+                raise WorkerError("rollout", 0, "__init__", "rank died: ActorDiedError: gone")
+            super().build()
+
+    cfg = load_config(
+        FakeConfig,
+        None,
+        [
+            f"runner.run_dir={tmp_path}",
+            "runner.progress=false",
+            "runner.experiment=x",
+            "runner.max_steps=3",
+            "runner.max_restarts=1",
+        ],
+    )
+    summary = run_with_restarts(lambda c, run_dir: DiesWhileBuilding(c, run_dir=run_dir), cfg)
+    assert summary["restarts"] == 1 and DiesWhileBuilding.attempts == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["x"]
+    assert logged_steps(summary["run_dir"]) == [0, 1, 2]

@@ -93,7 +93,9 @@ class RunLoop(ABC):
                 config=cfg,
                 settings={"wandb": dict(r.wandb), "mlflow": dict(r.mlflow)},
             )
-        except BaseException:
+        except BaseException as exc:
+            with contextlib.suppress(AttributeError):  # the folder a restart continues in
+                exc.tidal_run_dir = self.run_dir
             self.close(graceful=False)
             raise
 
@@ -320,32 +322,40 @@ def run_with_restarts(make_runner: Callable[..., RunLoop], cfg: Any) -> dict:
     """Run to the end; on a worker fault, restart every group and resume from the run's newest
     checkpoint, up to ``runner.max_restarts`` times (each restart logged), in the same run
     folder. ``make_runner(cfg, run_dir=...)`` builds a runner (``run_dir``: None at first, then
-    the folder to continue in)."""
+    the folder to continue in); a fault while it builds (a rank killed as it starts) restarts
+    too."""
     restarts, run_dir = 0, None
     while True:
-        runner = make_runner(cfg, run_dir=run_dir)
+        runner = None
         try:
+            runner = make_runner(cfg, run_dir=run_dir)
             with runner:
                 summary = runner.run()
             return {**summary, "restarts": restarts}
         except Exception as exc:
             if restarts >= cfg.runner.max_restarts or not is_worker_fault(exc):
                 raise
-            restarts, run_dir = restarts + 1, runner.run_dir
-            clean_stale(runner.run_dir / "checkpoints")  # a save the fault cut short
-            found = complete_checkpoints(runner.run_dir / "checkpoints")
-            resume = str(runner.run_dir / "checkpoints") if found else None
-            log.warning(
-                "restart %d of %d after a worker fault (%s: %s); resuming from %s",
-                restarts,
-                cfg.runner.max_restarts,
-                type(exc).__name__,
-                str(exc).splitlines()[0],
-                resume or "nothing (no checkpoint yet): starting over",
-            )
-            cfg = dataclasses.replace(
-                cfg, runner=dataclasses.replace(cfg.runner, resume_from=resume)
-            )
+            folder = runner.run_dir if runner is not None else getattr(exc, "tidal_run_dir", None)
+            restarts, run_dir = restarts + 1, folder or run_dir
+            cfg = _resume_after_fault(cfg, run_dir, restarts, exc)
+
+
+def _resume_after_fault(cfg: Any, run_dir: Path | None, restarts: int, exc: Exception) -> Any:
+    """The config of the next attempt: resuming from the run's newest complete checkpoint."""
+    resume = None
+    if run_dir is not None:
+        clean_stale(run_dir / "checkpoints")  # a save the fault cut short
+        if complete_checkpoints(run_dir / "checkpoints"):
+            resume = str(run_dir / "checkpoints")
+    log.warning(
+        "restart %d of %d after a worker fault (%s: %s); resuming from %s",
+        restarts,
+        cfg.runner.max_restarts,
+        type(exc).__name__,
+        str(exc).splitlines()[0],
+        resume or "nothing (no checkpoint yet): starting over",
+    )
+    return dataclasses.replace(cfg, runner=dataclasses.replace(cfg.runner, resume_from=resume))
 
 
 def fmt(v) -> str:
