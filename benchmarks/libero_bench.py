@@ -96,6 +96,9 @@ def main() -> None:
     parser.add_argument("--configs", nargs="*", default=["local"], choices=sorted(CONFIGS))
     parser.add_argument("--skip-hand", action="store_true")
     args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)  # the intra-op setting tidal's workers use (cluster.torch_threads)
     if not args.skip_hand:
         print(json.dumps(hand(args.envs, args.steps, args.rounds)), flush=True)
     for name in args.configs:
