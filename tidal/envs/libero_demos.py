@@ -165,7 +165,7 @@ def collect_libero_demos(
     only_successful: bool = True,
     **adapter_kwargs,
 ) -> Demonstrations:
-    """``demos_per_task`` scripted episodes of each task of suite ``env_id`` (``tasks`` in
+    """Up to ``demos_per_task`` scripted episodes of each task of suite ``env_id`` (``tasks`` in
     ``adapter_kwargs``, default all), from LIBERO's random placements (not the official init
     states, which stay the evaluation's), observed as the adapter emits them (the layout of all
     the tasks); the script's own success per task in ``script_success``. One task at a time, so
@@ -192,8 +192,12 @@ def collect_libero_demos(
         succeeded = sum(r["success"] for r in runs)
         rates[name] = succeeded / tried
         log.info("libero demos: %s: %d of %d scripted episodes succeeded", name, succeeded, tried)
-        if len(runs) < demos_per_task:
-            short.append(f"{name} ({len(runs)} of {tried})")
+        if not any(r["success"] for r in runs):
+            short.append(f"{name} (0 of {tried})")
+        elif len(runs) < demos_per_task:  # cloned from fewer; the summary's script rate says so
+            log.warning(
+                "libero demos: %s: only %d of %d demonstrations", name, len(runs), demos_per_task
+            )
         for run in runs:
             for key in rows:
                 rows[key] += run[key]
@@ -203,7 +207,8 @@ def collect_libero_demos(
             successes.append(run["success"])
     if short:
         raise RuntimeError(
-            f"the scripted demonstrations succeeded too rarely (action noise {action_noise}): "
+            f"the scripted demonstrations never succeeded (action noise {action_noise}; lower "
+            f"sft.action_noise or leave the task out of env.adapter_kwargs.tasks): "
             + ", ".join(short)
         )
     return Demonstrations(
