@@ -30,12 +30,26 @@ def modules() -> dict[str, Path]:
     return found
 
 
+def parse(path: Path, tries: int = 3) -> ast.Module:
+    """``ast.parse`` of a file. CPython 3.11 keeps the AST converter's recursion depth per
+    interpreter, not per thread, so a parse racing another thread's (a reward thread left by an
+    earlier test of this worker, e.g. sympy's parser) can fail with "AST constructor recursion
+    depth mismatch"; that race, and only it, is retried."""
+    for attempt in range(tries):
+        try:
+            return ast.parse(path.read_text())
+        except SystemError as exc:
+            if "recursion depth mismatch" not in str(exc) or attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def imported_names(module: str, path: Path) -> set[str]:
     """Every name an ``import`` in the module brings in, as a dotted path; ``from a import b``
     gives ``a`` and ``a.b`` (``b`` may be a submodule)."""
     names = set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

@@ -201,7 +201,7 @@ def test_pixels_need_an_adapter_that_renders():
         (
             "cartpole_ppo.yaml",
             ["model.path=p"],
-            "env.adapter: tidal sft collects demonstrations from MetaWorld",
+            "env.adapter: tidal sft collects scripted demonstrations, which the gymnasium adapter",
         ),
         (
             "metaworld_reach_vla.yaml",
