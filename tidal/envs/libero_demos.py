@@ -29,41 +29,6 @@ GRASP = 0.01  # the grip site here closes on the object
 LIFT = 0.30  # the hand this high above the floor to carry (clear of baskets' rims)
 RELEASE = 0.06  # over the target, open here
 GAIN = 12.0  # action per metre of position error (the controller moves <= 5 cm per unit action)
-YAW_GAIN = 2.0  # action per radian of yaw error (the controller turns <= 0.5 rad per unit action)
-
-
-def narrow_axis(env: LiberoVectorEnv, i: int, name: str) -> np.ndarray | None:
-    """The horizontal direction (world, unit) across which object ``name`` is narrowest, from its
-    collision geoms' boxes; None for a round footprint (any grasp yaw does)."""
-    import mujoco
-
-    sim = env.envs[i].env.sim
-    model, data = sim.model._model, sim.data._data
-    body = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_BODY, name + "_main")
-    signs = np.array(np.meshgrid([-1, 1], [-1, 1], [-1, 1])).reshape(3, -1).T
-    points = []
-    for g in np.flatnonzero((model.geom_bodyid == body) & (model.geom_contype != 0)):
-        corners = model.geom_aabb[g][:3] + signs * model.geom_aabb[g][3:]
-        points.append((data.geom_xpos[g] + corners @ data.geom_xmat[g].reshape(3, 3).T)[:, :2])
-    if not points:
-        return None
-    values, vectors = np.linalg.eigh(np.cov(np.concatenate(points).T))
-    if values[1] < 1.5 * values[0]:
-        return None
-    return vectors[:, 0]
-
-
-def yaw_error(env: LiberoVectorEnv, i: int, name: str) -> float:
-    """The turn about the vertical that brings the fingers' closing axis onto the object's
-    narrow axis, in (-pi/2, pi/2]."""
-    axis = narrow_axis(env, i, name)
-    if axis is None:
-        return 0.0
-    hand = env.envs[i].env.sim.data._data
-    site = env.envs[i].env.robots[0].eef_site_id
-    closing = hand.site_xmat[site].reshape(3, 3)[:2, 1]  # the gripper's y axis, horizontal part
-    angle = np.arctan2(closing[0] * axis[1] - closing[1] * axis[0], closing @ axis)
-    return float((angle + np.pi / 2) % np.pi - np.pi / 2)
 
 
 def covered(problem: dict) -> bool:
@@ -141,11 +106,8 @@ class PickPlaceScript:
             self.phase, self.steps_in_phase, self.tries = 0, 0, self.tries + 1  # dropped: regrasp
             return np.concatenate([np.zeros(6), [-1.0]])
         delta = np.clip((goal - hand) * GAIN, -1.0, 1.0)
-        turn = np.zeros(3)
-        if name in ("approach", "descend"):  # fingers across the object's narrow side
-            turn[2] = np.clip(YAW_GAIN * yaw_error(env, i, self.obj), -1.0, 1.0)
         self._advance(name, np.linalg.norm(goal - hand))
-        return np.concatenate([delta, turn, [gripper]])
+        return np.concatenate([delta, np.zeros(3), [gripper]])
 
     def _advance(self, name: str, error: float) -> None:
         self.steps_in_phase += 1
