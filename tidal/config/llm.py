@@ -224,7 +224,10 @@ class LLMRolloutConfig:
         "weight update: abort (in-flight requests aborted and resubmitted) | keep (paused in "
         "place; in_place, SGLang's name for it, is read as keep)",
     )
-    engine: str = setting("tidal", "what serves rollouts (tidal.rollout.engines): tidal | vllm")
+    engine: str = setting(
+        "tidal",
+        "the generation engine the rollout servers run (tidal.rollout.servers): tidal | vllm",
+    )
     weight_sync: str = setting(
         "auto",
         "how the trainer's weights reach the servers (tidal.runtime.weight_sync): channel | "

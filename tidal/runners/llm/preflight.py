@@ -36,8 +36,8 @@ from tidal.models.llm import (
     require_template,
 )
 from tidal.models.lora import apply_lora, check_lora, no_init
-from tidal.rollout.engines import ROLLOUT_ENGINES
 from tidal.rollout.rewards import Reward, resolve_reward
+from tidal.rollout.servers import ROLLOUT_SERVERS
 from tidal.rollout.tasks import TASKS, is_multi_turn
 from tidal.runners.preflight import (
     check_actor_ranks,
@@ -60,8 +60,8 @@ def check_llm(cfg: LLMConfig) -> None:
     one_of(alg.kl_kind, KL_KINDS, "algorithm.kl_kind")
     one_of(alg.importance_level, IMPORTANCE_LEVELS, "algorithm.importance_level")
     one_of(alg.rollout_correction, ROLLOUT_CORRECTIONS, "algorithm.rollout_correction")
-    one_of(r.engine, ROLLOUT_ENGINES.names(), "rollout.engine")
-    engine = ROLLOUT_ENGINES.get(r.engine)
+    one_of(r.engine, ROLLOUT_SERVERS.names(), "rollout.engine")
+    engine = ROLLOUT_SERVERS.get(r.engine)
     engine.validate(cfg)
     decide_weight_sync(cfg, engine.weight_syncs, f"rollout.engine={r.engine}")
     validate_llm(cfg)

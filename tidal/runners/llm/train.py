@@ -16,8 +16,8 @@ from tidal.data import LLMBatch
 from tidal.inference import InferenceClient
 from tidal.models.llm import load_tokenizer
 from tidal.rollout.dispatcher import EpisodeError, RolloutDispatcher
-from tidal.rollout.engines import ROLLOUT_ENGINES
 from tidal.rollout.evaluation import greedy_config
+from tidal.rollout.servers import ROLLOUT_SERVERS
 from tidal.rollout.workflows import WORKFLOWS, WorkflowContext, as_workflow, has_reward_spread
 from tidal.runners.llm.common import (
     data_cache,
@@ -56,7 +56,7 @@ class LLMRunner(RunLoop):
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.cluster = self.start_cluster()
         placement = self.place(["rollout", "actor"])
-        self.rollout = ROLLOUT_ENGINES.get(r.engine)(cfg, self.cluster, placement, self.run_dir)
+        self.rollout = ROLLOUT_SERVERS.get(r.engine)(cfg, self.cluster, placement, self.run_dir)
         addresses = self.rollout.launch()
         self.actor = LLMActor.create_group(cfg).launch(
             self.cluster, placement.devices("actor"), name="actor"

@@ -1,6 +1,8 @@
-"""Rollout engines (``rollout.engine``): what serves the rollouts and how the trainer's weights
-reach it. The runner only asks an engine to launch, update weights, check and close; each
-engine registers its name here.
+"""The rollout servers of a run, by ``rollout.engine`` (the generation engine that serves the
+rollouts): what launches and supervises them, and how the trainer's weights reach them. The
+runner only asks them to launch, update weights, check and close; each kind registers its name
+here. (One word per concept: the *train engine* is ``tidal.engine``, a *generation engine* is
+what a server runs, ``tidal.inference.GenerationEngine`` or vLLM's; these are *servers*.)
 
 - ``tidal``: tidal's own inference server per rollout rank; weights go over a channel.
 - ``vllm``: a vLLM OpenAI-compatible server per rollout rank (from vLLM's own virtualenv), or
@@ -19,14 +21,14 @@ from tidal.registry import Registry
 from tidal.runtime import wait_all
 from tidal.runtime.weight_sync import WEIGHT_TRANSPORTS, open_weight_link
 
-ROLLOUT_ENGINES: Registry[type[RolloutEngine]] = Registry("rollout engine", "rollout.engine")
+ROLLOUT_SERVERS: Registry[type[RolloutServers]] = Registry("rollout engine", "rollout.engine")
 
 
-class RolloutEngine:
+class RolloutServers:
     """The servers of one run: ``launch`` returns their addresses, ``update_weights`` puts the
     actor's weights on all of them (pause → new weights → resume) and returns the version."""
 
-    # the weight transports (rollout.weight_sync) this engine takes; the first is its default
+    # the weight transports (rollout.weight_sync) these servers take; the first is their default
     weight_syncs: tuple[str, ...] = ("channel",)
     # whether its servers take a seed per request (then each rollout's are drawn from
     # runner.seed: a run repeats its rollouts)
@@ -39,7 +41,7 @@ class RolloutEngine:
 
     @classmethod
     def validate(cls, cfg: LLMConfig) -> None:
-        """The engine's own config rules, checked before the run folder exists."""
+        """These servers' own config rules, checked before the run folder exists."""
 
     def protocol(self):
         from tidal.inference import SGLangProtocol
@@ -77,8 +79,8 @@ class RolloutEngine:
         return steps + [("rollout group", self.servers.shutdown)]
 
 
-@ROLLOUT_ENGINES.register("tidal")
-class TidalEngine(RolloutEngine):
+@ROLLOUT_SERVERS.register("tidal")
+class TidalServers(RolloutServers):
     PAUSE_MODES = {"abort": "abort", "keep": "in_place", "in_place": "in_place"}
     weight_syncs = ("collective", "channel", "disk")
 
@@ -152,8 +154,8 @@ class TidalEngine(RolloutEngine):
         return steps
 
 
-@ROLLOUT_ENGINES.register("vllm")
-class VLLMEngine(RolloutEngine):
+@ROLLOUT_SERVERS.register("vllm")
+class VLLMServers(RolloutServers):
     """Launched servers are driven through their ranks (a dead one is named with its group,
     rank and method); servers at ``rollout.server_urls`` are called directly. Weights: a
     safetensors folder the servers reload (vLLM's CPU build has no NCCL weight-transfer path)."""
