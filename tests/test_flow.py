@@ -357,3 +357,26 @@ def test_a_flow_policy_with_what_it_cannot_train_is_a_config_error(config, overr
 def test_an_entropy_bonus_is_allowed_with_a_learned_noise():
     learned = [*FLOW, "algorithm.entropy_bonus=0.01", "model.flow.noise=learned"]
     probe_env(load_config(EmbodiedConfig, EXAMPLES / "pendulum_ppo.yaml", learned))
+
+
+def test_pixels_reach_the_expert_through_the_cnn_encoder():
+    """Observations with pixels: the chain's log-prob depends on the image (its gradient
+    reaches the convolutions) and is recomputed exactly from the stored chain."""
+    pixels = LayoutBox(ObsLayout(state_dim=3, num_tokens=4, vocab_size=50, image_size=16))
+    policy = build_policy("flow", pixels, ACTIONS, 1, channels=(8,), feature_dim=32, **SMALL)
+    g = torch.Generator().manual_seed(0)
+    obs = torch.cat(
+        [
+            torch.randn(4, 3, generator=g),
+            torch.randint(1, 50, (4, 4), generator=g).float(),
+            torch.randint(0, 256, (4, 16 * 16 * 3), generator=g).float(),
+        ],
+        1,
+    )
+    inputs = policy.prepare(obs)
+    with torch.no_grad():
+        step = policy.act(inputs)
+    out = policy.evaluate(step.inputs, step.actions)
+    torch.testing.assert_close(out["logprobs"], step.logprobs, rtol=1e-5, atol=1e-5)
+    out["logprobs"].sum().backward()
+    assert policy.encoder[0].weight.grad.abs().sum() > 0
