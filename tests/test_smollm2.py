@@ -5,10 +5,17 @@ reads; ``tidal export --from-gguf`` writes that folder where asked; and a file, 
 architecture that cannot be read is a config error before any worker starts."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+from deps import require
 
 from tidal.models.gguf import (
     PACKAGED_MODELS,
@@ -17,6 +24,9 @@ from tidal.models.gguf import (
     local_model_path,
     model_folder,
 )
+
+require("gguf")  # the tidal[gguf] extra; the model package itself is never imported
+openai = require("openai")
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "llm" / "smollm2_grpo.yaml"
@@ -163,3 +173,103 @@ def test_tidal_sft_cannot_save_over_a_packaged_model(tmp_path, capsys):
     assert "model.path: tidal sft saves the model there" in err
     assert f"tidal export --from-gguf {NAME} -o DIR" in err
     assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------- every surface on the model
+
+# GRPO's smallest useful shape: 2 prompts x 4 samples, 16 new tokens, 2 steps; the trainer
+# recomputes the old log-probs so train/mismatch_kl compares the sampler's with its own
+SMALL = [
+    "runner.max_steps=2",
+    "runner.eval_interval=2",
+    "runner.save_interval=2",
+    "runner.progress=false",
+    "rollout.batch_size=2",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=16",
+    "rollout.max_concurrent_rollouts=8",
+    "data.eval_size=4",
+    "algorithm.recompute_logprob=true",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(folder):
+    """``tidal serve --model smollm2-135m-instruct`` as a user starts it."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidal.cli", "serve", "--model", NAME, "--port", str(port)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 240
+    try:
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "tidal serve did not answer /health in 240 s"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+
+
+@pytest.mark.timeout(600)
+def test_tidal_serve_answers_the_openai_client_in_the_models_template(served, folder):
+    from transformers import AutoTokenizer
+
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    kwargs = {"model": NAME, "messages": messages, "max_tokens": 24, "temperature": 0}
+    answer = client.chat.completions.create(**kwargs)
+    choice = answer.choices[0]
+    # greedy, in float32: what transformers' generate gives on the same chat-templated prompt
+    assert choice.message.content == "2 + 3 = 5" and choice.finish_reason == "stop"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert answer.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+    assert answer.usage.completion_tokens == 8  # 7 tokens, then <|im_end|>, which is not shown
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "2 + 3 = 5"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+@pytest.mark.timeout(900)  # ~1 min on an idle 2-core machine; many times that when contended
+def test_grpo_with_lora_on_the_model_agrees_with_its_sampler_and_tidal_eval_scores_it(
+    tmp_path, capsys
+):
+    from tidal.cli import main
+    from tidal.config import load_config
+    from tidal.config.llm import LLMConfig
+    from tidal.runners.llm.train import LLMRunner
+
+    overrides = [*SMALL, f"runner.run_dir={tmp_path}/runs"]
+    with LLMRunner(load_config(LLMConfig, EXAMPLE, overrides)) as runner:
+        summary = runner.run()
+    rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").open()]
+    steps = [r for r in rows if r["step"] >= 0]
+    assert [r["version"] for r in steps] == [1, 2]
+    for row in steps:  # float32 sampler and trainer: the same distribution to 1e-3 nats
+        assert 0 <= row["train/mismatch_kl"] < 1e-3, row
+        assert row["rollout/reward_errors"] == 0 and row["train/tokens"] > 0
+    assert 0.0 <= steps[-1]["eval/accuracy"] <= 1.0
+
+    code = main(["eval", str(EXAMPLE), *overrides, "--checkpoint", summary["checkpoint"]])
+    assert code == 0
+    scored = json.loads(capsys.readouterr().out)
+    assert scored["records"] == 4 and 0.0 <= scored["eval/accuracy"] <= 1.0
+    samples = [json.loads(x) for x in (Path(scored["run_dir"]) / "samples.jsonl").open()]
+    assert all(s["prompt"].startswith("<|im_start|>system\nYou are a helpful") for s in samples)
+    assert all("Answer with just the number." in s["prompt"] for s in samples)

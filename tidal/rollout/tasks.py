@@ -166,13 +166,14 @@ WORD_PROBLEM_STORIES = (
     ("{n} has {a} {i} and gives {b} of them away. How many {i} are left?", lambda a, b: a - b),
     ("{n} had {a} {i} and lost {b}. How many {i} does {n} have left?", lambda a, b: a - b),
 )
-WORD_PROBLEM_FORMAT = "Put the final answer in \\boxed{}."
+# the format issue 46 measured on SmolLM2-135M-Instruct (greedy 28% -> 48% after 8 GRPO steps,
+# math_verify on the reply)
+WORD_PROBLEM_FORMAT = "Answer with just the number."
 
 
 def word_problems(n: int, seed: int = 0, high: int = 60) -> list[dict]:
     """One-step word problems (``"Tom has 17 apples and buys 25 more. ..."``, answer ``"42"``):
-    a sum or a difference of two numbers in ``[2, high]``, asking for the answer in
-    ``\\boxed{}`` so that ``math_verify`` finds it in free text."""
+    a sum or a difference of two numbers in ``[2, high]``, asking for just the number."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
