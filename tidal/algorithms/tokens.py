@@ -7,20 +7,89 @@ Batch-major throughout: ``input_ids``, ``attention_mask``, ``loss_mask`` are ``[
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from tidal.algorithms.advantages import get_advantage
 from tidal.algorithms.kl import kl_estimate
 
+# positions projected onto the vocabulary at once, over the micro-batch's rows: a chunk's float
+# logits are [rows, LOGIT_CHUNK_TOKENS / rows, vocab] (49k vocabulary: 200 MB at 1024 tokens)
+LOGIT_CHUNK_TOKENS = 1024
+
 
 def token_logprobs(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int = LOGIT_CHUNK_TOKENS,
 ) -> torch.Tensor:
     """``out[:, t]`` = log-prob of ``input_ids[:, t]`` given the tokens before it, under
-    ``softmax(logits / temperature)`` (the engine's definition); column 0 is 0."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits[:, :-1].float()
-    logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), -1)
-    picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return torch.cat([torch.zeros_like(picked[:, :1]), picked], 1)
+    ``softmax(logits / temperature)`` (the engine's definition); column 0 is 0.
+
+    The whole ``[B, L, vocab]`` logits never exist. The model runs as it is called (so DDP,
+    FSDP and adapters, enabled or not, apply), and where its output head receives the final
+    hidden states, the chosen tokens' log-probs are taken from them chunk by chunk; the head
+    itself then computes the last position only. Under autograd each chunk is checkpointed
+    (but under FSDP2): its logits are recomputed in the backward pass instead of kept, so the
+    gradients are those of the whole form."""
+    scale = temperature if temperature > 0 else 1.0
+    width = max(1, chunk_tokens // max(1, input_ids.shape[0]))
+    head = output_head(model)
+    # FSDP2's head weights are shards (DTensors) outside its forward: a recompute in the
+    # backward pass would meet them sharded, so there each chunk keeps its logits instead
+    recompute = not any(isinstance(p, DTensor) for p in head.parameters())
+    picked = []
+
+    def chosen_logprobs(head, args):
+        pre_hook.remove()  # once: the chunks below call the head too
+        hidden = args[0]
+        picked.append(_chunked(head, hidden[:, :-1], input_ids[:, 1:], scale, width, recompute))
+        return (hidden[:, :1], *args[1:])  # what the head itself then projects: one position
+
+    def as_output(_head, _args, _logits):
+        # the log-probs leave as the model's logits: wrappers that act on its outputs (FSDP2
+        # gathers the head's weights for the backward pass there) see them as such
+        if not picked:
+            return None  # a chunk's own call of the head
+        post_hook.remove()
+        return picked[0][..., None]
+
+    pre_hook = head.register_forward_pre_hook(chosen_logprobs)
+    post_hook = head.register_forward_hook(as_output)
+    try:
+        out = model(input_ids=input_ids, attention_mask=attention_mask.long(), logits_to_keep=0)
+    finally:
+        pre_hook.remove()
+        post_hook.remove()
+    chosen = out.logits[..., 0]
+    return torch.cat([torch.zeros_like(chosen[:, :1]), chosen], 1)
+
+
+def _chunked(head, hidden, targets, scale: float, width: int, recompute: bool) -> torch.Tensor:
+    pieces = []
+    for start in range(0, hidden.shape[1], width):
+        h, t = hidden[:, start : start + width], targets[:, start : start + width]
+        if recompute and torch.is_grad_enabled() and h.requires_grad:
+            pieces.append(checkpoint(_chosen, head, h, t, scale, use_reentrant=False))
+        else:
+            pieces.append(_chosen(head, h, t, scale))
+    return torch.cat(pieces, 1) if pieces else hidden.new_zeros(targets.shape)
+
+
+def _chosen(head, hidden: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+    logits = head(hidden).float() / scale
+    return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)
+
+
+def output_head(model):
+    """The causal LM's output head, through the wrappers the trainer calls it in (DDP's
+    ``module``, the reference's ``model`` with adapters disabled)."""
+    inner = model
+    while not hasattr(inner, "get_output_embeddings"):
+        inner = getattr(inner, "module", None) or inner.model
+    return inner.get_output_embeddings()
 
 
 def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
