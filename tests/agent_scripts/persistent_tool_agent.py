@@ -8,24 +8,7 @@ import os
 import sys
 
 import openai
-from tool_agent import ADD_TOOL
-
-
-def answer(client: openai.OpenAI, record: dict) -> float:
-    messages = [{"role": "user", "content": record["prompt"]}]
-    for _ in range(4):
-        out = client.chat.completions.create(
-            model="tidal", messages=messages, tools=[ADD_TOOL], max_tokens=40
-        )
-        message = out.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls:
-            break
-        for call in message.tool_calls:
-            args = json.loads(call.function.arguments)
-            result = str(args.get("a", 0) + args.get("b", 0))
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    return float(messages[-1].get("content") == record["answer"])
+from tool_agent import tool_loop
 
 
 def main() -> None:
@@ -35,7 +18,8 @@ def main() -> None:
         client = openai.OpenAI(
             base_url=request["session_base_url"], api_key=request["api_key"], max_retries=0
         )
-        reward = answer(client, request["record"])
+        record = request["record"]
+        reward = float(tool_loop(client, record["prompt"]) == record["answer"])
         print("served a request", flush=True)
         print(json.dumps({"reward": reward, "served": served, "pid": os.getpid()}), flush=True)
 

@@ -56,7 +56,17 @@ def main() -> None:
     if mode == "no_call":
         print("nothing to do")
         return
-    messages = [{"role": "user", "content": record["prompt"]}]
+    answer = tool_loop(client, record["prompt"])
+    print("some log line")
+    if mode == "quiet":  # no reward: tidal's configured reward scores the final answer
+        return
+    print(json.dumps({"reward": float(answer == record["answer"])}))
+
+
+def tool_loop(client: openai.OpenAI, prompt: str) -> str | None:
+    """Call the model with the ``add`` tool, run its calls, until it answers (4 calls at most);
+    the last message's content."""
+    messages = [{"role": "user", "content": prompt}]
     for _ in range(4):
         out = client.chat.completions.create(
             model="tidal", messages=messages, tools=[ADD_TOOL], max_tokens=40
@@ -69,10 +79,7 @@ def main() -> None:
             args = json.loads(call.function.arguments)
             result = str(args.get("a", 0) + args.get("b", 0))
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    print("some log line")
-    if mode == "quiet":  # no reward: tidal's configured reward scores the final answer
-        return
-    print(json.dumps({"reward": float(messages[-1].get("content") == record["answer"])}))
+    return messages[-1].get("content")
 
 
 if __name__ == "__main__":
