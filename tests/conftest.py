@@ -45,7 +45,6 @@ RAY_MODULES = {
     "test_runtime",
     "test_runtime_ray",
     "test_sac",
-    "test_soak",
     "test_strategies",
 }
 

@@ -155,7 +155,19 @@ def gguf_to_folder(file: str | Path, out: str | Path, key: str = "model.path") -
     config = loaded.config
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
+    # a GGUF of a model with tied embeddings has no output head: whether the loaded model ties
+    # it or leaves it empty (on the meta device), the head is the input embeddings
+    state = {k: v for k, v in loaded.state_dict().items() if not v.is_meta}
+    missing = set(model.load_state_dict(state, strict=False).missing_keys)
+    head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
+    if f"{head}.weight" in missing and getattr(config, "tie_word_embeddings", False):
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+        missing.discard(f"{head}.weight")
+    if missing:
+        raise ModelSourceError(
+            f"{key}: {str(file)!r} has no tensors for {', '.join(sorted(missing))}: give a "
+            "Hugging Face folder of the model instead"
+        )
     model.generation_config = loaded.generation_config
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
