@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,13 +42,13 @@ class WorkflowContext:
     eval_data: list[dict] = field(default_factory=list)
 
 
-class Workflow:
+class Workflow(ABC):
     """The contract of an episode source. ``await workflow(record)`` plays one record's episode
     (its group of samples) and returns an ``LLMBatch``, or ``None`` to reject it; the rest have
     defaults a workflow overrides where it has something to say."""
 
-    async def __call__(self, data: dict[str, Any]) -> LLMBatch | None:
-        raise NotImplementedError
+    @abstractmethod
+    async def __call__(self, data: dict[str, Any]) -> LLMBatch | None: ...
 
     def metrics(self) -> dict[str, float]:
         """Counters the run logs each step (``rollout/...``)."""
@@ -59,7 +60,8 @@ class Workflow:
         return None
 
     async def aclose(self) -> None:
-        """Release what the workflow holds (sessions, processes, clients)."""
+        """Release what the workflow holds (sessions, processes, clients); nothing by default."""
+        return None
 
 
 class EpisodeFunction(Workflow):
