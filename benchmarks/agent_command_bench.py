@@ -82,7 +82,7 @@ def train(mode: str, model: Path, data: Path, run_dir: Path, args) -> dict:
         runner.close()
     wall = time.perf_counter() - t0
     lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
-    steps = [r for r in map(json.loads, lines) if r["step"] >= 0]
+    steps = [r for r in map(json.loads, lines) if r["step"] >= 1]
     return {
         "steps": len(steps),
         "wall_s": wall,

@@ -53,7 +53,7 @@ def run(
             ]
         finally:
             runner.close()
-    steps_rows = [r for r in rows if r["step"] >= 0]
+    steps_rows = [r for r in rows if r["step"] >= 1]
     train_tokens = sum(r["train/tokens"] for r in steps_rows)
     wall = sum(r["time/step"] for r in steps_rows)
     return {

@@ -11,6 +11,7 @@ the target is at most 10% per process and in total, and every step logged exactl
 
     python benchmarks/soak.py --minutes 60            # the hour (BENCHMARKS.md)
     python benchmarks/soak.py --minutes 5 --interval 15
+    python benchmarks/soak.py --plot benchmarks/results/soak/soak.json   # the plot again
 """
 
 from __future__ import annotations
@@ -180,18 +181,59 @@ def growth(samples: list[dict], warmup_s: float) -> dict:
 
 def steps_logged_once(metrics: Path) -> dict:
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
-    steps = [s for s in steps if s >= 0]
-    return {"steps": len(steps), "once": steps == list(range(len(steps)))}
+    steps = [s for s in steps if s >= 1]  # step 0 is the evaluation before training
+    return {"steps": len(steps), "once": steps == list(range(1, len(steps) + 1))}
+
+
+def plot(report: dict, path: Path) -> Path:
+    """Memory (all processes and the largest few), open files, and log sizes over the run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = report["samples"]
+    minutes = [s["t"] / 60 for s in samples]
+    by_label: dict[str, list[float]] = {}
+    for i, s in enumerate(samples):
+        for proc in s["processes"].values():
+            series = by_label.setdefault(proc["label"], [0.0] * len(samples))
+            series[i] += proc["rss"] / 2**20
+    largest = sorted(by_label, key=lambda k: -max(by_label[k]))[:5]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(minutes, [s["rss_total"] / 2**20 for s in samples], label="all processes")
+    for name in largest:
+        axes[0].plot(minutes, by_label[name], label=name, lw=1)
+    axes[0].set(title="resident memory (MiB)", xlabel="minutes", ylim=(0, None))
+    axes[0].legend(fontsize=7)
+    axes[1].plot(minutes, [s["fds_total"] for s in samples])
+    axes[1].set(title="open file descriptors, all processes", xlabel="minutes", ylim=(0, None))
+    for name in samples[-1]["files"]:
+        axes[2].plot(minutes, [s["files"][name] / 2**20 for s in samples], label=name)
+    axes[2].set(title="log and metrics size (MiB)", xlabel="minutes")
+    axes[2].legend(fontsize=7)
+    for ax in axes:
+        ax.axvline(report["warmup_min"], color="grey", ls=":", lw=1)
+    fig.suptitle(
+        f"tidal soak: language (eta 2) and SAC on one Ray session, {report['minutes']:g} min"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return path
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--plot", type=Path, default=None, help="only plot this soak.json")
     p.add_argument("--minutes", type=float, default=60.0)
     p.add_argument("--interval", type=float, default=60.0, help="seconds between samples")
     p.add_argument("--warmup", type=float, default=None, help="minutes (default min(10, 1/3))")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "soak")
     p.add_argument("--sac-capacity", type=int, default=20000, help="replay.capacity of SAC")
     args = p.parse_args()
+    if args.plot is not None:
+        print(f"wrote {plot(json.loads(args.plot.read_text()), args.plot.with_suffix('.png'))}")
+        return 0
     warmup_min = args.warmup if args.warmup is not None else min(10.0, args.minutes / 3)
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -259,7 +301,7 @@ def main() -> int:
             indent=1,
         )
     )
-    print(f"wrote {path}")
+    print(f"wrote {path} and {plot(report, path.with_suffix('.png'))}")
     ray.shutdown()
     ok = all(r["exit"] == 0 and r.get("once") for r in results.values())
     return 0 if ok else 1

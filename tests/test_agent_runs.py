@@ -62,7 +62,7 @@ def test_an_agent_command_trains_a_step(backend, tool_model, tmp_path):
     rows = [
         json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     ]
-    step = [r for r in rows if r["step"] >= 0][-1]
+    step = [r for r in rows if r["step"] >= 1][-1]
     assert step["version"] == 1 and step["rollout/agent_errors"] == 0
     assert step["rollout/accepted"] == 1 and "rollout/tool_parse_errors" in step
     # the greedy agent calls the tool and answers right (sampled ones may fumble the call)

@@ -178,6 +178,6 @@ def test_a_persistent_tool_agent_trains_a_step(tool_model, tmp_path):
     rows = [
         json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     ]
-    last = [r for r in rows if r["step"] >= 0][-1]
+    last = [r for r in rows if r["step"] >= 1][-1]
     assert last["version"] == 2 and last["rollout/agent_errors"] == 0
     assert last["eval/success_rate"] == 1.0

@@ -222,7 +222,7 @@ def test_async_checkpoint_holds_the_staleness_counters_and_resumes(tmp_path):
         config(tmp_path, *overrides, "runner.max_steps=5", f"runner.resume_from={checkpoint}"),
     )
     assert resumed["run_dir"] == summary["run_dir"]
-    assert [r["step"] for r in resumed_rows] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in resumed_rows] == [1, 2, 3, 4, 5]
     assert [r["version"] for r in resumed_rows[2:]] == [2, 3, 4]
     assert all(r["staleness/max"] <= 1 for r in resumed_rows)
 

@@ -56,7 +56,7 @@ def fired(tmp_path: Path) -> list[str]:
 
 def logged_steps(run_dir: Path) -> list[int]:
     rows = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(r)["step"] for r in rows if json.loads(r)["step"] >= 0]
+    return [json.loads(r)["step"] for r in rows if json.loads(r)["step"] >= 1]
 
 
 def processes_with(spec: str) -> list[int]:
@@ -146,7 +146,7 @@ def test_an_embodied_run_survives_its_sender_and_a_receiver_killed_mid_broadcast
     assert fired(tmp_path) == ["fault-0", "fault-1"]
     assert [p.name for p in runs.iterdir()] == ["chaos"]
     assert json.loads(done.stdout[done.stdout.index("{") :])["restarts"] == 2
-    assert logged_steps(runs / "chaos") == list(range(6))
+    assert logged_steps(runs / "chaos") == list(range(1, 7))
     assert "restart 2 of 2 after a worker fault" in done.stderr
     assert_nothing_left(spec)
 
@@ -179,7 +179,7 @@ def test_a_process_hosting_env_and_rollout_killed_mid_broadcast_restarts_the_run
     assert runners[0].shared_processes() == ["env,rollout"]  # one process: both died
     assert fired(tmp_path) == ["fault-0"] and summary["restarts"] == 1
     assert runners[1].start_step == 2
-    assert logged_steps(summary["run_dir"]) == list(range(5))
+    assert logged_steps(summary["run_dir"]) == list(range(1, 6))
     assert_nothing_left(spec)
 
 
@@ -234,7 +234,7 @@ def test_a_language_run_with_agent_sessions_open_survives_kills_mid_broadcast(
     summary = run_with_restarts(lambda c, run_dir: LLMRunner(c, run_dir), cfg)
     assert fired(tmp_path) == ["fault-0", "fault-1"] and summary["restarts"] == 2
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["chaos"]
-    assert logged_steps(summary["run_dir"]) == list(range(4))
+    assert logged_steps(summary["run_dir"]) == list(range(1, 5))
     assert_nothing_left(spec)
     assert [p.pid for p in psutil.process_iter() if _is_agent(p, agent[1])] == []
 
@@ -314,4 +314,4 @@ def test_a_rank_killed_while_the_run_builds_restarts_it_in_the_same_folder(tmp_p
     summary = run_with_restarts(lambda c, run_dir: DiesWhileBuilding(c, run_dir=run_dir), cfg)
     assert summary["restarts"] == 1 and DiesWhileBuilding.attempts == 2
     assert [p.name for p in tmp_path.iterdir()] == ["x"]
-    assert logged_steps(summary["run_dir"]) == [0, 1, 2]
+    assert logged_steps(summary["run_dir"]) == [1, 2, 3]

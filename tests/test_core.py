@@ -192,14 +192,14 @@ def test_a_run_stopped_by_the_clock_evaluates_its_last_policy(tmp_path):
 
 def test_resume_drops_rows_after_the_checkpoint_and_continues_exactly(tmp_path):
     straight = run_to_end(fake(tmp_path, "runner.max_steps=6", "runner.experiment=straight"))
-    # a run killed after step 5 had saved at step 3: its metrics already hold rows 0-4
+    # a run killed after step 5 had saved at step 3: its metrics already hold rows 1-5
     with pytest.raises(ValueError, match="step 5 exploded"):
         run_to_end(fake(tmp_path, "runner.max_steps=6", "runner.save_interval=3", fail_at=5))
-    assert [r["step"] for r in rows(tmp_path / "x")] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in rows(tmp_path / "x")] == [1, 2, 3, 4, 5]
     resumed = run_to_end(fake(tmp_path, "runner.max_steps=6", "runner.resume_from=auto"))
     assert resumed["run_dir"] == str(tmp_path / "x")
     got = rows(tmp_path / "x")
-    assert [r["step"] for r in got] == [0, 1, 2, 3, 4, 5]
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
     assert [r["train/loss"] for r in got] == [r["train/loss"] for r in rows(straight["run_dir"])]
 
 
@@ -224,7 +224,7 @@ def test_sigint_saves_then_stops(tmp_path):
     with pytest.raises(Interrupted) as info:
         run_to_end(runner)
     assert info.value.signum == signal.SIGINT and info.value.checkpoint.endswith("step_000003")
-    assert [r["step"] for r in rows(runner.run_dir)] == [0, 1, 2]
+    assert [r["step"] for r in rows(runner.run_dir)] == [1, 2, 3]
     assert signal.getsignal(signal.SIGINT) is before  # handlers restored
 
 
@@ -407,13 +407,8 @@ def test_a_dead_worker_restarts_the_run_from_its_newest_checkpoint(tmp_path, cap
         "restart 1 of 1 after a worker fault (WorkerError: env[rank 1].interact failed: rank died"
         in caplog.text
     )
-    assert [r["step"] for r in rows(tmp_path / "x")] == [
-        0,
-        1,
-        2,
-        3,
-        4,
-    ]  # step 2 trained again, logged once
+    assert [r["step"] for r in rows(tmp_path / "x")] == [1, 2, 3, 4, 5]
+    # step 3 trained again, logged once
     DiesOnce.died = False
     cfg.runner.max_restarts = 0
     with pytest.raises(Exception, match="rank died"):
@@ -452,7 +447,7 @@ def test_a_restart_before_the_first_checkpoint_starts_over_in_the_same_run_folde
     summary = run_with_restarts(DiesBeforeItsFirstCheckpoint, cfg)
     assert summary["restarts"] == 1 and summary["run_dir"] == str(tmp_path / "x")
     assert [p.name for p in tmp_path.iterdir()] == ["x"]  # no x-2 beside it
-    assert [r["step"] for r in rows(tmp_path / "x")] == [0, 1, 2]  # step 0 logged once
+    assert [r["step"] for r in rows(tmp_path / "x")] == [1, 2, 3]  # step 1 logged once
     log_text = (tmp_path / "x" / "train.log").read_text()
     assert log_text.count("tidal.train: step 1 ") == 2  # both attempts log to the one folder
 

@@ -41,7 +41,7 @@ def test_pipelined_chunked_run_without_auto_reset_with_reward_worker_and_resume(
     ]
     summary = run(EXAMPLES / "cartpole_ppo.yaml", tmp_path, *overrides)
     rows = read_metrics(summary["run_dir"])
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     assert rows[-1]["env_steps"] == 2 * 4 * 8 * 3
     assert all(r["eval/return_mean"] is not None for r in rows)
     assert 0 < rows[0]["rollout/valid_fraction"] <= 1
@@ -57,7 +57,7 @@ def test_pipelined_chunked_run_without_auto_reset_with_reward_worker_and_resume(
     )
     assert resumed["run_dir"] == summary["run_dir"]
     rows = read_metrics(summary["run_dir"])
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["env_steps"] == 3 * 4 * 8 * 3
     assert rows[-1]["version"] == 2  # the rollout got the resumed weights (trained twice)
 

@@ -64,7 +64,7 @@ def test_ray_run_restarts_after_a_killed_actor_and_resumes(ray_session, tmp_path
     killer.join(5)
     assert summary["restarts"] == 1 and summary["steps"] == 6
     assert len(runners) == 2 and runners[1].start_step >= 2
-    assert [r["step"] for r in read_metrics(summary["run_dir"])] == list(range(6))
+    assert [r["step"] for r in read_metrics(summary["run_dir"])] == list(range(1, 7))
 
 
 # -- exact resume ------------------------------------------------------------------------

@@ -237,7 +237,7 @@ def test_a_core_install_configures_and_trains_cartpole(tmp_path):
     _run([tidal, "train", str(CARTPOLE), "runner.max_steps=2", run_dir], tmp_path, env)
     lines = (tmp_path / "runs" / "cartpole_ppo" / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
-    assert [row["step"] for row in rows] == [0, 1] and all("train/policy_loss" in r for r in rows)
+    assert [row["step"] for row in rows] == [1, 2] and all("train/policy_loss" in r for r in rows)
 
     # the features of the extras, each through `tidal train` (one process: torch imports once)
     cases = [

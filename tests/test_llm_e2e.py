@@ -72,7 +72,7 @@ def test_grpo_on_the_dataset_resumes_its_data_position_and_tidal_eval_scores_it(
     rows = [
         json.loads(x) for x in (Path(first["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     ]
-    steps = [r for r in rows if r["step"] >= 0]
+    steps = [r for r in rows if r["step"] >= 1]
     assert [r["version"] for r in steps] == [1, 2]
     assert steps[-1]["rollout/reward_errors"] == 0 and steps[-1]["rollout/reward_timeouts"] == 0
     assert {"eval/accuracy", "eval/reward_mean"} <= set(steps[-1])

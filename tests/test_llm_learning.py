@@ -36,9 +36,9 @@ def test_grpo_lifts_held_out_exact_match_on_the_arithmetic_demo(tmp_path):
     with LLMRunner(load_config(LLMConfig, DEMO, [*common, *train])) as runner:
         summary = runner.run()
     rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").open()]
-    # evaluated before the first update (step -1) and after the last, on the same 128 problems
+    # evaluated before the first update (step 0) and after the last, on the same 128 problems
     accuracy = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
-    assert sorted(accuracy) == [-1, steps - 1], accuracy
+    assert sorted(accuracy) == [0, steps], accuracy
     # 10 steps gained 14.9 and 19.6 points from 48.4% (2026-12-02) but 9.4 from CI's 56.3% warm
     # start (2026-12-03); 20 steps: 43.8% -> 67.2% (2026-12-04). A broken update stays flat.
-    assert accuracy[steps - 1] - accuracy[-1] >= 0.10, accuracy
+    assert accuracy[steps] - accuracy[0] >= 0.10, accuracy

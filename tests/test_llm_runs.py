@@ -41,7 +41,7 @@ def test_presets_run_the_async_loop_and_resume(arith_model, tmp_path, preset):
     rows = [
         json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     ]
-    steps = [r for r in rows if r["step"] >= 0]
+    steps = [r for r in rows if r["step"] >= 1]
     assert [r["version"] for r in steps] == [1, 2, 3]
     assert all(r["staleness/max"] <= cfg.rollout.max_staleness for r in steps)
     assert "eval/accuracy" in steps[-1] and "train/tokens_per_s" in steps[-1]
@@ -97,7 +97,7 @@ def test_a_synchronous_run_resumed_mid_way_ends_as_one_run_straight_through(arit
         with LLMRunner(cfg) as runner:
             summary = runner.run()
         rows = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
-        rewards = [json.loads(r)["rollout/reward_mean"] for r in rows if json.loads(r)["step"] >= 0]
+        rewards = [json.loads(r)["rollout/reward_mean"] for r in rows if json.loads(r)["step"] >= 1]
         weights = load_file(Path(summary["checkpoint"]) / "model.safetensors")
         return rewards, weights
 
@@ -150,7 +150,7 @@ def test_ray_servers_and_a_sharded_data_parallel_trainer_run_the_loop_and_resume
         json.loads(x)
         for x in (Path(summaries[-1]["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     ]
-    assert [r["version"] for r in rows if r["step"] >= 0] == [1, 2, 3]
+    assert [r["version"] for r in rows if r["step"] >= 1] == [1, 2, 3]
     assert summaries[-1]["steps"] == 3 and Path(summaries[-1]["checkpoint"]).is_dir()
 
 
@@ -201,4 +201,4 @@ def test_a_killed_inference_server_restarts_the_llm_run(ray_session, arith_model
     rows = [
         json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     ]
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]

@@ -29,6 +29,7 @@ def test_five_minutes_of_both_halves_log_every_step_once_and_do_not_grow(tmp_pat
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "soak.json").read_text())
+    assert (tmp_path / "soak.png").stat().st_size > 0
     for name, run in report["runs"].items():
         assert run["exit"] == 0 and run["once"] and run["steps"] > 0, (name, run)
     growth = report["growth"]

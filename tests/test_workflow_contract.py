@@ -111,7 +111,7 @@ def train(arith_model, tmp_path, factory: str) -> list[dict]:
     finally:
         runner.close()
     lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
-    return [row for row in map(json.loads, lines) if row["step"] >= 0]
+    return [row for row in map(json.loads, lines) if row["step"] >= 1]
 
 
 def test_a_user_workflow_is_built_from_the_context_and_read_through_the_contract(

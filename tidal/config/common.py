@@ -80,7 +80,10 @@ class RunnerConfig:
     )
     run_dir: str = setting("runs", "where run folders are created")
     seed: int = setting(1, "the one seed of the run (weights, shuffling, envs, sampling)")
-    max_steps: int = setting(100, "training steps (each: collect a batch, then update)")
+    max_steps: int = setting(
+        100,
+        "training steps (each: collect a batch, then update), numbered from 1 in the log, metrics.jsonl (0: before training) and checkpoints",
+    )
     max_minutes: float | None = setting(None, "stop after this much wall time")
     target_metric: str = setting(
         "eval/return_mean", "the metric the target_value stop rule watches"

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from tidal.extras import needs_extra
 from tidal.runtime.errors import WeightSyncError
+from tidal.runtime.tether import tethered
 
 with needs_extra("llm", "the vLLM engine"):
     import httpx
@@ -259,7 +260,7 @@ class VLLMServer:
     def start(self, timeout: float = 300.0) -> VLLMServer:
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
-                self.args,
+                tethered(self.args),  # dies with this process, even SIGKILLed
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,

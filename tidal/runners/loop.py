@@ -80,7 +80,7 @@ class RunLoop(ABC):
             if self.checkpoint_to_resume is not None:
                 meta = self.restore(self.checkpoint_to_resume)
                 self.start_step = self.last_saved_step = meta["step"]
-                dropped = truncate_metrics(self.run_dir, meta["step"] - 1)
+                dropped = truncate_metrics(self.run_dir, meta["step"])
                 log.info(
                     "resumed from %s at step %d (%d metric rows after it dropped)",
                     self.checkpoint_to_resume,
@@ -204,7 +204,7 @@ class RunLoop(ABC):
             if self.initial_evaluation and self.start_step == 0 and r.eval_interval:
                 first = self.evaluate(0)
                 self.evals.append((0, first))
-                self.logger.log(-1, first)
+                self.logger.log(0, first)
             for step in range(self.start_step, r.max_steps):
                 metrics = self.train_step(step)
                 # a run stopped by its own rule or by the clock evaluates its last policy too
@@ -217,7 +217,7 @@ class RunLoop(ABC):
                     metrics.update(evaluation)
                     self.evals.append((step + 1, evaluation))
                 metrics["time/elapsed"] = time.perf_counter() - start
-                self.logger.log(step, metrics)
+                self.logger.log(step + 1, metrics)
                 line = self.progress_info(metrics)
                 log.info("step %d %s", step + 1, line)
                 progress.update(step, line)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -311,9 +312,20 @@ def probe_env(cfg: EmbodiedConfig):
     return spaces, max_episode_steps
 
 
+_PROBED: dict[str, tuple] = {}  # env section -> (spaces, time limit), made once per process
+
+
 def env_spaces(env: EnvConfig):
-    """The spaces and time limit of the ``env`` section's env, from one instance made here; an
+    """The spaces and time limit of the ``env`` section's env, from one instance made here (once
+    per process for a section: `tidal train` checks before the runner, which checks again); an
     env that cannot be made is a config error naming env.id (or env.kwargs)."""
+    key = json.dumps(dataclasses.asdict(env), sort_keys=True, default=repr)
+    if key not in _PROBED:
+        _PROBED[key] = _made_env_spaces(env)
+    return _PROBED[key]
+
+
+def _made_env_spaces(env: EnvConfig):
     try:
         probe = make_env(env.adapter, 1, **{**env_make_kwargs(env), "vectorization_mode": "sync"})
     except MissingExtraError as exc:

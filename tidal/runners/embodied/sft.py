@@ -57,12 +57,12 @@ def _train(cfg: EmbodiedConfig, run_dir: Path) -> dict:
         )
         history = behaviour_clone(cfg, policy, demos)
         for row in history:
-            logger.log(row["step"] - 1, row)
+            logger.log(row["step"], row)
         seeds = evaluation_seeds(cfg.runner.seed, cfg.env.eval_num_envs)
         evaluation = evaluate_success(
             policy, env, seeds, deterministic=cfg.rollout.eval_deterministic
         )
-        logger.log(cfg.sft.steps - 1, evaluation)
+        logger.log(cfg.sft.steps, evaluation)
     finally:
         env.close()
         logger.close()
