@@ -151,9 +151,12 @@ def sample(address: str, runs: dict[str, Path], start: float, running: list[str]
 
 def growth(samples: list[dict], warmup_s: float) -> dict:
     """Relative growth from the first sample after the warm-up to the last taken while every
-    run still ran, in total and for each process alive at both (its worst)."""
+    run still ran, in total and for each process alive at both (its worst). A sample in which
+    a run had begun to close (fewer processes than at the first) is not the last: its drop
+    would hide growth (more processes, a leak, still count)."""
     every = max(len(s["running"]) for s in samples)
     after = [s for s in samples if s["t"] >= warmup_s and len(s["running"]) == every]
+    after = [s for s in after if len(s["processes"]) >= len(after[0]["processes"])] if after else []
     if len(after) < 2:
         return {"error": f"fewer than 2 samples after the {warmup_s:g} s warm-up"}
     first, last = after[0], after[-1]
