@@ -53,7 +53,7 @@ def probe(overrides: list[str], steps: int, seed: int) -> list[dict]:
         after = per_sample(self, self._logprobs_under(self.model))
         rows.append(
             {
-                "step": self.engine.step - 1,
+                "step": self.engine.step,  # after this update: as metrics.jsonl numbers it
                 "stale_fraction": float(stale.float().mean()),
                 "stale_abs_log_ratio": float(log_ratio.abs().mean()) if stale.any() else 0.0,
                 "stale_outside_clip": float((log_ratio.exp() - 1).abs().gt(0.2).float().mean())

@@ -73,6 +73,23 @@ def test_tasks_and_rewards():
     )
 
 
+def test_word_problem_tasks_answer_their_story():
+    import re
+
+    from tidal.rollout.tasks import TASKS
+
+    sums = TASKS.get("word_sums").problems(64, 1, None)
+    for record in sums:
+        a, b = map(int, re.findall(r"\d+", record["prompt"]))
+        assert "buys" in record["prompt"] and int(record["answer"]) == a + b
+    mixed = TASKS.get("word_problems").problems(64, 1, None)
+    assert any("away" in r["prompt"] or "lost" in r["prompt"] for r in mixed)
+    for record in mixed:
+        a, b = map(int, re.findall(r"\d+", record["prompt"]))
+        took = "away" in record["prompt"] or "lost" in record["prompt"]
+        assert int(record["answer"]) == (a - b if took else a + b)
+
+
 def test_reverse_task_has_long_tailed_lengths():
     p = reverse_problems(4000, max_len=24, seed=1)
     assert all(x["prompt"] == f"r{x['answer'][::-1]}=" for x in p)

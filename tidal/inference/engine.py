@@ -40,7 +40,13 @@ from tidal.models.gguf import model_folder
 with needs_extra("llm", "the generation engine"):
     from transformers import AutoModelForCausalLM, DynamicCache
 
-from tidal.inference.kv_cache import cache_key, cache_nbytes, keep_rows, merge_caches
+from tidal.inference.kv_cache import (
+    cache_key,
+    cache_nbytes,
+    keep_rows,
+    last_logits_only,
+    merge_caches,
+)
 from tidal.inference.params import GenerationConfig
 from tidal.inference.sampling import sample_tokens
 from tidal.runtime.weight_sync.validation import (  # noqa: F401 (re-exported)
@@ -124,6 +130,9 @@ class GenerationEngine:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
         self.model.to(self.device).eval()
         self._cache_key = cache_key(self.model)
+        # a prefill samples from its last position only: the head's [B, L, vocab] logits
+        # over the whole prompt would cost memory (1.3 GB at 64 x 100 tokens x 49k vocab)
+        self._last_logits = last_logits_only(self.model)
         self.vocab_size = self.model.config.vocab_size
         self.max_positions = getattr(self.model.config, "max_position_embeddings", 4096)
         self.tokenizer = optional_tokenizer(self.model_dir)  # None when the folder has none
@@ -343,7 +352,13 @@ class GenerationEngine:
             mask[i, width - len(r.prompt) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **self._last_logits,
+        )
         tokens, logprobs, tops = sample_tokens(out.logits[:, -1].float(), reqs)
         self.stats["requests"] += len(reqs)
         self._join(reqs, getattr(out, self._cache_key), mask)

@@ -21,6 +21,16 @@ def cache_key(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def last_logits_only(model) -> dict:
+    """The forward's keyword that computes the logits of the last position only
+    (``logits_to_keep=1``, as transformers' own generate passes it), where the model takes it."""
+    return (
+        {"logits_to_keep": 1}
+        if "logits_to_keep" in inspect.signature(model.forward).parameters
+        else {}
+    )
+
+
 def merge_caches(
     cache: DynamicCache | None, mask: torch.Tensor | None, new: DynamicCache, new_mask: torch.Tensor
 ) -> tuple[DynamicCache, torch.Tensor]:

@@ -171,13 +171,15 @@ WORD_PROBLEM_STORIES = (
 WORD_PROBLEM_FORMAT = "Answer with just the number."
 
 
-def word_problems(n: int, seed: int = 0, high: int = 60) -> list[dict]:
+def word_problems(
+    n: int, seed: int = 0, high: int = 60, stories=WORD_PROBLEM_STORIES
+) -> list[dict]:
     """One-step word problems (``"Tom has 17 apples and buys 25 more. ..."``, answer ``"42"``):
     a sum or a difference of two numbers in ``[2, high]``, asking for just the number."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        story, answer = rng.choice(WORD_PROBLEM_STORIES)
+        story, answer = rng.choice(stories)
         a, b = sorted((rng.randint(2, high), rng.randint(2, high)), reverse=True)
         name, item = rng.choice(WORD_PROBLEM_NAMES), rng.choice(WORD_PROBLEM_ITEMS)
         prompt = f"{story.format(n=name, a=a, b=b, i=item)} {WORD_PROBLEM_FORMAT}"
@@ -188,3 +190,10 @@ def word_problems(n: int, seed: int = 0, high: int = 60) -> list[dict]:
 @register_task("word_problems", reward=math_verify)
 def _word_problems_task(n: int, seed: int, data) -> list[dict]:
     return word_problems(n, seed)
+
+
+@register_task("word_sums", reward=math_verify)
+def _word_sums_task(n: int, seed: int, data) -> list[dict]:
+    """The first story alone ("... buys b more"): the set issue 46 measured SmolLM2 on, whose
+    base model answers 28% greedy (the four stories with differences: 8%)."""
+    return word_problems(n, seed, stories=WORD_PROBLEM_STORIES[:1])
