@@ -97,11 +97,11 @@ class _ConfigFailure(Exception):
 def train(args: argparse.Namespace) -> int:
     from tidal.config import ConfigError
     from tidal.runners.loop import Interrupted, run_with_restarts
+    from tidal.runners.preflight import probed_once
 
     _setup_logging()
     task, cfg = _config(args)
     half = HALVES[task]
-    _load(half.check)(cfg)  # before the runner class is looked up or any folder exists
 
     def make_runner(cfg, run_dir):
         from tidal.runtime.errors import ClusterUnreachable
@@ -112,7 +112,9 @@ def train(args: argparse.Namespace) -> int:
             raise _ConfigFailure(exc) from None
 
     try:
-        summary = run_with_restarts(make_runner, cfg)
+        with probed_once():  # the env the checks make serves the runner's checks too
+            _load(half.check)(cfg)  # before the runner class is looked up or any folder exists
+            summary = run_with_restarts(make_runner, cfg)
     except Interrupted as exc:
         print(f"tidal: {exc}", file=sys.stderr, flush=True)
         return 128 + exc.signum

@@ -12,6 +12,7 @@ decided here, once, and recorded as decided (``tidal.config.schema.decide``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -312,17 +313,30 @@ def probe_env(cfg: EmbodiedConfig):
     return spaces, max_episode_steps
 
 
-_PROBED: dict[str, tuple] = {}  # env section -> (spaces, time limit), made once per process
+_probed: dict[str, tuple] | None = None  # env section -> (spaces, time limit), within probed_once
+
+
+@contextlib.contextmanager
+def probed_once():
+    """Within it an env section's env is made once (``tidal train`` checks before building the
+    runner, which checks again; a restart builds it anew); elsewhere every probe makes one."""
+    global _probed
+    outer, _probed = _probed, {}
+    try:
+        yield
+    finally:
+        _probed = outer
 
 
 def env_spaces(env: EnvConfig):
-    """The spaces and time limit of the ``env`` section's env, from one instance made here (once
-    per process for a section: `tidal train` checks before the runner, which checks again); an
+    """The spaces and time limit of the ``env`` section's env, from one instance made here; an
     env that cannot be made is a config error naming env.id (or env.kwargs)."""
+    if _probed is None:
+        return _made_env_spaces(env)
     key = json.dumps(dataclasses.asdict(env), sort_keys=True, default=repr)
-    if key not in _PROBED:
-        _PROBED[key] = _made_env_spaces(env)
-    return _PROBED[key]
+    if key not in _probed:
+        _probed[key] = _made_env_spaces(env)
+    return _probed[key]
 
 
 def _made_env_spaces(env: EnvConfig):

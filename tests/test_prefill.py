@@ -1,0 +1,46 @@
+"""The generation engine's prefill: what it asks of the model."""
+
+import asyncio
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from tidal.inference import GenerationEngine
+from tidal.inference.params import GenerationConfig
+from tidal.inference.protocol import generate_all
+from tidal.inference.tiny import save_tiny_model
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_prefill_computes_the_logits_of_the_last_position_only(tmp_path):
+    """The prompt's other positions' logits ([B, L, vocab]) are never sampled from: the model
+    is asked for the last one alone, and the tokens are those of the full pass."""
+    model_dir = save_tiny_model(tmp_path / "model", seed=0)
+    engine = GenerationEngine(model_dir)
+    widths = []
+    forward = engine.model.forward
+
+    def recording(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        widths.append((kwargs["input_ids"].shape[1], out.logits.shape[1]))
+        return out
+
+    engine.model.forward = recording
+    prompt = [1, 3, 3, 3, 3, 8, 20, 11]
+    try:
+        got = run(
+            generate_all(
+                engine, [(prompt, GenerationConfig(max_new_tokens=4, temperature=0), None)]
+            )
+        )
+    finally:
+        engine.close()
+    assert widths[0] == (len(prompt), 1) and all(w == (1, 1) for w in widths[1:]), widths
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[
+        0, len(prompt) :
+    ]
+    assert got[0].output_ids == ref.tolist()
