@@ -96,8 +96,8 @@ class _ConfigFailure(Exception):
 
 def train(args: argparse.Namespace) -> int:
     from tidal.config import ConfigError
+    from tidal.runners.env_probe import probed_once
     from tidal.runners.loop import Interrupted, run_with_restarts
-    from tidal.runners.preflight import probed_once
 
     _setup_logging()
     task, cfg = _config(args)

@@ -12,10 +12,8 @@ decided here, once, and recorded as decided (``tidal.config.schema.decide``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
-import json
 import logging
 import os
 from pathlib import Path
@@ -46,7 +44,7 @@ from tidal.config.loader import require
 from tidal.config.offpolicy import ON_POLICY, SAC_POLICIES
 from tidal.config.schema import decide
 from tidal.data.replay import buffer_layout, read_demos
-from tidal.envs import adapter_arguments, env_make_kwargs, list_env_adapters, make_env
+from tidal.envs import adapter_arguments, list_env_adapters
 from tidal.envs.demos import DEMO_SOURCES
 from tidal.extras import MissingExtraError, installed, missing_extra
 from tidal.memory import MemoryPlan
@@ -56,6 +54,7 @@ from tidal.models.lora import apply_lora, check_checkpoint_lora, check_lora, no_
 from tidal.models.policy import POLICIES, build_policy, policy_arguments
 from tidal.models.saving import read_saved_config, space_from_json
 from tidal.runners.embodied.select import EMBODIED_RUNNERS
+from tidal.runners.env_probe import env_spaces
 from tidal.runtime import ComponentPlacement, PlacementError
 from tidal.runtime.backends import backend_class, backend_names
 from tidal.runtime.devices import DeviceError, check_device_setting
@@ -311,51 +310,6 @@ def probe_env(cfg: EmbodiedConfig):
         raise ConfigError(f"{key}: {problem}")
     check_policy_lora(cfg.model, *spaces, env.num_action_chunks)
     return spaces, max_episode_steps
-
-
-_probed: dict[str, tuple] | None = None  # env section -> (spaces, time limit), within probed_once
-
-
-@contextlib.contextmanager
-def probed_once():
-    """Within it an env section's env is made once (``tidal train`` checks before building the
-    runner, which checks again; a restart builds it anew); elsewhere every probe makes one."""
-    global _probed
-    outer, _probed = _probed, {}
-    try:
-        yield
-    finally:
-        _probed = outer
-
-
-def env_spaces(env: EnvConfig):
-    """The spaces and time limit of the ``env`` section's env, from one instance made here; an
-    env that cannot be made is a config error naming env.id (or env.kwargs)."""
-    if _probed is None:
-        return _made_env_spaces(env)
-    key = json.dumps(dataclasses.asdict(env), sort_keys=True, default=repr)
-    if key not in _probed:
-        _probed[key] = _made_env_spaces(env)
-    return _probed[key]
-
-
-def _made_env_spaces(env: EnvConfig):
-    try:
-        probe = make_env(env.adapter, 1, **{**env_make_kwargs(env), "vectorization_mode": "sync"})
-    except MissingExtraError as exc:
-        raise ConfigError(
-            f"env.id: cannot make {env.id!r} with the {env.adapter} adapter: {exc}"
-        ) from None
-    except Exception as exc:  # noqa: BLE001 - gymnasium raises many kinds for a bad id or kwarg
-        key = "env.kwargs" if isinstance(exc, TypeError) and env.kwargs else "env.id"
-        raise ConfigError(
-            f"{key}: cannot make {env.id!r} with kwargs {dict(env.kwargs)}: "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        ) from None
-    try:
-        return (probe.observation_space, probe.action_space), probe.max_episode_steps
-    finally:
-        probe.close()
 
 
 def check_embodied_run(cfg: EmbodiedConfig) -> None:
