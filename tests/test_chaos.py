@@ -236,13 +236,15 @@ def test_a_language_run_with_agent_sessions_open_survives_kills_mid_broadcast(
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["chaos"]
     assert logged_steps(summary["run_dir"]) == list(range(1, 5))
     assert_nothing_left(spec)
-    assert [p.pid for p in psutil.process_iter() if _is_agent(p, agent[1])] == []
+    assert [p.pid for p in psutil.process_iter() if _is_agent(p, agent[1], spec)] == []
 
 
-def _is_agent(proc: psutil.Process, script: str) -> bool:
+def _is_agent(proc: psutil.Process, script: str, spec: str) -> bool:
+    """This run's agent (the other xdist worker's tests run the same script at times)."""
     try:
-        return script in proc.cmdline() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
+        mine = script in proc.cmdline() and proc.environ().get(ENV) == spec
+        return mine and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, OSError):
         return False
 
 
