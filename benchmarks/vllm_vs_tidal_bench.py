@@ -43,15 +43,22 @@ def grpo_workload(prompts: int, vocab: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
-async def _tokens_per_s(address: str, protocol, requests) -> float:
-    """``requests``: (prompt, max_new_tokens, n) all at once; output tokens per second."""
+async def _tokens_per_s(address: str, protocol, requests, eos: int | None = None) -> float:
+    """``requests``: (prompt, max_new_tokens, n, seed) all at once, each sample ending at ``eos``
+    (if given) or its cap; output tokens per second."""
+    stop = [] if eos is None else [eos]
     client = InferenceClient([address], protocol=protocol)
     try:
         start = time.perf_counter()
         groups = await asyncio.gather(
             *(
-                client.agenerate_n(ModelRequest(p, GenerationConfig(max_new_tokens=m, seed=i)), n)
-                for i, (p, m, n) in enumerate(requests)
+                client.agenerate_n(
+                    ModelRequest(
+                        p, GenerationConfig(max_new_tokens=m, seed=s, stop_token_ids=stop)
+                    ),
+                    n,
+                )
+                for p, m, n, s in requests
             )
         )
         return sum(o.output_len for g in groups for o in g) / (time.perf_counter() - start)
@@ -59,9 +66,9 @@ async def _tokens_per_s(address: str, protocol, requests) -> float:
         await client.aclose()
 
 
-def best_of(address: str, protocol, requests, repeats: int) -> float:
-    asyncio.run(_tokens_per_s(address, protocol, requests[:8]))  # warm-up
-    return max(asyncio.run(_tokens_per_s(address, protocol, requests)) for _ in range(repeats))
+def best_of(address: str, protocol, requests, repeats: int, eos: int | None = None) -> float:
+    asyncio.run(_tokens_per_s(address, protocol, requests[:8], eos))  # warm-up
+    return max(asyncio.run(_tokens_per_s(address, protocol, requests, eos)) for _ in range(repeats))
 
 
 def measure(address: str, protocol, workloads: dict, repeats: int) -> dict:
@@ -89,8 +96,11 @@ def main() -> None:
         )
         vocab = AutoConfig.from_pretrained(path).vocab_size
         workloads = {
-            "mixed": [(p, n, 1) for p, n in workload(args.requests, vocab)],
-            "grpo": [(p, args.tokens, args.group) for p in grpo_workload(args.prompts, vocab)],
+            "mixed": [(p, n, 1, i) for i, (p, n) in enumerate(workload(args.requests, vocab))],
+            "grpo": [
+                (p, args.tokens, args.group, i)
+                for i, p in enumerate(grpo_workload(args.prompts, vocab))
+            ],
         }
         batch = max(args.requests, args.prompts * args.group)
         server = InferenceServer(GenerationEngine(path, max_batch_size=batch)).start()

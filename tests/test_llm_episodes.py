@@ -88,6 +88,11 @@ def test_word_problem_tasks_answer_their_story():
         a, b = map(int, re.findall(r"\d+", record["prompt"]))
         took = "away" in record["prompt"] or "lost" in record["prompt"]
         assert int(record["answer"]) == (a - b if took else a + b)
+    products = TASKS.get("word_products").problems(256, 1, None)
+    for record in products:
+        a, b = map(int, re.findall(r"\d+", record["prompt"]))
+        assert 2 <= a <= 9 and 10 <= b <= 60 and int(record["answer"]) == a * b
+    assert len({r["prompt"] for r in products}) > 200  # names, items and numbers vary
 
 
 def test_reverse_task_has_long_tailed_lengths():

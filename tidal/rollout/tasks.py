@@ -6,6 +6,7 @@ takes: ``problems(n, seed, data_cfg) -> [record]``; single-turn records hold ``p
 
 from __future__ import annotations
 
+import operator
 import random
 import re
 from collections.abc import Callable
@@ -169,6 +170,23 @@ WORD_PROBLEM_STORIES = (
 # the format issue 46 measured on SmolLM2-135M-Instruct (greedy 28% -> 48% after 8 GRPO steps,
 # math_verify on the reply)
 WORD_PROBLEM_FORMAT = "Answer with just the number."
+PRODUCT_STORIES = (  # (story, answer(a, b))
+    ("{n} buys {a} boxes with {b} {i} in each box. How many {i} does {n} have?", operator.mul),
+)
+
+
+def story_problems(n: int, seed: int, stories, draw) -> list[dict]:
+    """Word problems told by ``stories`` (``(format, answer(*numbers))``, the numbers named
+    ``a``, ``b``, ...) on numbers ``draw(rng)``, each asking for just the number."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        story, answer = rng.choice(stories)
+        numbers = draw(rng)
+        name, item = rng.choice(WORD_PROBLEM_NAMES), rng.choice(WORD_PROBLEM_ITEMS)
+        text = story.format(n=name, i=item, **dict(zip("abc", numbers, strict=False)))
+        out.append({"prompt": f"{text} {WORD_PROBLEM_FORMAT}", "answer": str(answer(*numbers))})
+    return out
 
 
 def word_problems(
@@ -176,20 +194,27 @@ def word_problems(
 ) -> list[dict]:
     """One-step word problems (``"Tom has 17 apples and buys 25 more. ..."``, answer ``"42"``):
     a sum or a difference of two numbers in ``[2, high]``, asking for just the number."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        story, answer = rng.choice(stories)
-        a, b = sorted((rng.randint(2, high), rng.randint(2, high)), reverse=True)
-        name, item = rng.choice(WORD_PROBLEM_NAMES), rng.choice(WORD_PROBLEM_ITEMS)
-        prompt = f"{story.format(n=name, a=a, b=b, i=item)} {WORD_PROBLEM_FORMAT}"
-        out.append({"prompt": prompt, "answer": str(answer(a, b))})
-    return out
+
+    def draw(rng):
+        return sorted((rng.randint(2, high), rng.randint(2, high)), reverse=True)
+
+    return story_problems(n, seed, stories, draw)
 
 
 @register_task("word_problems", reward=math_verify)
 def _word_problems_task(n: int, seed: int, data) -> list[dict]:
     return word_problems(n, seed)
+
+
+@register_task("word_products", reward=math_verify)
+def _word_products_task(n: int, seed: int, data) -> list[dict]:
+    """``a`` boxes of ``b`` items, ``a`` in [2, 9] and ``b`` in [10, 60]: issue 46's harder set
+    (the untouched SmolLM2-135M-Instruct answers 25% greedy, 3% sampled at temperature 1)."""
+
+    def draw(rng):
+        return rng.randint(2, 9), rng.randint(10, 60)
+
+    return story_problems(n, seed, PRODUCT_STORIES, draw)
 
 
 @register_task("word_sums", reward=math_verify)
