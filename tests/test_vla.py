@@ -236,6 +236,20 @@ def test_behaviour_cloning_on_scripted_demos_raises_reach_success(one_thread):
     # measured: 0/8 before, 4/8 after (2 cores, seed 0)
     assert before <= 0.125 and after["eval/success_rate"] >= 0.25, (before, after)
     env.close()
+    # the same 8 episodes in two rounds on 4 copies (tidal eval --episodes 500 holds no 500 envs)
+    env = make_env("metaworld", 4, env_id="reach-v3", max_episode_steps=100, instruction_tokens=4)
+    assert evaluate_success(policy, env, seeds) == after
+    with pytest.raises(ValueError, match="6 seeds for rounds of 4 env copies"):
+        evaluate_success(policy, env, seeds[:6])
+    env.close()
+
+
+def test_eval_rounds_divide_the_episodes():
+    from tidal.runners.embodied.eval import copies_per_round
+
+    assert [copies_per_round(e, m) for e, m in [(500, 50), (64, 10), (7, 4), (3, 10), (10, 0)]] == [
+        50, 8, 1, 3, 1
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("detached", [True, False])

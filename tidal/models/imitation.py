@@ -81,16 +81,27 @@ def evaluate_success(
     deterministic: bool = True,
     prefix: str = "eval",
 ) -> dict[str, float]:
-    """One episode per env copy (``seeds``: one per copy), in this process; the metrics a
-    training run's evaluation through its workers reports, under the same names
-    (``tidal.envs.episode_metrics``: return mean and spread, episodes, success rates)."""
-    chunked = ChunkedEnv(env, auto_reset=False, seeds=seeds)
-    obs = chunked.reset().obs
+    """One episode per seed, in this process, in rounds of one episode per env copy: round ``r``
+    gives copy ``i`` the seed ``seeds[r * copies + i]`` (so ``len(seeds)`` is a multiple of the
+    copies, and 500 episodes need not hold 500 envs in memory). The metrics a training run's
+    evaluation through its workers reports, under the same names (``tidal.envs.episode_metrics``:
+    return mean and spread, episodes, success rates)."""
+    copies = env.num_envs
+    if len(seeds) % copies:
+        raise ValueError(f"evaluate_success: {len(seeds)} seeds for rounds of {copies} env copies")
+    stats: dict[str, list] = {"returns": [], "successes": [], "tasks": []}
     was_training = policy.training
     policy.eval()
-    while not chunked.all_reported():
-        step = policy.act(policy.prepare(obs), deterministic=deterministic)
-        obs = chunked.step(policy.env_actions(step.actions)).obs
-    policy.train(was_training)
-    stats = chunked.stats.drain()
+    try:
+        for first in range(0, len(seeds), copies):
+            chunked = ChunkedEnv(env, auto_reset=False, seeds=seeds[first : first + copies])
+            obs = chunked.reset().obs
+            while not chunked.all_reported():
+                step = policy.act(policy.prepare(obs), deterministic=deterministic)
+                obs = chunked.step(policy.env_actions(step.actions)).obs
+            round_stats = chunked.stats.drain()
+            for key, values in stats.items():
+                values.extend(round_stats[key])
+    finally:
+        policy.train(was_training)
     return episode_metrics(stats["returns"], stats["successes"], stats["tasks"], prefix)

@@ -1,7 +1,11 @@
 """``tidal eval`` for embodied configs: a saved policy (``model.path``) or a training checkpoint on
 ``episodes`` fresh episodes, as the run evaluates (greedy unless ``rollout.eval_deterministic``
-is off) and optionally with sampled actions on the same episodes; success rates overall and per task, and the mean return. Env copy ``i`` runs task
-``i % len(tasks)`` on a multi-task env, so a multiple of the task count weighs tasks equally.
+is off) and optionally with sampled actions on the same episodes; success rates overall and per
+task, and the mean return. The episodes run in rounds on ``env.eval_num_envs`` env copies at
+most (the largest divisor of ``episodes`` up to it), never ``episodes`` envs at once: episode
+``e`` runs on copy ``e % copies``, and copy ``i`` runs task ``i % len(tasks)`` on a multi-task
+env, so a multiple of the task count in both weighs tasks equally (and a LIBERO copy moves on to
+its task's next official init state each round).
 
 The episodes' seeds (tidal.envs.seeds) are far from the training envs' seeds and from those of the
 training run's evaluations, so a comparison of two policies (e.g. after
@@ -47,9 +51,17 @@ def run_eval(
     return {**summary, "run_dir": str(run.path)}
 
 
+def copies_per_round(episodes: int, most: int) -> int:
+    """The env copies that run ``episodes`` in equal rounds: the largest divisor of ``episodes``
+    up to ``most`` (``env.eval_num_envs``, the copies a training run's evaluation holds)."""
+    return max(d for d in range(1, min(episodes, max(most, 1)) + 1) if episodes % d == 0)
+
+
 def _evaluate(cfg: EmbodiedConfig, folder: Path | None, episodes: int, sampled: bool) -> dict:
     torch.set_num_threads(cfg.cluster.torch_threads)
-    env = make_env(cfg.env.adapter, episodes, **env_make_kwargs(cfg.env))
+    copies = copies_per_round(episodes, cfg.env.eval_num_envs)
+    log.info("%d episodes: %d rounds of %d env copies", episodes, episodes // copies, copies)
+    env = make_env(cfg.env.adapter, copies, **env_make_kwargs(cfg.env))
     try:
         policy = build_from_config(
             cfg.model, env.observation_space, env.action_space, cfg.env.num_action_chunks
@@ -63,6 +75,7 @@ def _evaluate(cfg: EmbodiedConfig, folder: Path | None, episodes: int, sampled: 
             "model_path": cfg.model.path,
             "checkpoint": None if folder is None else str(folder),
             "episodes": episodes,
+            "env_copies": copies,
             **evaluate_success(policy, env, seeds, deterministic=cfg.rollout.eval_deterministic),
         }
         if sampled:
