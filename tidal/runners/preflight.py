@@ -33,13 +33,11 @@ from tidal.config.embodied import (
     EnvConfig,
     ModelConfig,
     components,
-    rank_micro_batch,
     same_process,
     validate_embodied,
-    validate_groups,
-    validate_layout,
     validate_sft,
 )
+from tidal.config.layout import rank_micro_batch, validate_groups, validate_layout
 from tidal.config.loader import require
 from tidal.config.offpolicy import ON_POLICY, SAC_POLICIES
 from tidal.config.schema import decide
