@@ -313,3 +313,22 @@ def test_truncate_metrics_drops_later_rows_and_a_torn_line(tmp_path):
     assert truncate_metrics(tmp_path / "missing", after_step=0) == 0
     with pytest.raises(TypeError, match="after_step"):
         truncate_metrics(tmp_path, after_step="2")
+
+
+def test_the_run_log_rotates_and_keeps_its_newest_lines(tmp_path, monkeypatch):
+    import logging
+
+    from tidal import metrics
+
+    monkeypatch.setattr(metrics, "LOG_MAX_BYTES", 2000)
+    handler = metrics.attach_file_log(tmp_path / "train.log")
+    try:
+        for step in range(200):
+            logging.getLogger("tidal.train").info("step %d %s", step, "x" * 40)
+    finally:
+        logging.getLogger("tidal").removeHandler(handler)
+        handler.close()
+    logs = sorted(p.name for p in tmp_path.iterdir())
+    assert logs == ["train.log", "train.log.1", "train.log.2", "train.log.3"]
+    assert all((tmp_path / name).stat().st_size <= 2000 for name in logs)
+    assert "step 199 " in (tmp_path / "train.log").read_text()
