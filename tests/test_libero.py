@@ -202,3 +202,39 @@ def test_scripted_demonstrations_from_random_placements_and_the_tasks_they_cover
     assert 0 < demos.script_success[SOUP] <= 1
     with pytest.raises(ValueError, match=r"not 0 open_the_middle_drawer.*covered tasks: \[1, 2, 4"):
         collect_libero_demos("libero_goal", 1, tasks=[0])
+
+
+def test_the_flow_policy_clones_then_trains_with_grpo_on_libero(tmp_path, capsys):
+    """Issue 48 on LIBERO: `tidal sft` (flow matching on a scripted demo), then a GRPO step
+    through the stochastic chain starting from the saved policy."""
+    import json
+
+    from tidal.cli import main
+
+    flow = EXAMPLE.parent / "libero_object_flow_grpo.yaml"
+    small = [
+        f"runner.run_dir={tmp_path}/runs",
+        f"model.path={tmp_path}/flow",
+        "env.adapter_kwargs.tasks=[0]",
+        "env.max_episode_steps=16",
+        "env.eval_num_envs=1",
+        "sft.demos=1",
+        "sft.steps=20",
+        "sft.batch_size=32",
+    ]
+    assert main(["sft", str(flow), *small]) == 0
+    cloned = json.loads(capsys.readouterr().out)
+    assert cloned["demos"] == 1 and cloned["final_loss"] < cloned["first_loss"]
+    rl = [
+        *small,
+        "runner.max_steps=1",
+        "env.total_num_envs=4",
+        "rollout.num_steps=2",
+        "actor.global_batch_size=8",
+        "actor.micro_batch_size=8",
+    ]
+    assert main(["train", str(flow), *rl]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "runs/libero_object_flow_grpo/metrics.jsonl").open()]
+    step = next(r for r in rows if "train/policy_loss" in r)
+    assert step["step"] == 1 and 0 <= step["rollout/success_rate"] <= 1
+    assert f"eval_sampled/success_rate/{SOUP}" in rows[0]  # the clone, before RL: ODE and chain
