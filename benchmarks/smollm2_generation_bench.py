@@ -137,7 +137,7 @@ def main() -> None:
     finally:
         server.stop()
     if not args.skip_vllm:
-        with VLLMServer(path, max_model_len=1024) as vllm_server:
+        with VLLMServer(path, max_model_len=1024, kv_cache_gib=4) as vllm_server:  # all 128 fit
             result["vllm_tok_s"] = best_of(
                 vllm_server.address, VLLMProtocol(), requests(False), args.repeats, eos
             )
