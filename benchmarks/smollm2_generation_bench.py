@@ -7,7 +7,9 @@ one run; and what the machine allows for this model at that batch:
   plain ``x @ W.T`` at the full batch: the decode steps per second if nothing else cost anything;
 - ``forward_bound``: the model's own forward of one new token at the full batch over a KV cache
   of the answers' mean length (attention, norms, rotary, Python included; no sampling, no
-  scheduling, no HTTP).
+  scheduling, no HTTP);
+- ``shrinking_forward``: that forward over this workload's decode, the batch shrinking as the
+  answers (HF ``generate``'s, EOS on) end: what an engine that only ran the forward would reach.
 
 tidal and vLLM are driven over HTTP by tidal's client, as a run drives them; HF ``generate`` runs
 in this process on one left-padded batch. Output tokens per second (EOS counted), the best of
@@ -67,7 +69,7 @@ def hf_generate(model, prompts: list[list[int]], group: int, cap: int, eos: int)
     new = out[:, width:]
     ended = (new == eos).int()
     lengths = torch.where(ended.any(1), ended.argmax(1) + 1, torch.tensor(new.shape[1]))
-    return {"tok_s": float(lengths.sum()) / seconds, "mean_len": float(lengths.float().mean())}
+    return {"tok_s": float(lengths.sum()) / seconds, "lengths": lengths.tolist()}
 
 
 def best_seconds(fn, repeats: int = 5) -> float:
@@ -108,6 +110,22 @@ def forward_bound(model, batch: int, context: int) -> float:
         return 1.0 / best_seconds(step)
 
 
+def shrinking_forward_tok_s(model, lengths: list[int], context: int) -> float:
+    """Tokens/s of the forward alone over this workload's decode: step ``k`` decodes the answers
+    longer than ``k`` (the batch shrinks as answers end), each step timed at its batch size
+    (measured at powers of two, interpolated)."""
+    sizes = sorted({2**i for i in range(len(lengths).bit_length())} | {len(lengths)})
+    step_s = {b: 1.0 / forward_bound(model, b, context) for b in sizes}
+    total = 0.0
+    for k in range(max(lengths)):
+        running = sum(n > k for n in lengths)
+        above = min(b for b in sizes if b >= running)
+        below = max([b for b in sizes if b <= running])
+        share = 0.0 if above == below else (running - below) / (above - below)
+        total += step_s[below] + share * (step_s[above] - step_s[below])
+    return sum(lengths) / total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -144,15 +162,18 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf = [hf_generate(model, prompts, args.group, args.cap, eos) for _ in range(args.repeats)]
     result["hf_generate_tok_s"] = max(h["tok_s"] for h in hf)
-    result["mean_answer_tokens"] = statistics.mean(h["mean_len"] for h in hf)
+    lengths = hf[-1]["lengths"]  # the answers' lengths with EOS on, as the sampler drew them
+    result["mean_answer_tokens"] = statistics.mean(lengths)
+    result["longest_answer_tokens"] = max(lengths)
     context = int(statistics.mean(map(len, prompts)) + result["mean_answer_tokens"] / 2)
     result["matmul_bound_tok_s"] = batch * matmul_bound(model, batch)
     result["forward_bound_tok_s"] = batch * forward_bound(model, batch, context)
     result["forward_context"] = context
+    result["shrinking_forward_tok_s"] = shrinking_forward_tok_s(model, lengths, context)
     for name in ("vllm_tok_s", "hf_generate_tok_s"):
         if name in result:
             result[f"tidal_vs_{name[:-6]}"] = result["tidal_tok_s"] / result[name]
-    for bound in ("matmul_bound", "forward_bound"):
+    for bound in ("matmul_bound", "forward_bound", "shrinking_forward"):
         result[f"tidal_of_{bound}"] = result["tidal_tok_s"] / result[f"{bound}_tok_s"]
     result = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
     print(json.dumps(result, indent=2))
