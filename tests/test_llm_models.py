@@ -200,3 +200,26 @@ def test_prompt_answer_records_become_conversations(tokenizer):
     assert messages == CHAT[:3]
     ids, mask = sft_tokens(tokenizer, messages)
     assert tokenizer.decode([i for i, m in zip(ids, mask) if m]) == "4<|im_end|>"
+
+
+def test_a_tied_head_left_on_the_meta_device_is_tied_and_other_empty_weights_are_named(tmp_path):
+    """transformers 5.25 now and then loads a tied model with its head untied on the meta device
+    (CI, a long-lived xdist worker): tidal's loaders tie it, and name anything else left empty."""
+    from transformers import LlamaConfig
+
+    from tidal.models.gguf import ModelSourceError, complete_tied_head
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    model.config.tie_word_embeddings = False  # a config said otherwise: the folder ties
+    model.lm_head.weight = torch.nn.Parameter(torch.empty(64, 16, device="meta"))
+    complete_tied_head(model, tmp_path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.to("cpu")  # what failed: "Cannot copy out of meta tensor"
+    model.model.norm.weight = torch.nn.Parameter(torch.empty(16, device="meta"))
+    with pytest.raises(ModelSourceError, match=r"no weights were loaded for model\.norm\.weight"):
+        complete_tied_head(model, tmp_path)

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from tidal.extras import needs_extra
-from tidal.models.gguf import model_folder
+from tidal.models.gguf import complete_tied_head, model_folder
 
 with needs_extra("llm", "the generation engine"):
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -127,7 +127,8 @@ class GenerationEngine:
     ):
         self.model_dir = model_folder(model_dir)  # a GGUF file or packaged model: its folder
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+        loaded = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+        self.model = complete_tied_head(loaded, self.model_dir)
         self.model.to(self.device).eval()
         self._cache_key = cache_key(self.model)
         # a prefill samples from its last position only: the head's [B, L, vocab] logits

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -171,6 +172,25 @@ def gguf_to_folder(file: str | Path, out: str | Path, key: str = "model.path") -
     model.generation_config = loaded.generation_config
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+
+
+def complete_tied_head(model, folder: str | Path):
+    """``model`` as loaded by ``from_pretrained``, its tied output head made sure of: transformers
+    (5.25) now and then leaves a tied head untied on the meta device (seen in a long-lived test
+    process; "lm_head.weight MISSING" in its load report), and the first ``.to()`` then fails.
+    The head is the input embeddings where the config (or ``folder``'s config.json) ties them;
+    any other parameter left on the meta device is an error naming it."""
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    written = Path(folder) / "config.json"
+    tied = getattr(model.config, "tie_word_embeddings", False) or (
+        written.is_file() and json.loads(written.read_text()).get("tie_word_embeddings", False)
+    )
+    if tied and head is not None and embeddings is not None and head.weight.is_meta:
+        head.weight = embeddings.weight
+    empty = [name for name, param in model.named_parameters() if param.is_meta]
+    if empty:
+        raise ModelSourceError(f"{str(folder)!r}: no weights were loaded for {', '.join(empty)}")
+    return model
 
 
 def cache_root() -> Path:

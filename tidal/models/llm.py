@@ -17,7 +17,7 @@ import torch
 
 from tidal.extras import needs_extra
 from tidal.models.chat_template import render_chat
-from tidal.models.gguf import ModelSourceError, model_folder
+from tidal.models.gguf import ModelSourceError, complete_tied_head, model_folder
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,7 @@ def load_causal_lm(
                 dtype=DTYPES[dtype],
                 attn_implementation=attn_implementation,
             )
+            complete_tied_head(model, path)
         else:
             model = AutoModelForCausalLM.from_config(
                 config, dtype=config_dtype(config, dtype), attn_implementation=attn_implementation
