@@ -318,10 +318,10 @@ def test_truncate_metrics_drops_later_rows_and_a_torn_line(tmp_path):
 def test_the_run_log_rotates_and_keeps_its_newest_lines(tmp_path, monkeypatch):
     import logging
 
-    from tidal import metrics
+    from tidal.runners import run_folder
 
-    monkeypatch.setattr(metrics, "LOG_MAX_BYTES", 2000)
-    handler = metrics.attach_file_log(tmp_path / "train.log")
+    monkeypatch.setattr(run_folder, "LOG_MAX_BYTES", 2000)
+    handler = run_folder.attach_file_log(tmp_path / "train.log")
     try:
         for step in range(200):
             logging.getLogger("tidal.train").info("step %d %s", step, "x" * 40)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import logging.handlers
 import math
 import os
 import queue
@@ -485,21 +484,3 @@ def _atomic_write(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-LOG_MAX_BYTES = 100 * 2**20  # a week-long run's log: rotated, the newest 400 MB kept
-LOG_BACKUPS = 3
-
-
-def attach_file_log(path: Path) -> logging.Handler:
-    """Send the ``tidal`` loggers to a run's log file as well: ``train.log`` rotates to
-    ``train.log.1`` .. ``.3`` past 100 MB (a step's line is ~100 bytes; a fast run writes MBs an
-    hour), so a run of weeks cannot fill the disk with its log."""
-    handler = logging.handlers.RotatingFileHandler(
-        path, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS
-    )
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("tidal")
-    root.setLevel(logging.INFO)
-    root.addHandler(handler)
-    return handler

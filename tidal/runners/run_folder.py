@@ -10,12 +10,12 @@ fault (``runner.max_restarts``) before its first checkpoint continues in the fol
 from __future__ import annotations
 
 import logging
+import logging.handlers
 from pathlib import Path
 from typing import Any
 
 from tidal.checkpoint import clean_stale, complete_checkpoints, resolve_checkpoint
 from tidal.config import to_yaml
-from tidal.metrics import attach_file_log
 
 log = logging.getLogger("tidal.train")
 
@@ -94,3 +94,21 @@ def find_resume_checkpoint(runner) -> Path | None:
 def _is_suffixed(name: str, experiment: str) -> bool:
     rest = name[len(experiment) :]
     return rest.startswith("-") and rest[1:].isdigit()
+
+
+LOG_MAX_BYTES = 100 * 2**20  # a week-long run's log: rotated, the newest 400 MB kept
+LOG_BACKUPS = 3
+
+
+def attach_file_log(path: Path) -> logging.Handler:
+    """Send the ``tidal`` loggers to a run's log file as well: ``train.log`` rotates to
+    ``train.log.1`` .. ``.3`` past 100 MB (a step's line is ~100 bytes; a fast run writes MBs an
+    hour), so a run of weeks cannot fill the disk with its log."""
+    handler = logging.handlers.RotatingFileHandler(
+        path, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS
+    )
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("tidal")
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+    return handler
