@@ -1,6 +1,7 @@
 """The runtime, one suite run against both backends."""
 
 import itertools
+import pickle
 import threading
 import time
 import uuid
@@ -162,6 +163,26 @@ def test_timeout_names_pending_ranks(echo):
     assert not handle.done()
     assert handle.wait(timeout=30) == [0, 1]
     assert handle.done()
+
+
+def test_a_timeout_on_the_local_backend_says_where_every_running_call_was(echo, cluster):
+    """A hang in one rank often shows as another rank waiting on it: the timeout lists every
+    running call of the process, awaits and compute threads (the ray backend's ranks are in
+    other processes: nothing listed)."""
+    ch = new_channel(cluster)
+    asleep, waiting = echo.execute_on(0).sleep(1.0), echo.execute_on(1).consume(ch, "k", 1)
+    with pytest.raises(WorkerTimeoutError) as info:
+        waiting.wait(timeout=0.3)
+    where = info.value.where
+    if cluster.backend != "local":
+        assert where == "" and "where" not in str(info.value)
+    else:
+        assert "echo[rank 1].consume, awaiting:" in where and "in consume" in where
+        assert "echo[rank 0] compute thread:" in where and "time.sleep(seconds)" in where
+        assert str(info.value).endswith(where)
+        assert pickle.loads(pickle.dumps(info.value)).where == where
+    ch.put("x", key="k")
+    assert waiting.wait(timeout=30) == [["x"]] and asleep.wait(timeout=30) == [0]
 
 
 def test_wait_any_returns_what_finished_first_raises_failures_and_times_out(echo):

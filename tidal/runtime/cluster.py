@@ -103,6 +103,10 @@ class Cluster:
         each rank has its own)."""
         return self.backend_impl.shared_loop()
 
+    def where(self) -> str:
+        """Where the ranks' running calls are now (ranks in this process), for timeouts."""
+        return self.backend_impl.where()
+
     def abandon(self) -> None:
         """The run failed: ranks shut down from now on are ended at once, without waiting for
         them to close (one of them may hang), so that the exit is prompt."""

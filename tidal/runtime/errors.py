@@ -27,19 +27,25 @@ class WorkerError(RuntimeError):
 class WorkerTimeoutError(TimeoutError):
     """Some ranks had not answered within the timeout."""
 
-    def __init__(self, group: str, method: str, pending_ranks: list[int], timeout: float):
-        self.group, self.method, self.pending_ranks, self.timeout = (
+    def __init__(
+        self, group: str, method: str, pending_ranks: list[int], timeout: float, where: str = ""
+    ):
+        """``where``: the stacks of the late ranks, where the backend can tell (ranks in this
+        process)."""
+        self.group, self.method, self.pending_ranks, self.timeout, self.where = (
             group,
             method,
             pending_ranks,
             timeout,
+            where,
         )
+        message = f"{group}.{method}: ranks {pending_ranks} had not answered after {timeout:g} s"
         super().__init__(
-            f"{group}.{method}: ranks {pending_ranks} had not answered after {timeout:g} s"
+            f"{message}; where this process's ranks were:\n{where}" if where else message
         )
 
     def __reduce__(self):
-        return type(self), (self.group, self.method, self.pending_ranks, self.timeout)
+        return type(self), (self.group, self.method, self.pending_ranks, self.timeout, self.where)
 
 
 class ChannelTimeoutError(TimeoutError):

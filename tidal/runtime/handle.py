@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,10 +24,27 @@ class CallResult:
 
 
 class Handle:
-    def __init__(self, group: str, method: str, ranks: list[int], futures: list[cf.Future]):
+    def __init__(
+        self,
+        group: str,
+        method: str,
+        ranks: list[int],
+        futures: list[cf.Future],
+        where: Callable[[], str] | None = None,
+    ):
+        """``where``: the stacks of the ranks' running calls, for a timeout to report."""
         self.group, self.method, self.ranks = group, method, ranks
         self._futures = futures
         self._results: dict[int, CallResult] = {}
+        self._where = where
+
+    def timeout_error(self, pending, timeout: float) -> WorkerTimeoutError:
+        """The ranks of ``pending`` futures named late, with where they were if this process
+        can tell (the local backend's ranks)."""
+        where = self._where() if self._where is not None else ""
+        return WorkerTimeoutError(
+            self.group, self.method, self._pending_ranks(pending), timeout, where
+        )
 
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
@@ -39,9 +57,7 @@ class Handle:
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise WorkerTimeoutError(
-                    self.group, self.method, self._pending_ranks(pending), timeout
-                )
+                raise self.timeout_error(pending, timeout)
             finished, pending = cf.wait(pending, timeout=left, return_when=cf.FIRST_COMPLETED)
             for fut in finished:
                 self._collect(fut)
@@ -55,12 +71,7 @@ class Handle:
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise WorkerTimeoutError(
-                    self.group,
-                    self.method,
-                    self._pending_ranks({wrapped[p] for p in pending}),
-                    timeout,
-                )
+                raise self.timeout_error({wrapped[p] for p in pending}, timeout)
             finished, pending = await asyncio.wait(
                 pending, timeout=left, return_when=asyncio.FIRST_COMPLETED
             )
@@ -127,9 +138,7 @@ def wait_any(
         if left <= 0:
             h = handles[0]
             late = {f for f in h._futures if f in pending}
-            raise WorkerTimeoutError(
-                h.group, h.method, h._pending_ranks(late), timeout if reported is None else reported
-            )
+            raise h.timeout_error(late, timeout if reported is None else reported)
         done, pending = cf.wait(pending, timeout=left, return_when=cf.FIRST_COMPLETED)
         for fut in done:
             owner[fut]._collect(fut)

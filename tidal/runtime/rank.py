@@ -6,6 +6,8 @@ import asyncio
 import concurrent.futures as cf
 import functools
 import inspect
+import itertools
+import sys
 import threading
 import time
 import traceback
@@ -52,6 +54,8 @@ class RankRunner:
         self.compute = cf.ThreadPoolExecutor(1, thread_name_prefix=f"{info.group}-{info.rank}")
         self.worker = None
         self.calls: Counter[str] = Counter()  # per method (the ``call`` fault point counts them)
+        self.running: dict[int, tuple[str, asyncio.Task | None]] = {}  # what ``where`` reports
+        self._call_ids = itertools.count()
 
     async def construct(self, cls: type, args: tuple, kwargs: dict) -> CallResult:
         def build():
@@ -72,7 +76,12 @@ class RankRunner:
         fault_point("call", group=info.group, rank=info.rank, method=method, n=self.calls[method])
         fn = getattr(self.worker, method)
         call = functools.partial(fn, *args, **kwargs)
-        return await self._run(call, inspect.iscoroutinefunction(fn))
+        call_id = next(self._call_ids)
+        self.running[call_id] = (method, asyncio.current_task())
+        try:
+            return await self._run(call, inspect.iscoroutinefunction(fn))
+        finally:
+            del self.running[call_id]
 
     async def _run(self, fn, is_async: bool) -> CallResult:
         start = time.perf_counter()
@@ -89,8 +98,50 @@ class RankRunner:
                 duration=time.perf_counter() - start,
             )
 
+    def where(self) -> str:
+        """Where this rank's running calls are now: each call's chain of awaits and the compute
+        thread's stack (what a timeout reports of a rank in this process that did not answer)."""
+        running = list(self.running.values())
+        if not running:
+            return ""
+        name = f"{self.info.group}[rank {self.info.rank}]"
+        lines = []
+        for method, task in running:
+            chain = _format_frames(_await_chain(task.get_coro()) if task else [])
+            lines += [f"{name}.{method}, awaiting:", *chain] if chain else [f"{name}.{method}"]
+        frames = sys._current_frames()
+        for thread in list(getattr(self.compute, "_threads", ())):
+            frame = frames.get(thread.ident)
+            stack = _format_frames(reversed(list(traceback.walk_stack(frame)))) if frame else []
+            if stack:
+                lines += [f"{name} compute thread:", *stack]
+        return "\n".join(lines)
+
     def close(self) -> None:
         self.compute.shutdown(wait=False, cancel_futures=True)
+
+
+def _await_chain(coro) -> list:
+    """The frames of a suspended coroutine and of everything it awaits, outermost first."""
+    frames = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        frames.append((frame, frame.f_lineno))
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return frames
+
+
+# frames of the machinery every call passes through: left out of ``where``
+_PLUMBING = ("threading.py", "concurrent/futures/thread.py", "tidal/runtime/rank.py")
+
+
+def _format_frames(frames, limit: int = 12) -> list[str]:
+    """Outermost first, the plumbing left out, the innermost ``limit`` kept."""
+    kept = [(f, n) for f, n in frames if not f.f_code.co_filename.endswith(_PLUMBING)]
+    summary = traceback.StackSummary.extract(kept[-limit:], lookup_lines=True)
+    return [line.rstrip() for line in traceback.format_list(summary)]
 
 
 class EventLoopThread:

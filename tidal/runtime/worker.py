@@ -233,7 +233,7 @@ class WorkerGroup:
             )
         targets = self._selected if self._selected is not None else list(range(self.world_size))
         futures = [self._ranks[r].submit(method, args, kwargs) for r in targets]
-        return Handle(self.name, method, targets, futures)
+        return Handle(self.name, method, targets, futures, where=self.cluster.where)
 
     def __getattr__(self, method: str):
         if method.startswith("_"):

@@ -129,6 +129,11 @@ class Backend(ABC):
         (it may be the one that hangs). Nothing to do where ranks cannot be ended apart."""
         return None
 
+    def where(self) -> str:
+        """Where the ranks' running calls are now, for a timeout to report; empty where the
+        ranks are in other processes (a stuck Ray worker: ``ray stack`` on its node)."""
+        return ""
+
 
 # The built-in backends, imported on first use: reading a config that names one must not load
 # what running it needs (the ray backend's transports load torch and cloudpickle).

@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures as cf
 import os
 import sys
+import weakref
 from collections.abc import Hashable
 from typing import Any
 
@@ -75,6 +76,7 @@ class LocalBackend(Backend):
         super().__init__(options)
         self._loop_thread: EventLoopThread | None = None
         self._saved_switch_interval: float | None = None
+        self._ranks: weakref.WeakSet[LocalRank] = weakref.WeakSet()
 
     def start(self) -> list[NodeInfo]:
         interval = self.options.gil_switch_interval
@@ -96,7 +98,14 @@ class LocalBackend(Backend):
 
     def launch_ranks(self, group, ranks, infos, timeout, hosts=None):
         # every rank is in this process: a host changes nothing
-        return [LocalRank(info, self.shared_loop()) for info in infos], infos
+        ranks = [LocalRank(info, self.shared_loop()) for info in infos]
+        self._ranks.update(ranks)
+        return ranks, infos
+
+    def where(self) -> str:
+        """Every rank's running calls (the one a wait names may be waiting on another)."""
+        stacks = [r.runner.where() for r in list(self._ranks)]
+        return "\n".join(s for s in stacks if s)
 
     def create_channel(self, name: str, maxsize: int, consumer: list | None) -> LocalTransport:
         return LocalTransport(name, maxsize)  # every rank is here: binding changes nothing
