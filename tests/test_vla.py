@@ -252,6 +252,21 @@ def test_eval_rounds_divide_the_episodes():
     ]  # fmt: skip
 
 
+def test_eval_says_when_tasks_weigh_unequally_in_the_mean():
+    from tidal.runners.embodied.eval import unequal_task_weights
+
+    assert (
+        unequal_task_weights(list("abcabc"), 3) is None
+        and unequal_task_weights(["a"] * 4, 1) is None
+    )
+    assert unequal_task_weights(list("abca"), 3) == (
+        "4 env copies per round run 3 of the 3 tasks, 1 to 2 copies each: eval/success_rate "
+        "weighs tasks unequally (the per-task rates are exact); ask for a multiple of 3 "
+        "episodes with env.eval_num_envs a multiple of 3"
+    )
+    assert "run 2 of the 3 tasks" in unequal_task_weights(list("ab"), 3)  # one never evaluated
+
+
 @pytest.mark.parametrize("detached", [True, False])
 @pytest.mark.parametrize("name,kwargs", [("cnn", {"channels": (8,)}), ("vla", SMALL)])
 def test_value_loss_moves_the_actor_only_when_the_critic_is_not_detached(name, kwargs, detached):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -57,11 +58,30 @@ def copies_per_round(episodes: int, most: int) -> int:
     return max(d for d in range(1, min(episodes, max(most, 1)) + 1) if episodes % d == 0)
 
 
+def unequal_task_weights(task_names: list[str], num_tasks: int) -> str | None:
+    """What to warn when ``eval/success_rate`` (a mean over episodes) weighs the env's tasks
+    unequally: each round gives every task the copies that run it (``task_names``, one per
+    copy), and copies that are no multiple of the task count give some tasks more episodes, or
+    none. The per-task rates are exact either way."""
+    counts = [Counter(task_names)[t] for t in dict.fromkeys(task_names)]
+    if num_tasks < 2 or (len(counts) == num_tasks and len(set(counts)) == 1):
+        return None
+    return (
+        f"{len(task_names)} env copies per round run {len(counts)} of the {num_tasks} tasks, "
+        f"{min(counts)} to {max(counts)} copies each: eval/success_rate weighs tasks unequally "
+        f"(the per-task rates are exact); ask for a multiple of {num_tasks} episodes with "
+        f"env.eval_num_envs a multiple of {num_tasks}"
+    )
+
+
 def _evaluate(cfg: EmbodiedConfig, folder: Path | None, episodes: int, sampled: bool) -> dict:
     torch.set_num_threads(cfg.cluster.torch_threads)
     copies = copies_per_round(episodes, cfg.env.eval_num_envs)
     log.info("%d episodes: %d rounds of %d env copies", episodes, episodes // copies, copies)
     env = make_env(cfg.env.adapter, copies, **env_make_kwargs(cfg.env))
+    if hasattr(env, "task_list"):  # a multi-task env (MetaWorld MT*, LIBERO)
+        if warning := unequal_task_weights(env.task_names, len(env.task_list)):
+            log.warning(warning)
     try:
         policy = build_from_config(
             cfg.model, env.observation_space, env.action_space, cfg.env.num_action_chunks
