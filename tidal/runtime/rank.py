@@ -51,11 +51,17 @@ class RankRunner:
 
     def __init__(self, info: RankInfo):
         self.info = info
-        self.compute = cf.ThreadPoolExecutor(1, thread_name_prefix=f"{info.group}-{info.rank}")
+        self.compute_thread: int | None = None  # its ident, for ``where``
+        self.compute = cf.ThreadPoolExecutor(
+            1, thread_name_prefix=f"{info.group}-{info.rank}", initializer=self._name_compute_thread
+        )
         self.worker = None
         self.calls: Counter[str] = Counter()  # per method (the ``call`` fault point counts them)
         self.running: dict[int, tuple[str, asyncio.Task | None]] = {}  # what ``where`` reports
         self._call_ids = itertools.count()
+
+    def _name_compute_thread(self) -> None:
+        self.compute_thread = threading.get_ident()
 
     async def construct(self, cls: type, args: tuple, kwargs: dict) -> CallResult:
         def build():
@@ -109,12 +115,10 @@ class RankRunner:
         for method, task in running:
             chain = _format_frames(_await_chain(task.get_coro()) if task else [])
             lines += [f"{name}.{method}, awaiting:", *chain] if chain else [f"{name}.{method}"]
-        frames = sys._current_frames()
-        for thread in list(getattr(self.compute, "_threads", ())):
-            frame = frames.get(thread.ident)
-            stack = _format_frames(reversed(list(traceback.walk_stack(frame)))) if frame else []
-            if stack:
-                lines += [f"{name} compute thread:", *stack]
+        frame = sys._current_frames().get(self.compute_thread)
+        stack = _format_frames(reversed(list(traceback.walk_stack(frame)))) if frame else []
+        if stack:
+            lines += [f"{name} compute thread:", *stack]
         return "\n".join(lines)
 
     def close(self) -> None:
