@@ -10,6 +10,7 @@ from tidal.envs import rendering  # noqa: F401, I001  (picks MUJOCO_GL before mu
 from tidal.envs.base import (
     ChunkedEnv,
     EpisodeStats,
+    MultiTaskAdapter,
     VectorEnvAdapter,
     adapter_arguments,
     env_make_kwargs,
@@ -33,6 +34,7 @@ __all__ = [
     "LayoutBox",
     "LiberoVectorEnv",
     "MetaWorldVectorEnv",
+    "MultiTaskAdapter",
     "ObsLayout",
     "VectorEnvAdapter",
     "adapter_arguments",

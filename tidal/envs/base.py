@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import gymnasium as gym
 import numpy as np
@@ -40,6 +40,15 @@ class VectorEnvAdapter(Protocol):
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class MultiTaskAdapter(VectorEnvAdapter, Protocol):
+    """An adapter whose copies run different tasks (MetaWorld MT*, LIBERO): success is then
+    reported per task, and evaluation checks that its rounds weigh the tasks equally."""
+
+    task_list: list  # the env's tasks in order (MetaWorld: names; LIBERO: the suite's indices)
+    task_names: list[str]  # the task each copy runs, one per copy
 
 
 ENV_ADAPTERS: Registry[Callable[..., VectorEnvAdapter]] = Registry("adapter", "env.adapter")
@@ -230,7 +239,7 @@ class ChunkedEnv:
         if not any_ended:
             return
         finished = ended & self._counting
-        tasks = getattr(self.env, "task_names", None)
+        tasks = self.env.task_names if isinstance(self.env, MultiTaskAdapter) else None
         # a non-finite return is not reported (the env worker names the value)
         for i in np.flatnonzero(finished & np.isfinite(self._returns)):
             self.stats.returns.append(float(self._returns[i]))

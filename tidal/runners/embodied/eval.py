@@ -24,7 +24,7 @@ import torch
 
 from tidal.checkpoint import checkpoint_weights
 from tidal.config.embodied import EmbodiedConfig
-from tidal.envs import env_make_kwargs, make_env
+from tidal.envs import MultiTaskAdapter, env_make_kwargs, make_env
 from tidal.envs.seeds import held_out_seeds
 from tidal.models.factory import build_from_config
 from tidal.models.imitation import evaluate_success
@@ -79,7 +79,7 @@ def _evaluate(cfg: EmbodiedConfig, folder: Path | None, episodes: int, sampled: 
     copies = copies_per_round(episodes, cfg.env.eval_num_envs)
     log.info("%d episodes: %d rounds of %d env copies", episodes, episodes // copies, copies)
     env = make_env(cfg.env.adapter, copies, **env_make_kwargs(cfg.env))
-    if hasattr(env, "task_list"):  # a multi-task env (MetaWorld MT*, LIBERO)
+    if isinstance(env, MultiTaskAdapter):
         if warning := unequal_task_weights(env.task_names, len(env.task_list)):
             log.warning(warning)
     try:
