@@ -1,9 +1,9 @@
-"""Asynchronous (max_staleness 4, decoupled PPO) against synchronous (0) RL on the same task,
+"""Asynchronous (max_staleness η, 4 unless ``--staleness``; decoupled PPO) against synchronous (0) RL on the same task,
 the same number of training steps, from the same warm-started model, in one run.
 
     tidal sft examples/llm/reverse_grpo.yaml
     python benchmarks/async_rl_bench.py --config examples/llm/reverse_grpo.yaml \
-        --model runs/models/reverse [--steps 30] [--pause-mode in_place] [--async-prox loglinear] [key=value ...]
+        --model runs/models/reverse [--steps 30] [--staleness 4] [--pause-mode in_place] [--async-prox loglinear] [key=value ...]
 
 Reports training tokens/s of each and the final held-out accuracy of each.
 """
@@ -82,6 +82,9 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument(
+        "--staleness", type=int, default=4, help="the asynchronous run's rollout.max_staleness"
+    )
+    parser.add_argument(
         "--pause-mode", default="in_place", help="the asynchronous run's rollout.pause_mode"
     )
     parser.add_argument(
@@ -98,7 +101,7 @@ def main() -> None:
         args.config,
         args.model,
         args.steps,
-        4,
+        args.staleness,
         True,
         [
             f"rollout.pause_mode={args.pause_mode}",
