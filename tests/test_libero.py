@@ -53,6 +53,53 @@ def test_spaces_instructions_and_the_official_init_states(two_tasks):
     assert env.init_index.tolist() == [2, 2]
 
 
+def _texture_sides(env) -> dict[str, int]:
+    """The longest side of each 2-D texture compiled into the first copy's model."""
+    import mujoco
+
+    model = env.envs[0].env.sim.model._model
+    return {
+        mujoco.mj_id2name(model, mujoco.mjtObj.mjOBJ_TEXTURE, i): int(
+            max(model.tex_width[i], model.tex_height[i])
+        )
+        for i in range(model.ntex)
+        if model.tex_type[i] == mujoco.mjtTexture.mjTEXTURE_2D
+    }
+
+
+def test_textures_are_shrunk_to_the_limit_and_kept_when_it_is_0(two_tasks):
+    shrunk = _texture_sides(two_tasks)  # the default, 512 pixels a side
+    assert shrunk["basket_1_tex-basket"] == 512 and max(shrunk.values()) == 512
+    whole = make_env("libero", 1, env_id="libero_object", tasks=[0], max_texture_size=0)
+    try:
+        assert _texture_sides(whole)["basket_1_tex-basket"] == 4096  # as LIBERO ships it
+    finally:
+        whole.close()
+
+
+def test_shrinking_a_texture_file_writes_a_smaller_copy_once(tmp_path, monkeypatch):
+    import cv2
+
+    from tidal.envs.libero_textures import shrink_textures
+
+    monkeypatch.setenv("TIDAL_CACHE", str(tmp_path / "cache"))
+    big, small = tmp_path / "big.png", tmp_path / "small.png"
+    cv2.imwrite(str(big), np.full((20, 40, 3), 200, np.uint8))
+    cv2.imwrite(str(small), np.zeros((8, 8, 3), np.uint8))
+    xml = (
+        f'<mujoco><asset><texture name="a" type="2d" file="{big}"/>'
+        f'<texture name="b" type="2d" file="{small}"/>'
+        f'<texture name="c" type="cube" file="{big}"/></asset></mujoco>'
+    )
+    out = shrink_textures(xml, limit=16)
+    files = {t.split('"')[0]: t.split('file="')[1].split('"')[0] for t in out.split('name="')[1:]}
+    assert files["b"] == str(small) and files["c"] == str(big)  # fits; a cube's grid stays
+    copy = cv2.imread(files["a"])
+    assert copy.shape == (8, 16, 3) and copy.mean() == 200
+    assert shrink_textures(xml, limit=16) == out  # the cached copy, the same path
+    assert shrink_textures(xml, limit=64) == xml
+
+
 def test_copies_of_a_task_run_its_init_states_in_order():
     # copy k of a task, episode n, with 3 copies per task: init states k, k + 3, k + 6, ...
     order = [
@@ -118,6 +165,10 @@ def _preflight(*overrides: str):
         (
             ["env.adapter_kwargs.reward=dense"],
             r"env.adapter_kwargs.reward: expected one of success, shaped",
+        ),
+        (
+            ["env.adapter_kwargs.max_texture_size=big"],
+            r"env.adapter_kwargs.max_texture_size: expected pixels a side \(an integer",
         ),
     ],
 )

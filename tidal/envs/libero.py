@@ -25,7 +25,8 @@ objects (position, quaternion, both relative to the gripper: 14 each), the task'
 interest first, zero-padded to the most objects any selected task has; ``pixels`` the cameras
 (``cameras``: agentview, and the wrist camera tiled below it at half height) rendered upright at
 ``env.image_size``; both end with the instruction's tokens (the ``vla`` policy's words, an id
-for the MLP).
+for the MLP). Textures larger than ``max_texture_size`` pixels a side are shrunk to it (0: as
+LIBERO ships them; libero_textures.py says why).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import numpy as np
 
 from tidal.envs.base import register_env
 from tidal.envs.layout import LayoutBox, ObsLayout, tokenize
+from tidal.envs.libero_textures import shrunk_textures
 from tidal.envs.rendering import FastCamera, select_gl_backend
 from tidal.extras import needs_extra
 
@@ -150,6 +152,7 @@ class LiberoVectorEnv:
         init_states: list[int] | None = None,
         random_init: bool = False,
         cameras: list[str] | tuple[str, ...] = CAMERAS,
+        max_texture_size: int = 512,
         instruction_tokens: int = 16,
         vocab_size: int = 1024,
         reward: str = "success",
@@ -162,6 +165,11 @@ class LiberoVectorEnv:
         _check_arguments(obs_mode, image_size, reward, terminate_on_success, vectorization_mode)
         if group_size < 1:
             raise ValueError(f"env.group_size: must be >= 1, got {group_size}")
+        if isinstance(max_texture_size, bool) or not isinstance(max_texture_size, int):
+            raise ValueError(
+                f"env.adapter_kwargs.max_texture_size: expected pixels a side (an integer; 0 "
+                f"keeps LIBERO's textures as they are), got {max_texture_size!r}"
+            )
         if "pixels" in obs_mode:
             select_gl_backend()  # before robosuite imports mujoco
         self.suite = libero_suite(env_id)
@@ -197,7 +205,8 @@ class LiberoVectorEnv:
         self.envs, self.cameras = [], []
         self._video_cameras: dict[int, FastCamera] = {}
         try:  # a half-built adapter closes what it made (GL contexts outliving EGL print errors)
-            self._build(dict(env_kwargs or {}))
+            with shrunk_textures(max(0, max_texture_size)):  # ~120 MB less per env at 512
+                self._build(dict(env_kwargs or {}))
         except BaseException:
             self.close()
             raise

@@ -15,12 +15,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tidal.cache import cache_root
 from tidal.extras import missing_extra, needs_extra
 from tidal.registry import Registry
 
@@ -191,10 +191,6 @@ def complete_tied_head(model, folder: str | Path):
     if empty:
         raise ModelSourceError(f"{str(folder)!r}: no weights were loaded for {', '.join(empty)}")
     return model
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TIDAL_CACHE") or Path.home() / ".cache" / "tidal")
 
 
 def cached_conversion(file: str | Path, key: str = "model.path") -> Path:
