@@ -167,6 +167,10 @@ def _preflight(*overrides: str):
             r"env.adapter_kwargs.reward: expected one of success, shaped",
         ),
         (
+            ["env.adapter_kwargs.max_texture_size=-1"],
+            r"env.adapter_kwargs.max_texture_size: expected pixels a side \(an integer >= 1",
+        ),
+        (
             ["env.adapter_kwargs.max_texture_size=big"],
             r"env.adapter_kwargs.max_texture_size: expected pixels a side \(an integer",
         ),

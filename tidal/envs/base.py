@@ -156,6 +156,7 @@ class ChunkedEnv:
         self._counting = np.ones(self.num_envs, dtype=bool)  # episodes still to be reported
         self._succeeded = np.zeros(self.num_envs, dtype=bool)  # this episode has succeeded
         self.reports_success = hasattr(env, "successes")
+        self.multi_task = isinstance(env, MultiTaskAdapter)  # once: a protocol check is ~10 hasattr
         self.last_obs: torch.Tensor | None = None
 
     def reset(self, seed_offset: int = 0) -> EnvOutput:
@@ -239,7 +240,7 @@ class ChunkedEnv:
         if not any_ended:
             return
         finished = ended & self._counting
-        tasks = self.env.task_names if isinstance(self.env, MultiTaskAdapter) else None
+        tasks = self.env.task_names if self.multi_task else None
         # a non-finite return is not reported (the env worker names the value)
         for i in np.flatnonzero(finished & np.isfinite(self._returns)):
             self.stats.returns.append(float(self._returns[i]))

@@ -165,9 +165,13 @@ class LiberoVectorEnv:
         _check_arguments(obs_mode, image_size, reward, terminate_on_success, vectorization_mode)
         if group_size < 1:
             raise ValueError(f"env.group_size: must be >= 1, got {group_size}")
-        if isinstance(max_texture_size, bool) or not isinstance(max_texture_size, int):
+        if (
+            isinstance(max_texture_size, bool)
+            or not isinstance(max_texture_size, int)
+            or max_texture_size < 0
+        ):
             raise ValueError(
-                f"env.adapter_kwargs.max_texture_size: expected pixels a side (an integer; 0 "
+                f"env.adapter_kwargs.max_texture_size: expected pixels a side (an integer >= 1; 0 "
                 f"keeps LIBERO's textures as they are), got {max_texture_size!r}"
             )
         if "pixels" in obs_mode:
@@ -205,7 +209,7 @@ class LiberoVectorEnv:
         self.envs, self.cameras = [], []
         self._video_cameras: dict[int, FastCamera] = {}
         try:  # a half-built adapter closes what it made (GL contexts outliving EGL print errors)
-            with shrunk_textures(max(0, max_texture_size)):  # ~120 MB less per env at 512
+            with shrunk_textures(max_texture_size):  # ~120 MB less per env at 512
                 self._build(dict(env_kwargs or {}))
         except BaseException:
             self.close()
