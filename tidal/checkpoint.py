@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from tidal.files import atomic_write
+
 MODEL_FILE, STATE_FILE, META_FILE = "model.safetensors", "state.pt", "meta.json"
 SHARDS_DIR = "shards"  # torch.distributed.checkpoint files: model and optimizer, every rank's part
 
@@ -146,13 +148,7 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def _write_latest(path: Path) -> None:
-    pointer = path.parent / "latest"
-    tmp = path.parent / ".latest.tmp"
-    with open(tmp, "w") as fh:
-        fh.write(path.name)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, pointer)
+    atomic_write(path.parent / "latest", path.name)
     _fsync_dir(path.parent)
 
 

@@ -11,7 +11,6 @@ import math
 import os
 import queue
 import re
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.extras import needs_extra
+from tidal.files import atomic_write
 from tidal.registry import Registry
 
 log = logging.getLogger("tidal.metrics")
@@ -92,7 +92,7 @@ class JsonlSink(MetricSink):
 
     def log_summary(self, summary: dict[str, Any]) -> None:
         text = json.dumps({k: _finite_or_none(v) for k, v in summary.items()}, indent=2)
-        _atomic_write(self.run_dir / "summary.json", text + "\n")
+        atomic_write(self.run_dir / "summary.json", text + "\n")
 
     def close(self) -> None:
         self._file.close()
@@ -461,7 +461,7 @@ def truncate_metrics(run_dir: str | Path, after_step: int) -> int:
     lines = path.read_text().splitlines(keepends=True)
     kept = [line for line in lines if _row_at_or_before(line, after_step)]
     if len(kept) < len(lines):
-        _atomic_write(path, "".join(line if line.endswith("\n") else line + "\n" for line in kept))
+        atomic_write(path, "".join(line if line.endswith("\n") else line + "\n" for line in kept))
     return len(lines) - len(kept)
 
 
@@ -471,16 +471,3 @@ def _row_at_or_before(line: str, after_step: int) -> bool:
     except json.JSONDecodeError:
         return False
     return isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= after_step
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -21,12 +21,11 @@ import contextvars
 import functools
 import hashlib
 import os
-import tempfile
 import threading
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from tidal.cache import cache_root
+from tidal.files import atomic_write, cache_root
 
 _LIMIT: contextvars.ContextVar[int] = contextvars.ContextVar("libero_texture_limit", default=0)
 _INSTALL = threading.Lock()
@@ -97,11 +96,8 @@ def _shrunk(file: str, limit: int) -> str:
     size = (max(1, round(width * scale)), max(1, round(height * scale)))
     small = cv2.resize(image, size, interpolation=cv2.INTER_AREA)
     target.parent.mkdir(parents=True, exist_ok=True)
-    # written aside and renamed: env ranks shrinking the same file at once never read half of one
     ok, encoded = cv2.imencode(".png", small)
     if not ok:
         raise ValueError(f"LIBERO texture {file!r}: cv2 could not encode its shrunk copy")
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".png", delete=False) as tmp:
-        tmp.write(encoded.tobytes())
-    os.replace(tmp.name, target)
+    atomic_write(target, encoded.tobytes())  # env ranks shrinking one file at once: safe
     return str(target)

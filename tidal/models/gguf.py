@@ -20,8 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tidal.cache import cache_root
 from tidal.extras import missing_extra, needs_extra
+from tidal.files import cache_root
 from tidal.registry import Registry
 
 PACKAGE_SCHEME = "pkg://"
