@@ -20,23 +20,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tidal.config import EmbodiedConfig
-from tidal.config.embodied import components, same_process
+from tidal.config.embodied import components
 from tidal.data.replay import buffer_layout, fit_demos
+from tidal.runners.embodied.base import EmbodiedRunLoop
 from tidal.runners.embodied.groups import (
     EmbodiedGroups,
     env_steps_reached,
     env_steps_summary,
-    plan_groups,
     rollout_metrics,
 )
 from tidal.runners.embodied.pacer import Pacer, UpdateLead
 from tidal.runners.embodied.sft import collect_demos
-from tidal.runners.loop import RunLoop
 from tidal.runners.preflight import (
     check_policy_builds,
     check_sac,
-    check_trainer_checkpoint,
-    probe_env,
 )
 from tidal.runtime import Handle
 from tidal.workers import EnvWorker, RolloutWorker
@@ -52,29 +49,12 @@ class ActorCall:
     count: int  # the updates it leads to
 
 
-class OffPolicyRunner(RunLoop):
+class OffPolicyRunner(EmbodiedRunLoop):
     def __init__(self, cfg: EmbodiedConfig, run_dir: Path | None = None):
-        self.worlds, self.topo = plan_groups(cfg)
-        self.spaces, _ = probe_env(cfg)
-        self.groups: EmbodiedGroups | None = None
-        self.cluster = None
-        self.env = self.rollout = self.actor = None  # the groups', once launched
-        self.pacer: Pacer | None = None
         self.actor_call: ActorCall | None = None
         super().__init__(cfg, run_dir)
 
-    @property
-    def initial_evaluation(self) -> bool:
-        """A run that starts from a saved policy evaluates it first."""
-        return self.cfg.model.path is not None
-
     # -- building --------------------------------------------------------------------------
-
-    def check_checkpoint(self, checkpoint: Path) -> None:
-        check_trainer_checkpoint(self.cfg, checkpoint)
-
-    def shared_processes(self) -> list[str]:
-        return same_process(self.cfg)
 
     def check_offpolicy(self) -> None:
         """What needs the world (preflight's SAC checks, as ``tidal config`` runs them), then

@@ -16,53 +16,35 @@ from pathlib import Path
 
 from tidal.asynchrony import StalenessManager
 from tidal.config import EmbodiedConfig
-from tidal.config.embodied import components, same_process
+from tidal.config.embodied import components
+from tidal.runners.embodied.base import EmbodiedRunLoop
 from tidal.runners.embodied.groups import (
     EmbodiedGroups,
     env_steps_reached,
     env_steps_summary,
-    plan_groups,
     rollout_metrics,
 )
 from tidal.runners.embodied.pacer import Pacer, StalenessBudget
-from tidal.runners.loop import RunLoop, fmt
-from tidal.runners.preflight import check_trainer_checkpoint, probe_env
+from tidal.runners.loop import fmt
 from tidal.runtime import wait_all
 from tidal.workers import EmbodiedActor, EnvWorker, RewardWorker, RolloutWorker
 
 log = logging.getLogger("tidal.train")
 
 
-class EmbodiedRunner(RunLoop):
+class EmbodiedRunner(EmbodiedRunLoop):
     def __init__(self, cfg: EmbodiedConfig, run_dir: Path | None = None):
-        self.worlds, self.topo = plan_groups(cfg)
-        self.spaces, self.max_episode_steps = probe_env(cfg)
-        self.groups: EmbodiedGroups | None = None
-        self.cluster = None
-        self.env = self.rollout = self.actor = self.reward = None  # the groups', once launched
+        self.reward = None  # the reward group's, once launched
         self.env_steps = 0
         self.staleness: StalenessManager | None = None
         self.budget: StalenessBudget | None = None
-        self.pacer: Pacer | None = None
         super().__init__(cfg, run_dir)
 
     @property
     def asynchronous(self) -> bool:
         return self.cfg.rollout.max_staleness > 0
 
-    @property
-    def initial_evaluation(self) -> bool:
-        """A run that starts from a saved policy evaluates it first (the same episodes as
-        ``tidal sft``'s evaluation): the start RL improves on."""
-        return self.cfg.model.path is not None
-
     # -- what the run loop asks of a runner ------------------------------------------------
-
-    def check_checkpoint(self, checkpoint: Path) -> None:
-        check_trainer_checkpoint(self.cfg, checkpoint)
-
-    def shared_processes(self) -> list[str]:
-        return same_process(self.cfg)
 
     def build(self) -> None:
         cfg, topo, spaces = self.cfg, self.topo, self.spaces
