@@ -565,3 +565,17 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_a_stopped_session_proxy_refuses_to_serve_again():
+    """An episode outliving its run must not reopen the proxy on a new port nobody stops."""
+
+    async def main():
+        proxy = SessionProxy(None, None, None)
+        address = await proxy.start()
+        assert address.startswith("http://127.0.0.1:")
+        await proxy.stop()
+        with pytest.raises(RuntimeError, match="was stopped"):
+            await proxy.start()
+
+    asyncio.run(main())

@@ -3,6 +3,7 @@ holds episodes to it."""
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -203,6 +204,42 @@ def test_paused_dispatcher_submits_nothing():
         assert started == []
         d.resume()
         assert [r.result for r in d.wait_results(1, timeout=10)] == [1]
+    finally:
+        d.shutdown()
+
+
+def test_stopping_the_episodes_cancels_the_running_ones_and_keeps_the_loop_for_closing():
+    """A run's close ends its episodes before it closes what lives on their loop (the client,
+    the session proxy): an episode running on would reopen the proxy (issue 46's stopped agent
+    runs printed uvicorn's cancelled lifespan). None starts after, and the loop still runs."""
+    staleness = StalenessManager(10, 10, 10)
+    started, unwound = [], []
+
+    async def episode(x):
+        started.append(x)
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            unwound.append(x)
+            raise
+
+    d = RolloutDispatcher(episode, staleness)
+    try:
+        for x in range(3):
+            d.submit(x)
+        deadline = time.monotonic() + 10
+        while len(started) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        d.stop_episodes(timeout=10)
+        assert sorted(unwound) == [0, 1, 2]  # cancelled and unwound before it returned
+        d.submit(3)
+        time.sleep(0.3)
+        assert 3 not in started  # nothing starts after
+
+        async def closing():
+            return "closed on the episodes' loop"
+
+        assert d.run_coroutine(closing(), timeout=5) == "closed on the episodes' loop"
     finally:
         d.shutdown()
 

@@ -92,11 +92,14 @@ class SessionProxy:
         self.address: str | None = None
         self._server: _QuietServer | None = None
         self._task: asyncio.Task | None = None
+        self._closed = False
 
     async def start(self) -> str:
         """Serve on a free port of ``host`` on the running loop; returns the address."""
         if self.address is not None:
             return self.address
+        if self._closed:  # an episode outliving the run would serve on a new port unseen
+            raise RuntimeError("SessionProxy.start: the proxy was stopped; it serves no more")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, 0))
@@ -111,6 +114,7 @@ class SessionProxy:
         return self.address
 
     async def stop(self) -> None:
+        self._closed = True
         for sid in list(self.sessions):
             await self.end(sid)
             self.forget(sid)

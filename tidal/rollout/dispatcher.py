@@ -12,6 +12,7 @@ started under, even when later episodes finish first).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -68,6 +69,7 @@ class RolloutDispatcher:
         self._finished: queue.Queue[_Finished] = queue.Queue()
         self._accepted: dict[int, _Finished] = {}
         self._running: dict[int, int] = {}  # task id → the version it started under
+        self._futures: set[concurrent.futures.Future] = set()  # the episodes on the loop
         self._unconsumed: set[int] = set()  # submitted, neither trained on nor turned away
         self._result_cv = threading.Condition()
         self._paused = threading.Event()
@@ -157,9 +159,16 @@ class RolloutDispatcher:
             with self._result_cv:
                 self._running[task_id] = version
             fut = asyncio.run_coroutine_threadsafe(self._episode(task_id, data), self._loop)
+            with self._result_cv:
+                self._futures.add(fut)
+            fut.add_done_callback(self._forget)
             fut.add_done_callback(
                 lambda f, t=task_id, v=version: self._finished.put(self._record(t, v, f))
             )
+
+    def _forget(self, fut: concurrent.futures.Future) -> None:
+        with self._result_cv:
+            self._futures.discard(fut)
 
     async def _episode(self, task_id: int, data: Any) -> Any:
         if self.sampling_seed is not None:  # this task's context: its calls, not another's
@@ -287,11 +296,22 @@ class RolloutDispatcher:
         with self._result_cv:
             return self._submitted - min(self._unconsumed) if self._unconsumed else 0
 
-    def shutdown(self) -> None:
+    def stop_episodes(self, timeout: float = 30.0) -> None:
+        """Start no more episodes and cancel the running ones (waiting up to ``timeout`` for
+        them to unwind: their agents killed, their sessions ended), keeping the loop for what
+        lives on it (the client, the session proxy) to be closed on it next."""
         self._shutdown.set()
         self.wake()
         for t in (self._producer, self._consumer):
             t.join(timeout=5)
+        with self._result_cv:
+            running = list(self._futures)
+        for fut in running:
+            fut.cancel()
+        concurrent.futures.wait(running, timeout)
+
+    def shutdown(self) -> None:
+        self.stop_episodes()
         self._loop.call_soon_threadsafe(self._cancel_and_stop)
         self._loop_thread.join(timeout=5)
 

@@ -182,6 +182,8 @@ class LLMRunner(RunLoop):
 
     def cleanup_steps(self, graceful: bool) -> list:
         steps = []
+        if self.dispatcher is not None:  # first: an episode running on would reopen the proxy
+            steps.append(("episodes", self.dispatcher.stop_episodes))
         if self.workflow is not None and self.dispatcher is not None:
             steps.append(("workflow", lambda: self._run(self.workflow.aclose(), 30)))
         if self.client is not None and self.dispatcher is not None:
