@@ -12,7 +12,6 @@ started under, even when later episodes finish first).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import itertools
 import logging
 import queue
@@ -69,7 +68,7 @@ class RolloutDispatcher:
         self._finished: queue.Queue[_Finished] = queue.Queue()
         self._accepted: dict[int, _Finished] = {}
         self._running: dict[int, int] = {}  # task id → the version it started under
-        self._futures: set[concurrent.futures.Future] = set()  # the episodes on the loop
+        self._tasks: set[asyncio.Task] = set()  # the episodes running on the loop
         self._unconsumed: set[int] = set()  # submitted, neither trained on nor turned away
         self._result_cv = threading.Condition()
         self._paused = threading.Event()
@@ -159,21 +158,19 @@ class RolloutDispatcher:
             with self._result_cv:
                 self._running[task_id] = version
             fut = asyncio.run_coroutine_threadsafe(self._episode(task_id, data), self._loop)
-            with self._result_cv:
-                self._futures.add(fut)
-            fut.add_done_callback(self._forget)
             fut.add_done_callback(
                 lambda f, t=task_id, v=version: self._finished.put(self._record(t, v, f))
             )
 
-    def _forget(self, fut: concurrent.futures.Future) -> None:
-        with self._result_cv:
-            self._futures.discard(fut)
-
     async def _episode(self, task_id: int, data: Any) -> Any:
         if self.sampling_seed is not None:  # this task's context: its calls, not another's
             EPISODE_SEEDS.set(EpisodeSeeds(self.sampling_seed, self.stream_offset + task_id))
-        return await self.episode_fn(data)
+        task = asyncio.current_task()
+        self._tasks.add(task)  # only the loop's thread touches the set
+        try:
+            return await self.episode_fn(data)
+        finally:
+            self._tasks.discard(task)
 
     @staticmethod
     def _record(task_id: int, version: int, fut) -> _Finished:
@@ -304,11 +301,13 @@ class RolloutDispatcher:
         self.wake()
         for t in (self._producer, self._consumer):
             t.join(timeout=5)
-        with self._result_cv:
-            running = list(self._futures)
-        for fut in running:
-            fut.cancel()
-        concurrent.futures.wait(running, timeout)
+        asyncio.run_coroutine_threadsafe(self._cancel_episodes(), self._loop).result(timeout)
+
+    async def _cancel_episodes(self) -> None:
+        running = list(self._tasks)
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)  # unwound, not just asked to
 
     def shutdown(self) -> None:
         self.stop_episodes()
