@@ -93,6 +93,10 @@ def test_word_problem_tasks_answer_their_story():
         a, b = map(int, re.findall(r"\d+", record["prompt"]))
         assert 2 <= a <= 9 and 10 <= b <= 60 and int(record["answer"]) == a * b
     assert len({r["prompt"] for r in products}) > 200  # names, items and numbers vary
+    for record in TASKS.get("word_two_steps").problems(256, 1, None):
+        a, b, c = map(int, re.findall(r"\d+", record["prompt"]))
+        assert 2 <= a <= 9 and 2 <= b <= 9 and 1 <= c < a + b
+        assert "gives" in record["prompt"] and int(record["answer"]) == a + b - c
 
 
 def test_reverse_task_has_long_tailed_lengths():

@@ -96,7 +96,7 @@ class DataConfig:
     )
     task: str = setting(
         "arithmetic",
-        "without data.path: a registered task (tidal.rollout.tasks): arithmetic | reverse | guess_number | word_problems | word_sums | word_products",
+        "without data.path: a registered task (tidal.rollout.tasks): arithmetic | reverse | guess_number | word_problems | word_sums | word_products | word_two_steps",
     )
     digits: int = setting(2, "arithmetic: digits per operand")
     max_len: int = setting(24, "reverse: the longest digit string")

@@ -173,6 +173,13 @@ WORD_PROBLEM_FORMAT = "Answer with just the number."
 PRODUCT_STORIES = (  # (story, answer(a, b))
     ("{n} buys {a} boxes with {b} {i} in each box. How many {i} does {n} have?", operator.mul),
 )
+TWO_STEP_STORIES = (  # (story, answer(a, b, c)): a sum, then a difference
+    (
+        "{n} has {a} {i} and buys {b} more. Then {n} gives {c} away. How many {i} does {n} have "
+        "now?",
+        lambda a, b, c: a + b - c,
+    ),
+)
 
 
 def story_problems(n: int, seed: int, stories, draw) -> list[dict]:
@@ -215,6 +222,19 @@ def _word_products_task(n: int, seed: int, data) -> list[dict]:
         return rng.randint(2, 9), rng.randint(10, 60)
 
     return story_problems(n, seed, PRODUCT_STORIES, draw)
+
+
+@register_task("word_two_steps", reward=math_verify)
+def _word_two_steps_task(n: int, seed: int, data) -> list[dict]:
+    """``a`` plus ``b`` minus ``c``, ``a`` and ``b`` in [2, 9], ``c`` in [1, a + b - 1]: two steps
+    on numbers the model can add (the untouched SmolLM2-135M-Instruct answers 17% greedy with 64
+    new tokens, writing "4 + 3 = 7" and often stopping there; pass@16 at T = 0.7: 58%)."""
+
+    def draw(rng):
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        return a, b, rng.randint(1, a + b - 1)
+
+    return story_problems(n, seed, TWO_STEP_STORIES, draw)
 
 
 @register_task("word_sums", reward=math_verify)
