@@ -258,6 +258,8 @@ def test_llm_model_path_and_context_are_checked_before_anything_starts(tmp_path,
     for bad in ("sft.steps=0", "sft.batch_size=0"):
         assert main(["sft", str(arith), bad]) == 2
         assert f"{bad.split('=')[0]}: must be >= 1" in capsys.readouterr().err
+    assert main(["sft", str(arith), "sft.eval_size=-1"]) == 2
+    assert "sft.eval_size: must be >= 0, got -1" in capsys.readouterr().err
     assert main(["sft", str(arith), "sft.lr_schedule=step"]) == 2
     assert "sft.lr_schedule: expected one of constant, linear, cosine" in capsys.readouterr().err
     assert main(["sft", str(arith), "sft.steps=100", "sft.warmup_steps=100"]) == 2

@@ -199,6 +199,17 @@ def test_pass_at_k_matches_counting_subsets():
     assert pass_ks(1) == [1] and pass_ks(6) == [1, 2, 4, 6] and pass_ks(8) == [1, 2, 4, 8]
 
 
+def test_sft_with_no_held_out_problems_scores_none(demo, tmp_path):
+    """``sft.eval_size: 0``: an agent's demonstrations, which single-turn greedy answers cannot
+    score, report no held-out accuracy rather than a misleading 0."""
+    from tidal.runners.llm.sft import run_sft
+
+    overrides, _ = demo
+    keys = [f"model.path={tmp_path}/m", f"runner.run_dir={tmp_path}/runs", "sft.steps=1"]
+    summary = run_sft(load_config(LLMConfig, DEMO, [*overrides, *keys, "sft.eval_size=0"]))
+    assert summary["held_out_accuracy"] is None and (tmp_path / "m" / "config.json").is_file()
+
+
 def test_sft_on_conversations_learns_only_the_assistant_turns(demo, tmp_path):
     from tidal.models.llm import load_tokenizer
     from tidal.runners.llm.common import sft_examples

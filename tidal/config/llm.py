@@ -295,7 +295,11 @@ class LLMSFTConfig(SFTSchedule):
     steps: int = setting(600, "optimizer steps")
     batch_size: int = setting(64, "sequences per step")
     lr: float = setting(1e-3, "learning rate")
-    eval_size: int = setting(256, "held-out problems scored at the end")
+    eval_size: int = setting(
+        256,
+        "held-out problems scored at the end, greedy and single-turn (0: none, e.g. for an "
+        "agent's demonstrations, which only the RL run's evaluation through the agent scores)",
+    )
 
 
 @half("llm")
@@ -455,8 +459,9 @@ def validate_agent(agent: AgentConfig) -> None:
 def validate_llm_sft(cfg: LLMConfig) -> None:
     """The ``sft`` section's rules."""
     s = cfg.sft
-    for key in ("steps", "batch_size", "eval_size"):
+    for key in ("steps", "batch_size"):
         require(getattr(s, key) >= 1, f"sft.{key}", f"must be >= 1, got {getattr(s, key)}")
+    require(s.eval_size >= 0, "sft.eval_size", f"must be >= 0, got {s.eval_size}")
     require(s.lr > 0, "sft.lr", f"must be > 0, got {s.lr}")
     validate_sft_schedule(s)
 

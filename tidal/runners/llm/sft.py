@@ -143,7 +143,7 @@ def _train(cfg: LLMConfig) -> dict:
     with data_cache(cfg, None) as cache:
         model, tokenizer = load_or_build(cfg, cache)
         next_batch = batches(cfg, tokenizer, cache)
-        held_out = eval_records(cfg, cache, cfg.sft.eval_size)
+        held_out = eval_records(cfg, cache, cfg.sft.eval_size) if cfg.sft.eval_size else []
     context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     # torch's AdamW defaults and no clipping: how the warm start has always trained
     s = cfg.sft
