@@ -14,7 +14,7 @@ from tidal.inference.tiny import save_tiny_model
 openai = require("openai")
 from tidal.inference.agent_client import RecordingOpenAI  # noqa: E402
 from tidal.rollout.agent_workflow import AgentWorkflow  # noqa: E402
-from tidal.rollout.workflows import RLVRWorkflow  # noqa: E402
+from tidal.rollout.workflows import RLVRWorkflow, has_reward_spread  # noqa: E402
 
 TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} {{ m['content'] }}{% if m['role'] == 'assistant' %}"
@@ -78,6 +78,7 @@ def test_a_multi_turn_agent_becomes_one_sequence_per_run(server, model_dir, tok)
     fields = [f.name for f in dataclasses.fields(episode)]
     assert all(getattr(episode, k).dtype == getattr(reference, k).dtype for k in fields)
     assert episode.input_ids.shape[0] == 3 and episode.rewards.tolist() == [0.25] * 3
+    assert not has_reward_spread(episode)  # dynamic sampling drops a group of equal runs
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     for row in range(3):
         n = int(episode.attention_mask[row].sum())

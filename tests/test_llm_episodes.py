@@ -166,11 +166,14 @@ def test_llm_config_rules():
         )
 
 
-def test_dynamic_sampling_needs_groups_of_single_turn_samples():
+def test_dynamic_sampling_needs_groups_of_several_samples_or_runs():
     with pytest.raises(ConfigError, match=r"rollout.dynamic_sampling: .*group_size > 1"):
         check_llm(
             load_config(LLMConfig, None, ["rollout.dynamic_sampling=true", "rollout.group_size=1"])
         )
+    # multi-turn episodes and agents are groups of runs too: their zero-advantage groups drop
+    for data in (["data.task=guess_number"], ["rollout.agent.command=[python, agent.py]"]):
+        check_llm(load_config(LLMConfig, None, ["rollout.dynamic_sampling=true", *data]))
 
 
 def test_overlong_shaping_falls_linearly_over_the_buffer():

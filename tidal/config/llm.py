@@ -190,8 +190,8 @@ class LLMRolloutConfig:
     dynamic_sampling: bool = setting(
         False,
         "DAPO's dynamic sampling: a group whose rewards are all equal (no advantage to learn "
-        "from) is dropped and more prompts are drawn until the batch is full "
-        "(rollout/filtered_groups)",
+        "from; for agents and multi-turn episodes, the group's runs) is dropped and more "
+        "prompts are drawn until the batch is full (rollout/filtered_groups)",
     )
     group_size: int = setting(8, "samples per prompt")
     workflow: str = setting(

@@ -76,10 +76,10 @@ def check_llm(cfg: LLMConfig) -> None:
     if ":" in r.workflow:
         import_object(r.workflow, "rollout.workflow")
     require(
-        not r.dynamic_sampling or (kind == "rlvr" and r.group_size > 1),
+        not r.dynamic_sampling or r.group_size > 1,
         "rollout.dynamic_sampling",
-        "filters a prompt's group of samples by their rewards: it needs single-turn data and "
-        f"rollout.group_size > 1 (got {kind} data, group_size {r.group_size})",
+        "filters a prompt's group of samples (or agent runs) by their rewards: it needs "
+        f"rollout.group_size > 1, got {r.group_size}",
     )
     ranks = world_sizes(cfg.cluster, ["rollout", "actor"])["actor"]
     check_actor_ranks(cfg, ranks, "a data-parallel trainer (more than one actor rank)")
