@@ -1,7 +1,8 @@
 """The GRPO trainer's step on the real model (SmolLM2-135M-Instruct, model.path of
 examples/llm/smollm2_grpo.yaml), where its time goes, and its memory, with the chosen-token
-log-probs computed whole (the ``[B, L, 49152]`` float logits at once, as before) or chunked
-(tidal.algorithms.tokens.token_logprobs). Each variant runs in a fresh process:
+log-probs computed whole (the ``[B, L, 49152]`` float logits at once, as at first), chunked at
+every position (tidal.algorithms.tokens.token_logprobs, as next), or chunked at the generated
+tokens only (``generated``: the trainer's form now). Each variant runs in a fresh process:
 
 - a batch shaped as the issue's: 4 word problems (chat-templated) x 8 samples, 64 generated
   tokens each (random ids: only shapes matter for time and memory);
@@ -10,7 +11,7 @@ log-probs computed whole (the ``[B, L, 49152]`` float logits at once, as before)
 - ``time/step`` and train tokens/s of ``LLMActor.train_step`` (LoRA r16 unless --full), the
   passes its config asks for included; peak RSS of the process before and after the step.
 
-  python benchmarks/smollm2_train_bench.py [--variants whole chunked] [--steps 2]
+  python benchmarks/smollm2_train_bench.py [--variants whole chunked generated] [--steps 2]
       [--threads 2] [--json benchmarks/smollm2_train_bench.json] [overrides ...]
 """
 
@@ -85,6 +86,9 @@ def measure(variant: str, args) -> dict:
     torch.set_num_threads(args.threads)
     if variant == "whole":
         llm_actor.token_logprobs = whole_logprobs
+    elif variant == "chunked":  # every position projected, the prompt's too
+        chunked = llm_actor.token_logprobs
+        llm_actor.token_logprobs = lambda *a, wanted=None, **kw: chunked(*a, **kw)
     overrides = [f"cluster.torch_threads={args.threads}", *args.overrides]
     if args.full:
         overrides.append("model.lora.rank=0")
@@ -118,6 +122,7 @@ def measure(variant: str, args) -> dict:
         "time/logp": round(logp_s, 2),
         "time/step": [round(s, 2) for s in steps],
         "train_tokens_per_s": round(tokens / min(steps), 1),
+        "generated_tokens_per_s": round(float(batch.loss_mask.sum()) / min(steps), 1),
         "needs_prox": bool(metrics.get("train/mismatch_kl") is not None),
         "peak_rss_mb_loaded": round(rss_loaded),
         "peak_rss_mb_after_step": round(peak_rss_mb()),
@@ -134,7 +139,7 @@ def timed(fn) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", nargs="+", default=["whole", "chunked"])
+    p.add_argument("--variants", nargs="+", default=["chunked", "generated"])
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA r16")

@@ -161,3 +161,30 @@ def test_a_host_resident_kl_reference_trains_bitwise_as_one_on_the_device(arith_
     assert runs[True][0] == runs[False][0]
     for name, value in runs[False][1].items():
         assert torch.equal(runs[True][1][name], value), name
+
+
+def test_a_step_with_each_groups_prompt_packed_once_takes_the_same_weights(arith_model):
+    """actor.shared_prefix: the rows of a group share their 3-token prompt, packed once in the
+    reference, proximal and training passes; the step ends on the unpacked step's weights."""
+    from tidal.runtime import Cluster
+    from tidal.workers.llm_actor import LLMActor
+
+    batch = _synthetic_batch(16, 12, AutoTokenizer.from_pretrained(arith_model).vocab_size)
+    first = batch.group_ids.diff(prepend=torch.tensor([-1])) != 0
+    prompts = batch.input_ids[first][batch.group_ids, :3]  # each group's first row's prompt
+    batch.input_ids[:, :3] = prompts
+    kl = ["algorithm.kl_coef=0.5", "algorithm.kl_in=reward"]
+    runs = {}
+    cluster = Cluster("local")
+    try:
+        for packed in (False, True):
+            cfg = _trainer_config(arith_model, "token-mean", *kl, f"actor.shared_prefix={packed}")
+            group = LLMActor.create_group(cfg).launch(cluster, "0", name=f"packed{packed}")
+            runs[packed] = group.train_step(batch).wait(120)[0], group.state_dict().wait(60)[0]
+            group.shutdown()
+    finally:
+        cluster.shutdown()
+    for key in ("train/policy_loss", "train/grad_norm"):
+        assert runs[True][0][key] == pytest.approx(runs[False][0][key], rel=1e-4, abs=1e-6), key
+    for name, value in runs[False][1].items():
+        torch.testing.assert_close(runs[True][1][name], value, rtol=1e-5, atol=2e-6)

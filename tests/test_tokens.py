@@ -67,6 +67,35 @@ def test_chunked_logprobs_and_gradients_equal_the_whole_form(lora, temperature):
         torch.testing.assert_close(token_logprobs(model, ids, mask, temperature, 5), want)
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_logprobs_of_the_wanted_positions_only_equal_the_whole_form_there(lora):
+    """``wanted`` (the generated tokens): those positions' values and the gradients of a loss
+    on them are the whole form's; every other position is 0 and feeds no gradient."""
+    model = tiny_llama(lora)
+    ids = torch.randint(0, 301, (3, 11))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[0, 8:] = False
+    wanted = torch.zeros_like(mask)
+    wanted[0, 4:8], wanted[1, 6:], wanted[2, 2:] = True, True, True  # prompts of 4, 6, 2
+    weights = torch.randn(3, 11) * wanted
+
+    def value_and_grads(fn, **kw):
+        model.zero_grad()
+        out = fn(model, ids, mask, 0.7, **kw)
+        (out * weights).sum().backward()
+        return out.detach(), {
+            n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+        }
+
+    want, want_grads = value_and_grads(whole_logprobs)
+    for chunk_tokens in (5, 1024):
+        got, grads = value_and_grads(token_logprobs, chunk_tokens=chunk_tokens, wanted=wanted)
+        torch.testing.assert_close(got, torch.where(wanted, want, 0.0), rtol=1e-5, atol=1e-5)
+        assert grads.keys() == want_grads.keys()
+        for name, grad in want_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6)
+
+
 def test_backward_keeps_no_vocabulary_wide_activation():
     """What autograd keeps for the backward pass (its saved tensors): the whole form keeps the
     batch's float logits (and more); the chunked form keeps no tensor as wide as the

@@ -24,9 +24,16 @@ def token_logprobs(
     attention_mask: torch.Tensor,
     temperature: float,
     chunk_tokens: int = LOGIT_CHUNK_TOKENS,
+    wanted: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[:, t]`` = log-prob of ``input_ids[:, t]`` given the tokens before it, under
-    ``softmax(logits / temperature)`` (the engine's definition); column 0 is 0.
+    ``softmax(logits / temperature)`` (the engine's definition); column 0 is 0. With
+    ``wanted`` (bool, like ``input_ids``) only those positions are projected onto the
+    vocabulary (the generated tokens: a prompt's positions feed the context but need no
+    log-prob, and the head is a fifth of a small model's forward); the others are 0. A 4-D
+    ``attention_mask`` (with ``position_ids``) goes to the model as it is: packed rows
+    (tidal.algorithms.prefix).
 
     The whole ``[B, L, vocab]`` logits never exist. The model runs as it is called (so DDP,
     FSDP and adapters, enabled or not, apply), and where its output head receives the final
@@ -35,7 +42,6 @@ def token_logprobs(
     (but under FSDP2): its logits are recomputed in the backward pass instead of kept, so the
     gradients are those of the whole form."""
     scale = temperature if temperature > 0 else 1.0
-    width = max(1, chunk_tokens // max(1, input_ids.shape[0]))
     head = output_head(model)
     # FSDP2's head weights are shards (DTensors) outside its forward: a recompute in the
     # backward pass would meet them sharded, so there each chunk keeps its logits instead
@@ -44,8 +50,16 @@ def token_logprobs(
 
     def chosen_logprobs(head, args):
         pre_hook.remove()  # once: the chunks below call the head too
-        hidden = args[0]
-        picked.append(_chunked(head, hidden[:, :-1], input_ids[:, 1:], scale, width, recompute))
+        hidden, targets = args[0][:, :-1], input_ids[:, 1:]
+        if wanted is None:
+            width = max(1, chunk_tokens // max(1, input_ids.shape[0]))
+            picked.append(_chunked(head, hidden, targets, scale, width, recompute))
+        else:  # the wanted positions as one row, then back in place
+            keep = wanted[:, 1:]
+            row = _chunked(
+                head, hidden[keep][None], targets[keep][None], scale, chunk_tokens, recompute
+            )
+            picked.append(torch.zeros(keep.shape, device=row.device).masked_scatter(keep, row[0]))
         return (hidden[:, :1], *args[1:])  # what the head itself then projects: one position
 
     def as_output(_head, _args, _logits):
@@ -59,7 +73,13 @@ def token_logprobs(
     pre_hook = head.register_forward_pre_hook(chosen_logprobs)
     post_hook = head.register_forward_hook(as_output)
     try:
-        out = model(input_ids=input_ids, attention_mask=attention_mask.long(), logits_to_keep=0)
+        mask = attention_mask if attention_mask.dim() == 4 else attention_mask.long()
+        out = model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            logits_to_keep=0,
+        )
     finally:
         pre_hook.remove()
         post_hook.remove()

@@ -286,6 +286,12 @@ class LLMActorConfig(ActorConfig):
     optimizer: str = setting("adamw", "adam | adamw")
     max_tokens_per_mb: int = setting(4096, "micro-batches are packed up to this many tokens")
     ppo_minibatches: int = setting(1, "optimizer steps per training step")
+    shared_prefix: bool = setting(
+        False,
+        "run a group's shared prompt once in the trainer's forward passes, its samples' answers "
+        "attending to it through a block mask (tidal.algorithms.prefix): fewer tokens, longer "
+        "attention; pays for short answers to long prompts (sdpa or eager attention)",
+    )
 
 
 @dataclass
@@ -374,6 +380,12 @@ def validate_llm(cfg: LLMConfig) -> None:
             "needs the trainer's own log-probs: set algorithm.recompute_logprob=true",
         )
     one_of(r.pause_mode, ("abort", "keep", "in_place"), "rollout.pause_mode")
+    require(
+        not a.shared_prefix or cfg.model.attn_implementation in (None, "sdpa", "eager"),
+        "actor.shared_prefix",
+        "packs answers behind their prompt with a custom 4-D attention mask, which sdpa and "
+        f"eager attention read; model.attn_implementation is {cfg.model.attn_implementation!r}",
+    )
     validate_agent(r.agent)
     require(
         r.workflow != "agent" or r.agent.command is not None or r.agent.url is not None,

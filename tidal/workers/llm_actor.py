@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from tidal.algorithms.objectives import PolicyInputs, minibatch_denominators, staleness_metrics
+from tidal.algorithms.prefix import group_micro_batches, shared_prefix_logprobs
 from tidal.algorithms.tokens import (
     length_grouped_micro_batches,
     sequence_token_advantages,
@@ -72,13 +73,28 @@ class LLMActor(Trainer):
         model.eval()
         out = torch.zeros(batch.input_ids.shape, device=self.compute_device)
         rows = torch.arange(out.shape[0], device=self.compute_device) if rows is None else rows
-        for i, w in length_grouped_micro_batches(
-            batch.attention_mask, rows, self.cfg.actor.max_tokens_per_mb
-        ):
-            out[i, :w] = token_logprobs(
-                model, batch.input_ids[i, :w], batch.attention_mask[i, :w], self.temperature
-            )
+        for i, w in self.micro_batches(batch, rows):
+            out[i, :w] = self._logprobs(model, batch, i, w)
         return out
+
+    def micro_batches(self, batch: LLMBatch, rows: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        """``rows`` packed by token budget: whole groups with ``actor.shared_prefix`` (each
+        packs its prompt once), else sorted by length."""
+        budget = self.cfg.actor.max_tokens_per_mb
+        if self.cfg.actor.shared_prefix:
+            return group_micro_batches(batch.attention_mask, batch.group_ids, rows, budget)
+        return length_grouped_micro_batches(batch.attention_mask, rows, budget)
+
+    def _logprobs(self, model, batch: LLMBatch, i: torch.Tensor, w: int) -> torch.Tensor:
+        """Log-probs of rows ``i`` (width ``w``) at their generated tokens, the only ones any
+        loss or metric reads; 0 elsewhere."""
+        ids, attention, wanted = (
+            x[i, :w] for x in (batch.input_ids, batch.attention_mask, batch.loss_mask)
+        )
+        if self.cfg.actor.shared_prefix:
+            groups = batch.group_ids[i]
+            return shared_prefix_logprobs(model, ids, attention, groups, self.temperature, wanted)
+        return token_logprobs(model, ids, attention, self.temperature, wanted=wanted)
 
     def advantages(self, batch: LLMBatch, ref_logp: torch.Tensor | None) -> torch.Tensor:
         alg = self.cfg.algorithm
@@ -111,9 +127,7 @@ class LLMActor(Trainer):
             # every rank divides by the global minibatch's count over the ranks DDP averages
             norm = minibatch_denominators([mask[minibatch]], None, alg.loss_agg, self.world_size)
             minibatch = self.my_rows(minibatch)
-            micro_batches = length_grouped_micro_batches(
-                batch.attention_mask, minibatch, a.max_tokens_per_mb
-            )
+            micro_batches = self.micro_batches(batch, minibatch)
             loss_fn = functools.partial(
                 self._micro_batch_loss,
                 batch=batch,
@@ -142,9 +156,7 @@ class LLMActor(Trainer):
         minibatch's (``norm``), and its terms. The version is the weights' before this step."""
         i, w = micro
         alg, mask, behave = self.cfg.algorithm, batch.loss_mask, batch.logprobs
-        logp = token_logprobs(
-            model, batch.input_ids[i, :w], batch.attention_mask[i, :w], self.temperature
-        )
+        logp = self._logprobs(model, batch, i, w)
         m = mask[i, :w]
         policy = PolicyInputs(
             logp=logp,
