@@ -2,7 +2,8 @@
 examples/llm/smollm2_grpo.yaml), where its time goes, and its memory, with the chosen-token
 log-probs computed whole (the ``[B, L, 49152]`` float logits at once, as at first), chunked at
 every position (tidal.algorithms.tokens.token_logprobs, as next), or chunked at the generated
-tokens only (``generated``: the trainer's form now). Each variant runs in a fresh process:
+tokens only (``generated``: the trainer's form now), and with each group's prompt packed once
+(``packed``: ``actor.shared_prefix``). Each variant runs in a fresh process:
 
 - a batch shaped as the issue's: 4 word problems (chat-templated) x 8 samples, 64 generated
   tokens each (random ids: only shapes matter for time and memory);
@@ -11,7 +12,7 @@ tokens only (``generated``: the trainer's form now). Each variant runs in a fres
 - ``time/step`` and train tokens/s of ``LLMActor.train_step`` (LoRA r16 unless --full), the
   passes its config asks for included; peak RSS of the process before and after the step.
 
-  python benchmarks/smollm2_train_bench.py [--variants whole chunked generated] [--steps 2]
+  python benchmarks/smollm2_train_bench.py [--variants whole chunked generated packed] [--steps 2]
       [--threads 2] [--json benchmarks/smollm2_train_bench.json] [overrides ...]
 """
 
@@ -90,6 +91,8 @@ def measure(variant: str, args) -> dict:
         chunked = llm_actor.token_logprobs
         llm_actor.token_logprobs = lambda *a, wanted=None, **kw: chunked(*a, **kw)
     overrides = [f"cluster.torch_threads={args.threads}", *args.overrides]
+    if variant == "packed":  # generated tokens only, and each group's prompt run once
+        overrides.append("actor.shared_prefix=true")
     if args.full:
         overrides.append("model.lora.rank=0")
     cfg = load_config(LLMConfig, EXAMPLE, overrides)
@@ -139,7 +142,7 @@ def timed(fn) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", nargs="+", default=["chunked", "generated"])
+    p.add_argument("--variants", nargs="+", default=["chunked", "generated", "packed"])
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA r16")

@@ -44,3 +44,30 @@ def test_a_prefill_computes_the_logits_of_the_last_position_only(tmp_path):
         0, len(prompt) :
     ]
     assert got[0].output_ids == ref.tolist()
+
+
+def test_requests_sharing_a_prompt_prefill_it_once_and_sample_as_if_alone(tmp_path):
+    """A GRPO group's samples ask with one prompt: it goes through the model once (the
+    engine's prefilled_tokens), and each request still samples with its own seed, its tokens
+    those it samples when it comes alone."""
+    model_dir = save_tiny_model(tmp_path / "model", seed=0)
+    shared, other = [1, 3, 3, 8, 20, 11], [1, 5, 9]
+
+    def ask(prompts_and_seeds):
+        engine = GenerationEngine(model_dir)
+        try:
+            requests = [
+                (p, GenerationConfig(max_new_tokens=6, temperature=1.0, seed=s), None)
+                for p, s in prompts_and_seeds
+            ]
+            results = run(generate_all(engine, requests))
+            return [r.output_ids for r in results], engine.stats["prefilled_tokens"]
+        finally:
+            engine.close()
+
+    asks = [(shared, 1), (shared, 2), (other, 3), (shared, 4)]
+    together, prefilled = ask(asks)
+    assert prefilled == len(shared) + len(other)
+    alone = [ask([one])[0][0] for one in asks]
+    assert together == alone
+    assert len({tuple(t) for t in together}) > 1  # the seeds differ: so do the samples

@@ -152,7 +152,13 @@ class GenerationEngine:
         self._died: EngineDied | None = None
         self._joining: list[_Request] = []  # being prefilled: not in the batch yet
         # aborted: by a pause (resubmitted by clients); cancelled: by their callers
-        self.stats = {"generated_tokens": 0, "requests": 0, "aborted": 0, "cancelled": 0}
+        self.stats = {
+            "generated_tokens": 0,
+            "prefilled_tokens": 0,  # prompt tokens through the model (a shared prompt once)
+            "requests": 0,
+            "aborted": 0,
+            "cancelled": 0,
+        }
         self._thread = threading.Thread(target=self._loop, name="tidal-engine", daemon=True)
         self._thread.start()
 
@@ -345,12 +351,18 @@ class GenerationEngine:
 
     @torch.no_grad()
     def _prefill(self, reqs: list[_Request]) -> None:
-        width = max(len(r.prompt) for r in reqs)
-        ids = torch.zeros(len(reqs), width, dtype=torch.long)
-        mask = torch.zeros(len(reqs), width, dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
-            mask[i, width - len(r.prompt) :] = 1
+        """The joining requests' prompts through the model at once, each distinct prompt once
+        (a GRPO group's samples share theirs): its cache row and last logits serve every
+        request that asked for it."""
+        distinct: dict[tuple[int, ...], int] = {}
+        rows = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in reqs]
+        prompts = list(distinct)
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         out = self.model(
@@ -360,9 +372,14 @@ class GenerationEngine:
             use_cache=True,
             **self._last_logits,
         )
-        tokens, logprobs, tops = sample_tokens(out.logits[:, -1].float(), reqs)
+        cache, logits = getattr(out, self._cache_key), out.logits[:, -1]
+        if len(prompts) < len(reqs):  # a row for each request again
+            cache, mask = keep_rows(cache, mask, rows)
+            logits = logits[rows]
+        tokens, logprobs, tops = sample_tokens(logits.float(), reqs)
         self.stats["requests"] += len(reqs)
-        self._join(reqs, getattr(out, self._cache_key), mask)
+        self.stats["prefilled_tokens"] += sum(len(p) for p in prompts)
+        self._join(reqs, cache, mask)
         for req, tok, lp, top in zip(reqs, tokens.tolist(), logprobs.tolist(), tops):
             self._accept(req, tok, lp, top)
 
