@@ -90,3 +90,27 @@ def test_shared_prefix_needs_an_attention_that_reads_a_4d_mask():
     with pytest.raises(ConfigError, match=r"actor.shared_prefix: .*'flash_attention_2'"):
         check_llm(load_config(LLMConfig, None, bad))
     check_llm(load_config(LLMConfig, None, bad[:1]))
+
+
+def test_shared_prefix_refuses_a_model_with_sliding_window_layers(tmp_path):
+    """A packed row's block mask has no window: a windowed model would train on other
+    log-probs than it samples with."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from tidal.config import ConfigError, load_config
+    from tidal.config.llm import LLMConfig
+    from tidal.inference.tiny import save_tiny_model
+    from tidal.runners.llm.preflight import check_llm_model, sliding_window_layers
+
+    config = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=301)  # fmt: skip
+    assert not sliding_window_layers(Qwen2Config(**config))
+    windowed = Qwen2Config(**config, use_sliding_window=True, sliding_window=3)
+    assert sliding_window_layers(windowed)
+    Qwen2ForCausalLM(windowed).save_pretrained(tmp_path / "windowed")
+    tiny = save_tiny_model(tmp_path / "tiny", hidden=16, layers=1, heads=2)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(tmp_path / "windowed")
+    keys = [f"model.path={tmp_path / 'windowed'}", "actor.shared_prefix=true"]
+    cfg = load_config(LLMConfig, None, keys)
+    with pytest.raises(ConfigError, match="actor.shared_prefix: .*sliding-window"):
+        check_llm_model(cfg)

@@ -135,3 +135,14 @@ def test_the_reference_with_adapters_disabled_projects_with_them_disabled_too():
         got = token_logprobs(AdaptersDisabled(model), ids, mask, 1.0, chunk_tokens=4)
     assert not torch.allclose(base, adapted, atol=1e-3)  # the adapters do change the output
     torch.testing.assert_close(got, base)
+
+
+def test_rows_with_nothing_wanted_give_zeros_that_still_backpropagate():
+    """A micro-batch whose rows have no generated token (e.g. an agent's empty completions)
+    gives zeros, in float32 whatever the model's dtype, on the graph: its loss of 0 steps."""
+    model = tiny_llama(lora=False).to(torch.bfloat16)
+    ids = torch.randint(0, 301, (2, 6))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    out = token_logprobs(model, ids, mask, 1.0, wanted=torch.zeros_like(mask))
+    assert out.dtype == torch.float32 and not out.any()
+    out.sum().backward()  # no "does not require grad"

@@ -54,6 +54,8 @@ def token_logprobs(
         if wanted is None:
             width = max(1, chunk_tokens // max(1, input_ids.shape[0]))
             picked.append(_chunked(head, hidden, targets, scale, width, recompute))
+        elif not wanted[:, 1:].any():  # zeros still on the graph: a loss of 0 backpropagates
+            picked.append(hidden.sum(-1).float() * 0)
         else:  # the wanted positions as one row, then back in place
             keep = wanted[:, 1:]
             row = _chunked(

@@ -68,7 +68,8 @@ class LLMActor(Trainer):
     def compute_logp(
         self, batch: LLMBatch, model=None, rows: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Token log-probs of ``rows`` (default all) under ``model``; other rows stay 0."""
+        """Token log-probs of ``rows`` (default all) under ``model`` at their generated tokens;
+        other rows and positions stay 0."""
         model = model or self.model
         model.eval()
         out = torch.zeros(batch.input_ids.shape, device=self.compute_device)

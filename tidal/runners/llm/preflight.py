@@ -213,12 +213,27 @@ def check_llm_model(cfg: LLMConfig) -> None:
         raise ConfigError(str(exc)) from None
     STRATEGIES.get(cfg.actor.strategy).check_model(lambda: meta_training_model(cfg, model_cfg))
     check_llm_lora(cfg, model_cfg)
+    require(
+        not cfg.actor.shared_prefix or not sliding_window_layers(model_cfg),
+        "actor.shared_prefix",
+        f"{cfg.model.path} has sliding-window attention layers, which a packed row's block "
+        "mask does not window: set actor.shared_prefix=false",
+    )
     context = getattr(model_cfg, "max_position_embeddings", None)
     require(
         context is None or cfg.rollout.max_new_tokens < context,
         "rollout.max_new_tokens",
         f"{cfg.rollout.max_new_tokens} does not fit the model's context of {context} tokens",
     )
+
+
+def sliding_window_layers(model_cfg) -> bool:
+    """Whether the model windows some attention layers (Mistral, Gemma 2/3, Qwen2 with
+    use_sliding_window, any ``layer_types`` with sliding layers)."""
+    if "sliding_attention" in (getattr(model_cfg, "layer_types", None) or ()):
+        return True
+    window = getattr(model_cfg, "sliding_window", None)
+    return bool(window) and getattr(model_cfg, "use_sliding_window", True)
 
 
 def meta_training_model(cfg: LLMConfig, model_cfg=None):
