@@ -71,3 +71,27 @@ def test_requests_sharing_a_prompt_prefill_it_once_and_sample_as_if_alone(tmp_pa
     alone = [ask([one])[0][0] for one in asks]
     assert together == alone
     assert len({tuple(t) for t in together}) > 1  # the seeds differ: so do the samples
+
+
+def test_a_prompt_asked_again_with_the_same_weights_is_not_prefilled_again(tmp_path):
+    """Requests that arrive apart (as a group's samples do over HTTP) find their prompt in the
+    engine's prompt cache; new weights compute it anew, and its tokens are those of a fresh
+    engine's."""
+    model_dir = save_tiny_model(tmp_path / "model", seed=0)
+    prompt = [1, 3, 3, 8, 20, 11]
+    greedy = GenerationConfig(max_new_tokens=5, temperature=0)
+    engine = GenerationEngine(model_dir)
+    try:
+        first = run(generate_all(engine, [(prompt, greedy, None)]))[0].output_ids
+        again = run(generate_all(engine, [(prompt, greedy, None)] * 2))
+        assert engine.stats["prefilled_tokens"] == len(prompt)  # computed once for all three
+        assert [r.output_ids for r in again] == [first, first]
+        engine.pause()
+        engine.update_weights(
+            {k: v.clone() for k, v in engine.model.state_dict().items()}, weight_version=1
+        )
+        engine.resume()
+        run(generate_all(engine, [(prompt, greedy, None)]))
+        assert engine.stats["prefilled_tokens"] == 2 * len(prompt)  # the new weights' own
+    finally:
+        engine.close()

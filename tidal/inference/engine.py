@@ -41,11 +41,14 @@ with needs_extra("llm", "the generation engine"):
     from transformers import AutoModelForCausalLM, DynamicCache
 
 from tidal.inference.kv_cache import (
+    PromptCache,
     cache_key,
     cache_nbytes,
     keep_rows,
     last_logits_only,
     merge_caches,
+    row_layers,
+    stack_rows,
 )
 from tidal.inference.params import GenerationConfig
 from tidal.inference.sampling import sample_tokens
@@ -124,6 +127,7 @@ class GenerationEngine:
         dtype: torch.dtype = torch.float32,
         weight_version: int = 0,
         device: torch.device | str = "cpu",
+        prompt_cache: int = 64,
     ):
         self.model_dir = model_folder(model_dir)  # a GGUF file or packaged model: its folder
         self.device = torch.device(device)
@@ -151,6 +155,7 @@ class GenerationEngine:
         self._wake = threading.Event()
         self._died: EngineDied | None = None
         self._joining: list[_Request] = []  # being prefilled: not in the batch yet
+        self._prompts = PromptCache(prompt_cache)  # recent prompts' cache rows, these weights
         # aborted: by a pause (resubmitted by clients); cancelled: by their callers
         self.stats = {
             "generated_tokens": 0,
@@ -259,6 +264,7 @@ class GenerationEngine:
             raise EngineError("weights can only be updated while generation is paused")
         with self._lock:
             load_checked(self.model, state_dict, adopt=adopt)
+            self._prompts.clear()  # computed by the old weights
             self.weight_version = weight_version
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -351,12 +357,25 @@ class GenerationEngine:
 
     @torch.no_grad()
     def _prefill(self, reqs: list[_Request]) -> None:
-        """The joining requests' prompts through the model at once, each distinct prompt once
-        (a GRPO group's samples share theirs): its cache row and last logits serve every
-        request that asked for it."""
-        distinct: dict[tuple[int, ...], int] = {}
-        rows = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in reqs]
-        prompts = list(distinct)
+        """The joining requests' prompts through the model, each distinct prompt once: one
+        computed for earlier requests with these weights comes from the prompt cache (a GRPO
+        group's samples share theirs), the others are prefilled together."""
+        rows = {tuple(r.prompt): self._prompts.get(tuple(r.prompt)) for r in reqs}
+        missing = [p for p, row in rows.items() if row is None]
+        if missing:
+            rows.update(self._compute_prompts(missing))
+        picked = [rows[tuple(r.prompt)] for r in reqs]
+        cache, mask = stack_rows([layers for layers, _ in picked], [len(r.prompt) for r in reqs])
+        logits = torch.stack([last for _, last in picked])
+        tokens, logprobs, tops = sample_tokens(logits.float(), reqs)
+        self.stats["requests"] += len(reqs)
+        self._join(reqs, cache, mask)
+        for req, tok, lp, top in zip(reqs, tokens.tolist(), logprobs.tolist(), tops):
+            self._accept(req, tok, lp, top)
+
+    def _compute_prompts(self, prompts: list[tuple[int, ...]]) -> dict:
+        """``prompts`` through the model at once (left-padded): each one's unpadded cache row
+        and last logits, kept in the prompt cache too."""
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -372,16 +391,12 @@ class GenerationEngine:
             use_cache=True,
             **self._last_logits,
         )
-        cache, logits = getattr(out, self._cache_key), out.logits[:, -1]
-        if len(prompts) < len(reqs):  # a row for each request again
-            cache, mask = keep_rows(cache, mask, rows)
-            logits = logits[rows]
-        tokens, logprobs, tops = sample_tokens(logits.float(), reqs)
-        self.stats["requests"] += len(reqs)
         self.stats["prefilled_tokens"] += sum(len(p) for p in prompts)
-        self._join(reqs, cache, mask)
-        for req, tok, lp, top in zip(reqs, tokens.tolist(), logprobs.tolist(), tops):
-            self._accept(req, tok, lp, top)
+        cache, rows = getattr(out, self._cache_key), {}
+        for i, prompt in enumerate(prompts):
+            rows[prompt] = (row_layers(cache, i, len(prompt)), out.logits[i, -1].clone())
+            self._prompts.put(prompt, *rows[prompt])
+        return rows
 
     def _join(self, reqs: list[_Request], cache: DynamicCache, mask: torch.Tensor) -> None:
         """The new requests' cache merged into the batch's (a fresh batch if none runs)."""

@@ -5,6 +5,7 @@ merging their prefilled cache in, and leave by having their rows dropped."""
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 
 import torch
 
@@ -77,3 +78,59 @@ def _left_pad(x: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = missing
     return torch.cat([torch.zeros(shape, dtype=x.dtype, device=x.device), x], dim)
+
+
+Layers = list[tuple[torch.Tensor, torch.Tensor]]  # a row's (keys, values) per layer, unpadded
+
+
+class PromptCache:
+    """The KV rows and last-position logits of recently prefilled prompts, for the weights that
+    computed them (cleared when they change), the least recently used dropped beyond
+    ``capacity``. A GRPO group's samples ask with one prompt but reach the engine apart, across
+    prefills: the prompt is computed once."""
+
+    def __init__(self, capacity: int = 64):
+        self.capacity = capacity
+        self._rows: OrderedDict[tuple[int, ...], tuple[Layers, torch.Tensor]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def get(self, prompt: tuple[int, ...]) -> tuple[Layers, torch.Tensor] | None:
+        row = self._rows.get(prompt)
+        if row is not None:
+            self._rows.move_to_end(prompt)
+        return row
+
+    def put(self, prompt: tuple[int, ...], layers: Layers, logits: torch.Tensor) -> None:
+        if self.capacity <= 0:
+            return
+        self._rows[prompt] = (layers, logits)
+        self._rows.move_to_end(prompt)
+        while len(self._rows) > self.capacity:
+            self._rows.popitem(last=False)
+
+    def clear(self) -> None:
+        self._rows.clear()
+
+
+def row_layers(cache: DynamicCache, row: int, length: int) -> Layers:
+    """Row ``row`` of a left-padded cache without its padding, as tensors of its own (not views
+    that would keep the whole batch's cache alive)."""
+    return [(k[row : row + 1, :, -length:].clone(), v[row : row + 1, :, -length:].clone())
+            for k, v in _layers(cache)]  # fmt: skip
+
+
+def stack_rows(rows: list[Layers], lengths: list[int]) -> tuple[DynamicCache, torch.Tensor]:
+    """Unpadded rows as one left-padded cache, and its mask."""
+    width = max(lengths)
+    layers = [
+        (
+            torch.cat([_left_pad(row[i][0], width) for row in rows]),
+            torch.cat([_left_pad(row[i][1], width) for row in rows]),
+        )
+        for i in range(len(rows[0]))
+    ]
+    device = layers[0][0].device
+    mask = torch.stack([torch.arange(width, device=device) >= width - n for n in lengths]).long()
+    return DynamicCache(layers), mask
