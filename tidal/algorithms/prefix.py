@@ -78,7 +78,7 @@ def pack_shared_prefixes(
     source, target = ([], []), ([], [])
     for k, (p, rows) in enumerate(packs):
         ids[k, : p - 1] = input_ids[rows[0], : p - 1]
-        positions[k, : p - 1] = torch.arange(p - 1)
+        positions[k, : p - 1] = torch.arange(p - 1, device=device)
         segment[k, : p - 1] = 0
         at = p - 1
         for s, r in enumerate(rows, start=1):
