@@ -84,6 +84,8 @@ class FakeRunner(RunLoop):
         return str(self.engine.save(path, meta))
 
     def cleanup_steps(self, graceful):
+        self.closed_gracefully = graceful
+
         def broken():
             raise RuntimeError("cleanup exploded")
 
@@ -226,12 +228,17 @@ def test_sigint_saves_then_stops(tmp_path):
     assert info.value.signum == signal.SIGINT and info.value.checkpoint.endswith("step_000003")
     assert [r["step"] for r in rows(runner.run_dir)] == [1, 2, 3]
     assert signal.getsignal(signal.SIGINT) is before  # handlers restored
+    # its workers answered to the end: closed as after a normal end, not abandoned as after a
+    # failure (which left engine threads running into the interpreter's exit)
+    assert runner.closed_gracefully
 
 
 def test_closing_never_hides_the_first_error(tmp_path, caplog):
+    failing = fake(tmp_path, "runner.max_steps=3", fail_at=1, cleanup_error=True)
     with caplog.at_level(logging.WARNING, logger="tidal.train"):
         with pytest.raises(ValueError, match="step 1 exploded"):
-            run_to_end(fake(tmp_path, "runner.max_steps=3", fail_at=1, cleanup_error=True))
+            run_to_end(failing)
+    assert not failing.closed_gracefully
     assert "closing broken failed (secondary): RuntimeError: cleanup exploded" in caplog.text
 
 

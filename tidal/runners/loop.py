@@ -307,7 +307,10 @@ class RunLoop(ABC):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.close(graceful=exc_type is None)
+        # a run stopped by a signal saved its checkpoint with every worker answering: close
+        # them as after a normal end (abandoning them left the engine's threads running into
+        # the interpreter's exit: "terminate called without an active exception")
+        self.close(graceful=exc_type is None or issubclass(exc_type, Interrupted))
 
 
 def is_worker_fault(exc: BaseException) -> bool:
