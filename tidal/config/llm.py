@@ -380,12 +380,6 @@ def validate_llm(cfg: LLMConfig) -> None:
             "needs the trainer's own log-probs: set algorithm.recompute_logprob=true",
         )
     one_of(r.pause_mode, ("abort", "keep", "in_place"), "rollout.pause_mode")
-    require(
-        not a.shared_prefix or cfg.model.attn_implementation in (None, "sdpa", "eager"),
-        "actor.shared_prefix",
-        "packs answers behind their prompt with a custom 4-D attention mask, which sdpa and "
-        f"eager attention read; model.attn_implementation is {cfg.model.attn_implementation!r}",
-    )
     validate_agent(r.agent)
     require(
         r.workflow != "agent" or r.agent.command is not None or r.agent.url is not None,

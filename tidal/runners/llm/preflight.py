@@ -81,6 +81,12 @@ def check_llm(cfg: LLMConfig) -> None:
         "filters a prompt's group of samples (or agent runs) by their rewards: it needs "
         f"rollout.group_size > 1, got {r.group_size}",
     )
+    require(
+        not cfg.actor.shared_prefix or cfg.model.attn_implementation in (None, "sdpa", "eager"),
+        "actor.shared_prefix",
+        "packs answers behind their prompt with a custom 4-D attention mask, which sdpa and "
+        f"eager attention read; model.attn_implementation is {cfg.model.attn_implementation!r}",
+    )
     ranks = world_sizes(cfg.cluster, ["rollout", "actor"])["actor"]
     check_actor_ranks(cfg, ranks, "a data-parallel trainer (more than one actor rank)")
     validate_actor_ranks(cfg, ranks)
