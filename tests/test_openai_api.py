@@ -233,7 +233,7 @@ def test_a_stream_whose_engine_dies_ends_with_an_error_naming_it(model_dir, rout
     was generated (each choice has 4 tokens or more by then, however its prefill was batched),
     then ends with an error event, which the openai client raises (not an HTTP status: the
     headers went out). Before, the stream waited for ever for a result."""
-    engine = engine_that_dies_on_pass(model_dir, 6)
+    engine = engine_that_dies_on_pass(model_dir, 9)  # after several tokens, before the 10th
     srv = InferenceServer(engine, api_key=KEY, served_model_name=NAME).start()
     texts: list[str] = []
     try:
