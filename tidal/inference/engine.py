@@ -46,11 +46,12 @@ from tidal.inference.kv_cache import (
     cache_nbytes,
     keep_rows,
     last_logits_only,
+    left_padded,
     merge_caches,
     row_layers,
     stack_rows,
 )
-from tidal.inference.params import GenerationConfig
+from tidal.inference.params import GenerationConfig, check_request
 from tidal.inference.sampling import sample_tokens
 from tidal.runtime.weight_sync.validation import (  # noqa: F401 (re-exported)
     WeightsRejected,
@@ -200,35 +201,7 @@ class GenerationEngine:
         everything once the engine died (``EngineDied``, a 500)."""
         if self._died is not None:
             raise self._died
-        params.validate()
-        if not prompt:
-            raise ValueError("input_ids: must not be empty")
-        bad = [
-            t
-            for t in prompt
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
-        ]
-        if bad:
-            raise ValueError(
-                f"input_ids: ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
-            )
-        if len(prompt) >= self.max_positions:
-            raise ValueError(
-                f"input_ids: the prompt has {len(prompt)} tokens, longer than the model's context "
-                f"allows: the context is {self.max_positions} tokens, so a prompt may have at most "
-                f"{self.max_positions - 1} (room for one new token)"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError(
-                "sampling_params.stop: stop strings need a tokenizer, and the model folder has none"
-            )
-        room = self.max_positions - len(prompt)
-        if params.max_new_tokens > room:
-            raise ValueError(
-                f"sampling_params.max_new_tokens: {params.max_new_tokens} new tokens after a prompt of "
-                f"{len(prompt)} tokens exceed the model's context of {self.max_positions} tokens; "
-                f"at most {room} fit"
-            )
+        check_request(prompt, params, self.vocab_size, self.max_positions, self.tokenizer)
 
     def pause(self, mode: str = "abort", timeout: float = 60.0) -> None:
         """Stop generating: ``abort`` returns every in-flight request with what it has,
@@ -376,14 +349,7 @@ class GenerationEngine:
     def _compute_prompts(self, prompts: list[tuple[int, ...]]) -> dict:
         """``prompts`` through the model at once (left-padded): each one's unpadded cache row
         and last logits, kept in the prompt cache too."""
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            ids[i, width - len(prompt) :] = torch.tensor(prompt)
-            mask[i, width - len(prompt) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        ids, mask, positions = left_padded(prompts, self.device)
         out = self.model(
             input_ids=ids,
             attention_mask=mask,

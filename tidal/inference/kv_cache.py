@@ -1,6 +1,7 @@
 """The engine's batch KV cache: one ``DynamicCache`` whose rows are left-padded to a common
 length, with the attention mask that says which columns hold real tokens. Requests join by
-merging their prefilled cache in, and leave by having their rows dropped."""
+merging their prefilled cache in, and leave by having their rows dropped. Its layers keep room
+to grow (``GrowingLayer``): a decode step writes one column in place."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ from tidal.extras import needs_extra
 
 with needs_extra("llm", "the generation engine"):
     from transformers import DynamicCache
+    from transformers.cache_utils import Cache, DynamicLayer
+
+# columns a layer's buffer gains when it is full: a copy of the cache every ROOM tokens at
+# least, instead of every token; at most half the cache again (amortised, like a list)
+ROOM = 64
 
 
 def cache_key(model) -> str:
@@ -32,14 +38,75 @@ def last_logits_only(model) -> dict:
     )
 
 
+class GrowingLayer(DynamicLayer):
+    """A cache layer whose keys and values are the head of a longer buffer. ``DynamicLayer``
+    concatenates each step's keys to the cache, copying the layer's whole cache every token
+    (at GRPO's batch of 128 that copy costs about as much as the layer's matmuls); here a
+    step writes its columns in place and the buffer grows, by copy, only when it is full."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.device, self.is_initialized = keys.device, True
+        self._adopt(keys, values, extra=0)
+
+    def _adopt(self, keys: torch.Tensor, values: torch.Tensor, extra: int) -> None:
+        length = keys.shape[-2]
+        capacity = length + extra + max(ROOM, length // 2)
+        self._buffers = tuple(_with_columns(x, capacity) for x in (keys, values))
+        self._length = length
+        self._expose()
+
+    def _expose(self) -> None:
+        self.keys, self.values = (b[:, :, : self._length] for b in self._buffers)
+        self._exposed = self.keys
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.keys is not self._exposed:  # replaced by a DynamicLayer method (crop, select)
+            self._adopt(self.keys, self.values, extra=0)
+        new = key_states.shape[-2]
+        if self._length + new > self._buffers[0].shape[-2]:
+            self._adopt(self.keys, self.values, extra=new)
+        for buffer, states in zip(self._buffers, (key_states, value_states)):
+            buffer[:, :, self._length : self._length + new] = states
+        self._length += new
+        self._expose()
+        return self.keys, self.values
+
+
+class GrowingCache(DynamicCache):
+    """A ``DynamicCache`` of ``GrowingLayer`` s, from each layer's (keys, values)."""
+
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]]):
+        Cache.__init__(self, layers=[GrowingLayer(k, v) for k, v in layers])
+
+
+def _with_columns(x: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``x`` ``[B, H, T, D]`` copied into the first T columns of a ``[B, H, capacity, D]`` buffer."""
+    buffer = x.new_empty(*x.shape[:2], capacity, x.shape[-1])
+    buffer[:, :, : x.shape[-2]] = x
+    return buffer
+
+
+def left_padded(prompts: list[tuple[int, ...]], device: torch.device):
+    """Prompts as one left-padded batch: token ids, attention mask and positions ``[B, L]``."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt) :] = torch.tensor(prompt)
+        mask[i, width - len(prompt) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    return ids, mask, (mask.cumsum(1) - 1).clamp(min=0)
+
+
 def merge_caches(
     cache: DynamicCache | None, mask: torch.Tensor | None, new: DynamicCache, new_mask: torch.Tensor
 ) -> tuple[DynamicCache, torch.Tensor]:
     """The batch's cache and mask with ``new``'s rows after its own; whichever is shorter is
     padded on the left so both have one length. ``cache=None``: ``new`` alone."""
-    fresh = _layers(new)
     if cache is None:
-        return DynamicCache(fresh), new_mask
+        return new, new_mask
+    fresh = _layers(new)
     width = max(mask.shape[1], new_mask.shape[1])
     merged = [
         (
@@ -49,7 +116,7 @@ def merge_caches(
         for (k0, v0), (k1, v1) in zip(_layers(cache), fresh)
     ]
     mask = torch.cat([_left_pad(mask, width, dim=1), _left_pad(new_mask, width, dim=1)])
-    return DynamicCache(merged), mask
+    return GrowingCache(merged), mask
 
 
 def keep_rows(
@@ -60,7 +127,7 @@ def keep_rows(
     mask = mask[index]
     first = int((mask.sum(0) > 0).nonzero()[0])
     kept = [(k[index][:, :, first:], v[index][:, :, first:]) for k, v in _layers(cache)]
-    return DynamicCache(kept), mask[:, first:]
+    return GrowingCache(kept), mask[:, first:]
 
 
 def cache_nbytes(cache: DynamicCache | None) -> int:
@@ -133,4 +200,4 @@ def stack_rows(rows: list[Layers], lengths: list[int]) -> tuple[DynamicCache, to
     ]
     device = layers[0][0].device
     mask = torch.stack([torch.arange(width, device=device) >= width - n for n in lengths]).long()
-    return DynamicCache(layers), mask
+    return GrowingCache(layers), mask

@@ -111,6 +111,40 @@ def with_episode_seed(gconfig: GenerationConfig) -> GenerationConfig:
     return replace(gconfig, seed=seeds.next())
 
 
+def check_request(
+    prompt: list[int], params: GenerationConfig, vocab_size: int, max_positions: int, tokenizer
+) -> None:
+    """What an engine refuses to generate, the error naming the field (a server's 400): a bad
+    parameter, a prompt out of the vocabulary or the context, stop strings without a tokenizer."""
+    params.validate()
+    if not prompt:
+        raise ValueError("input_ids: must not be empty")
+    bad = [
+        t
+        for t in prompt
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size
+    ]
+    if bad:
+        raise ValueError(f"input_ids: ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    if len(prompt) >= max_positions:
+        raise ValueError(
+            f"input_ids: the prompt has {len(prompt)} tokens, longer than the model's context "
+            f"allows: the context is {max_positions} tokens, so a prompt may have at most "
+            f"{max_positions - 1} (room for one new token)"
+        )
+    if params.stop and tokenizer is None:
+        raise ValueError(
+            "sampling_params.stop: stop strings need a tokenizer, and the model folder has none"
+        )
+    room = max_positions - len(prompt)
+    if params.max_new_tokens > room:
+        raise ValueError(
+            f"sampling_params.max_new_tokens: {params.max_new_tokens} new tokens after a prompt of "
+            f"{len(prompt)} tokens exceed the model's context of {max_positions} tokens; "
+            f"at most {room} fit"
+        )
+
+
 def _check_int(value: Any, name: str, low: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}: must be an integer, got {value!r}")
