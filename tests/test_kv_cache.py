@@ -42,6 +42,7 @@ def test_a_growing_layer_adopts_keys_a_dynamic_layer_method_replaced():
     assert torch.equal(values, torch.cat([layer_tensors()[0][1][1:], v], 2))
 
 
+@torch.no_grad()  # as the engine decodes
 def test_a_batch_that_grows_joins_and_drops_rows_decodes_each_row_as_alone(tmp_path, monkeypatch):
     """Greedy decoding through the engine's cache (rows joined by merge, one dropped by keep,
     buffers growing every 2 columns) gives each row the logits it gets decoded alone."""

@@ -44,15 +44,15 @@ class GrowingLayer(DynamicLayer):
     (at GRPO's batch of 128 that copy costs about as much as the layer's matmuls); here a
     step writes its columns in place and the buffer grows, by copy, only when it is full."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor | None = None):
         super().__init__()
         self.device, self.is_initialized = keys.device, True
-        self._adopt(keys, values, extra=0)
+        self._adopt(keys, values, extra=0, rows=rows)
 
-    def _adopt(self, keys: torch.Tensor, values: torch.Tensor, extra: int) -> None:
+    def _adopt(self, keys, values, extra: int, rows: torch.Tensor | None = None) -> None:
         length = keys.shape[-2]
         capacity = length + extra + max(ROOM, length // 2)
-        self._buffers = tuple(_with_columns(x, capacity) for x in (keys, values))
+        self._buffers = tuple(_with_columns(x, capacity, rows) for x in (keys, values))
         self._length = length
         self._expose()
 
@@ -74,16 +74,21 @@ class GrowingLayer(DynamicLayer):
 
 
 class GrowingCache(DynamicCache):
-    """A ``DynamicCache`` of ``GrowingLayer`` s, from each layer's (keys, values)."""
+    """A ``DynamicCache`` of ``GrowingLayer`` s, from each layer's (keys, values) (their
+    ``rows`` only, if given)."""
 
-    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]]):
-        Cache.__init__(self, layers=[GrowingLayer(k, v) for k, v in layers])
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], rows=None):
+        Cache.__init__(self, layers=[GrowingLayer(k, v, rows) for k, v in layers])
 
 
-def _with_columns(x: torch.Tensor, capacity: int) -> torch.Tensor:
-    """``x`` ``[B, H, T, D]`` copied into the first T columns of a ``[B, H, capacity, D]`` buffer."""
-    buffer = x.new_empty(*x.shape[:2], capacity, x.shape[-1])
-    buffer[:, :, : x.shape[-2]] = x
+def _with_columns(x: torch.Tensor, capacity: int, rows: torch.Tensor | None) -> torch.Tensor:
+    """``x`` ``[B, H, T, D]`` (its ``rows`` only, if given) copied into the first T columns of
+    a buffer of ``capacity`` columns: one copy, the row selection included."""
+    buffer = x.new_empty(
+        x.shape[0] if rows is None else len(rows), x.shape[1], capacity, x.shape[-1]
+    )
+    head = buffer[:, :, : x.shape[-2]]
+    head.copy_(x) if rows is None else torch.index_select(x, 0, rows, out=head)
     return buffer
 
 
@@ -126,8 +131,8 @@ def keep_rows(
     index = torch.tensor(rows, device=mask.device)
     mask = mask[index]
     first = int((mask.sum(0) > 0).nonzero()[0])
-    kept = [(k[index][:, :, first:], v[index][:, :, first:]) for k, v in _layers(cache)]
-    return GrowingCache(kept), mask[:, first:]
+    kept = [(k[:, :, first:], v[:, :, first:]) for k, v in _layers(cache)]
+    return GrowingCache(kept, rows=index), mask[:, first:]
 
 
 def cache_nbytes(cache: DynamicCache | None) -> int:
