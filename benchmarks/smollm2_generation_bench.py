@@ -6,8 +6,8 @@ one run; and what the machine allows for this model at that batch:
 - ``matmul_bound``: every linear layer of the model (the 49k-vocabulary head included) as one
   plain ``x @ W.T`` at the full batch: the decode steps per second if nothing else cost anything;
 - ``forward_bound``: the model's own forward of one new token at the full batch over a KV cache
-  of the answers' mean length (attention, norms, rotary, Python included; no sampling, no
-  scheduling, no HTTP);
+  of the answers' mean length, in the engine's cache (layers that grow in place; attention,
+  norms, rotary, Python included; no sampling, no scheduling, no HTTP);
 - ``shrinking_forward``: that forward over this workload's decode, the batch shrinking as the
   answers (HF ``generate``'s, EOS on) end: what an engine that only ran the forward would reach.
 
@@ -28,13 +28,13 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_vs_tidal_bench import best_of  # noqa: E402
 
 from tidal.inference import GenerationEngine, InferenceServer  # noqa: E402
-from tidal.inference.kv_cache import cache_key  # noqa: E402
+from tidal.inference.kv_cache import GrowingCache, cache_key  # noqa: E402
 from tidal.inference.vllm import VLLMProtocol, VLLMServer  # noqa: E402
 from tidal.models.gguf import model_folder  # noqa: E402
 from tidal.rollout.tasks import TASKS  # noqa: E402
@@ -99,8 +99,9 @@ def forward_bound(model, batch: int, context: int) -> float:
     of ``context`` positions."""
     with torch.no_grad():
         prefix = torch.randint(3, model.config.vocab_size, (batch, context))
-        cache = {cache_key(model): DynamicCache(config=model.config)}
-        model(input_ids=prefix, use_cache=True, logits_to_keep=1, **cache)
+        prefilled = model(input_ids=prefix, use_cache=True, logits_to_keep=1)
+        layers = [(k, v) for k, v, *_ in getattr(prefilled, cache_key(model))]
+        cache = {cache_key(model): GrowingCache(layers)}  # the engine's: a step adds a column
         token = torch.randint(3, model.config.vocab_size, (batch, 1))
 
         def step():

@@ -84,3 +84,17 @@ def test_a_batch_that_grows_joins_and_drops_rows_decodes_each_row_as_alone(tmp_p
     assert isinstance(cache, GrowingCache)
     for row, prompt, steps in zip(rows, prompts + [[1, 8, 8]], (5, 3, 5)):
         assert torch.allclose(torch.stack(row), torch.stack(alone(prompt, steps)), atol=1e-5)
+
+
+def test_cropping_a_growing_layer_forgets_columns_in_place():
+    """``crop(-n)`` (as a benchmark repeating a decode step calls it) keeps the buffer: the
+    next step writes over the forgotten column, no copy."""
+    (keys, values), _ = layer_tensors()
+    layer = GrowingCache([(keys, values)]).layers[0]
+    buffer = layer._buffers[0].data_ptr()
+    for seed in (1, 2):
+        k, v = layer_tensors(length=1, seed=seed)[0]
+        got, _ = layer.update(k, v)
+        layer.crop(-1)
+    assert torch.equal(got, torch.cat([keys, k], 2)) and layer.get_seq_length() == 5
+    assert layer._buffers[0].data_ptr() == buffer

@@ -72,6 +72,11 @@ class GrowingLayer(DynamicLayer):
         self._expose()
         return self.keys, self.values
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """DynamicLayer's ``crop(-n)``, in place: the last n columns are forgotten."""
+        super().crop(tokens_to_remove)
+        self._length, self._exposed = self.keys.shape[-2], self.keys
+
 
 class GrowingCache(DynamicCache):
     """A ``DynamicCache`` of ``GrowingLayer`` s, from each layer's (keys, values) (their
