@@ -53,29 +53,27 @@ class GrowingLayer(DynamicLayer):
         length = keys.shape[-2]
         capacity = length + extra + max(ROOM, length // 2)
         self._buffers = tuple(_with_columns(x, capacity, rows) for x in (keys, values))
-        self._length = length
-        self._expose()
+        self._expose(length)
 
-    def _expose(self) -> None:
-        self.keys, self.values = (b[:, :, : self._length] for b in self._buffers)
-        self._exposed = self.keys
+    def _expose(self, length: int) -> None:
+        self.keys, self.values = (b[:, :, :length] for b in self._buffers)
+
+    def _holds_buffer_head(self) -> bool:
+        """Whether the keys are still a head of the buffer (``crop`` keeps them one; a
+        DynamicLayer method that selects rows makes new tensors)."""
+        buffer = self._buffers[0]
+        return self.keys.data_ptr() == buffer.data_ptr() and self.keys.stride() == buffer.stride()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.keys is not self._exposed:  # replaced by a DynamicLayer method (crop, select)
+        if not self._holds_buffer_head():
             self._adopt(self.keys, self.values, extra=0)
-        new = key_states.shape[-2]
-        if self._length + new > self._buffers[0].shape[-2]:
+        length, new = self.keys.shape[-2], key_states.shape[-2]
+        if length + new > self._buffers[0].shape[-2]:
             self._adopt(self.keys, self.values, extra=new)
         for buffer, states in zip(self._buffers, (key_states, value_states)):
-            buffer[:, :, self._length : self._length + new] = states
-        self._length += new
-        self._expose()
+            buffer[:, :, length : length + new] = states
+        self._expose(length + new)
         return self.keys, self.values
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """DynamicLayer's ``crop(-n)``, in place: the last n columns are forgotten."""
-        super().crop(tokens_to_remove)
-        self._length, self._exposed = self.keys.shape[-2], self.keys
 
 
 class GrowingCache(DynamicCache):
