@@ -15,7 +15,9 @@ tidal and vLLM are driven over HTTP by tidal's client, as a run drives them; HF 
 in this process on one left-padded batch. Output tokens per second (EOS counted), the best of
 ``--repeats`` after a warm-up.
 
-    python benchmarks/smollm2_generation_bench.py [--prompts 16] [--group 8] [--cap 256]
+``--dtype bfloat16`` runs every engine and bound in bfloat16 (tidal's ``rollout.dtype``).
+
+    python benchmarks/smollm2_generation_bench.py [--prompts 16] [--group 8] [--cap 256] [--dtype D]
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def best_seconds(fn, repeats: int = 5) -> float:
 def matmul_bound(model, batch: int) -> float:
     """Decode steps/s if a step cost only its linear layers' matmuls at ``batch`` rows."""
     weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = [torch.randn(batch, w.shape[1]) for w in weights]
+    inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights]
 
     def step():
         for x, w in zip(inputs, weights, strict=True):
@@ -137,8 +139,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of tidal and HF")
     parser.add_argument("--skip-vllm", action="store_true")
-    parser.add_argument("--out", default="benchmarks/results/smollm2_generation_bench.json")
+    parser.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="of every engine"
+    )
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/<name>[_dtype]")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    suffix = "" if args.dtype == "float32" else f"_{args.dtype}"
+    out = Path(args.out or f"benchmarks/results/smollm2_generation_bench{suffix}.json")
     torch.set_num_threads(args.threads)
     path = model_folder(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -149,18 +157,20 @@ def main() -> None:
     def requests(seeded: bool) -> list:  # vLLM-CPU's worker dies on seeded requests
         return [(p, args.cap, args.group, i if seeded else None) for i, p in enumerate(prompts)]
 
-    result: dict = {"model": path, "batch": batch, "cap": args.cap, "eos": eos}
-    server = InferenceServer(GenerationEngine(path, max_batch_size=batch)).start()
+    result: dict = {"model": path, "dtype": args.dtype, "batch": batch, "cap": args.cap, "eos": eos}
+    server = InferenceServer(GenerationEngine(path, max_batch_size=batch, dtype=dtype)).start()
     try:
         result["tidal_tok_s"] = best_of(server.address, None, requests(True), args.repeats, eos)
     finally:
         server.stop()
     if not args.skip_vllm:
-        with VLLMServer(path, max_model_len=1024, kv_cache_gib=4) as vllm_server:  # all 128 fit
+        with VLLMServer(  # all 128 fit in 4 GiB
+            path, max_model_len=1024, kv_cache_gib=4, extra_args=["--dtype", args.dtype]
+        ) as vllm_server:
             result["vllm_tok_s"] = best_of(
                 vllm_server.address, VLLMProtocol(), requests(False), args.repeats, eos
             )
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     hf = [hf_generate(model, prompts, args.group, args.cap, eos) for _ in range(args.repeats)]
     result["hf_generate_tok_s"] = max(h["tok_s"] for h in hf)
     lengths = hf[-1]["lengths"]  # the answers' lengths with EOS on, as the sampler drew them
@@ -178,8 +188,8 @@ def main() -> None:
         result[f"tidal_of_{bound}"] = result["tidal_tok_s"] / result[f"{bound}_tok_s"]
     result = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
     print(json.dumps(result, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ MISTAKES = [
     (ARITH, ["data.task=sudoku"], "data.task", "arithmetic"),
     (ARITH, ["rollout.engine=sglang"], "rollout.engine", "vllm"),
     (ARITH, ["algorithm.kl_in=both"], "algorithm.kl_in", "reward"),
+    (ARITH, ["rollout.dtype=float64"], "rollout.dtype", "bfloat16"),
     (ARITH, ["num_generations=8"], "num_generations", "rollout.group_size"),
     (ARITH, ["algorithm.beta=0.04"], "algorithm.beta", "algorithm.kl_coef"),
     (ARITH, ["data.path=/no/such.jsonl"], "data.path", "/no/such.jsonl"),

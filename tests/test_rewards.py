@@ -91,6 +91,37 @@ def test_math_verify_in_a_worker_thread(reference, completion, expected):
     assert out == [expected]
 
 
+@pytest.mark.parametrize(
+    "completion, lenient, computed",
+    [
+        ("so Ben has 48 - 2 cookies left.", 1.0, 0.0),  # math-verify evaluates the expression
+        ("\\boxed{40+6}", 1.0, 0.0),
+        ("6 \\times 7 - 4", 0.0, 0.0),
+        ("48 - 2 = 46 cookies are left.", 1.0, 1.0),  # the computed value is the final answer
+        ("46", 1.0, 1.0),
+        ("The answer is 46.", 1.0, 1.0),
+        ("Ben has 48 - 2 = 40 cookies left.", 0.0, 0.0),
+    ],
+)
+def test_math_verify_computed_only(completion, lenient, computed):
+    assert math_verify(completion, "46", isolate=False) == lenient
+    assert math_verify(completion, "46", isolate=False, computed_only=True) == computed
+
+
+@pytest.mark.parametrize("answer", ["\\frac{1}{2}", "1/2", "-3", "0.5"])
+def test_math_verify_computed_only_keeps_values(answer):
+    """A fraction or a negative number is a value, not arithmetic left undone."""
+    assert math_verify(f"So it is {answer}.", answer, isolate=False, computed_only=True) == 1.0
+
+
+def test_math_verify_computed_only_in_the_child_process():
+    strict = resolve_reward("math_verify", {"computed_only": True, "timeout_s": 60})
+    lenient = resolve_reward("math_verify", {"timeout_s": 60})
+    assert strict(completion="48 - 2", answer="46") == 0.0
+    assert lenient(completion="48 - 2", answer="46") == 1.0
+    assert strict(completion="46", answer="46") == 1.0
+
+
 def test_math_verify_isolated_process_bounds_time_and_recovers():
     reward = resolve_reward("math_verify", {"timeout_s": 1e-4})
     with pytest.raises(TimeoutError, match="reward.kwargs.timeout_s"):
@@ -113,6 +144,8 @@ def test_math_verify_isolated_process_bounds_time_and_recovers():
 def test_math_verify_bad_timeout():
     with pytest.raises(ValueError, match="reward.kwargs.timeout_s"):
         resolve_reward("math_verify", {"timeout_s": 0})
+    with pytest.raises(ValueError, match="reward.kwargs.computed_only: must be true or false"):
+        resolve_reward("math_verify", {"computed_only": "yes"})
 
 
 def test_unknown_names_and_modules_name_the_key():

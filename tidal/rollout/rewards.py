@@ -119,26 +119,36 @@ def final_answer(text: str) -> str:
     return text.rsplit(GSM8K_MARK, 1)[1] if GSM8K_MARK in text else text
 
 
-def _verify_in_this_thread(reference: str, completion: str) -> bool:
-    """math-verify with its signal-based timeouts off, so it runs in any thread."""
+# arithmetic between two numbers in an extracted answer ("48 - 2", "3+4", "6 \\times 7"); a
+# fraction ("1/2", "\\frac{1}{2}") is a value, not a step left undone
+_UNDONE_ARITHMETIC = re.compile(r"\d\s*(?:[-+*×·^]|\\times|\\cdot|\\div)\s*[\d(]")
+
+
+def _verify_in_this_thread(reference: str, completion: str, computed_only: bool = False) -> bool:
+    """math-verify with its signal-based timeouts off, so it runs in any thread. math-verify
+    evaluates the expression it extracts, so "so Ben has 48 - 2 cookies left" scores for 46;
+    ``computed_only`` scores such an answer 0."""
     with needs_extra("llm", "the math reward (math-verify)"):
         from math_verify import parse, verify
 
     gold = parse(final_answer(reference), parsing_timeout=None)
     pred = parse(final_answer(completion), parsing_timeout=None)
+    if computed_only and pred and _UNDONE_ARITHMETIC.search(str(pred[-1])):
+        return False
     return bool(gold and pred and verify(gold, pred, timeout_seconds=None))
 
 
 def _verifier_main(conn) -> None:
-    """The child process: answer (reference, completion) pairs until the pipe closes."""
+    """The child process: answer (reference, completion, computed_only) requests until the pipe
+    closes."""
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     while True:
         try:
-            reference, completion = conn.recv()
+            request = conn.recv()
         except EOFError:
             return
         try:
-            conn.send((True, _verify_in_this_thread(reference, completion)))
+            conn.send((True, _verify_in_this_thread(*request)))
         except Exception as exc:  # reported to the caller, which counts the failure
             conn.send((False, f"{type(exc).__name__}: {exc}"))
 
@@ -153,11 +163,13 @@ class MathVerifyProcess:
         self._proc = self._conn = None
         atexit.register(self.close)
 
-    def check(self, reference: str, completion: str, timeout_s: float) -> bool:
+    def check(
+        self, reference: str, completion: str, timeout_s: float, computed_only: bool = False
+    ) -> bool:
         with self._lock:
             if self._proc is None or not self._proc.is_alive():
                 self._start()
-            self._conn.send((reference, completion))
+            self._conn.send((reference, completion, computed_only))
             if not self._conn.poll(timeout_s):
                 self.close()  # the child is stuck in sympy: kill it, the next call starts another
                 raise TimeoutError(
@@ -194,19 +206,31 @@ def _check_math_verify_kwargs(kwargs: dict) -> None:
         raise ValueError(
             f"reward.kwargs.timeout_s: must be a positive number of seconds, got {timeout!r}"
         )
+    if not isinstance(kwargs.get("computed_only", False), bool):
+        raise ValueError(
+            f"reward.kwargs.computed_only: must be true or false, got {kwargs['computed_only']!r}"
+        )
 
 
 @register_reward("math_verify", check_kwargs=_check_math_verify_kwargs)
 def math_verify(
-    completion: str, answer: Any, timeout_s: float = 5.0, isolate: bool = True, **_
+    completion: str,
+    answer: Any,
+    timeout_s: float = 5.0,
+    isolate: bool = True,
+    computed_only: bool = False,
+    **_,
 ) -> float:
     """1 when the completion's final answer equals the reference mathematically (``\\boxed{}``,
     fractions, LaTeX, plain numbers; GSM8K references and completions are cut after their last
-    ``#### ``). ``isolate`` runs the check in a child process killed after ``timeout_s``;
-    without it the check runs in the calling thread, bounded only by the caller's timeout."""
+    ``#### ``). math-verify evaluates an expression it extracts: "48 - 2" scores for 46 unless
+    ``computed_only``, where arithmetic left undone in the final answer scores 0 (a word problem
+    that asks for just the number, where RL would otherwise learn to restate the sum).
+    ``isolate`` runs the check in a child process killed after ``timeout_s``; without it the
+    check runs in the calling thread, bounded only by the caller's timeout."""
     if isolate:
-        return 1.0 if _VERIFIER.check(str(answer), completion, timeout_s) else 0.0
-    return 1.0 if _verify_in_this_thread(str(answer), completion) else 0.0
+        return 1.0 if _VERIFIER.check(str(answer), completion, timeout_s, computed_only) else 0.0
+    return 1.0 if _verify_in_this_thread(str(answer), completion, computed_only) else 0.0
 
 
 # ---------------------------------------------------------------- resolution and scoring

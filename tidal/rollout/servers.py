@@ -101,7 +101,7 @@ class TidalServers(RolloutServers):
             cfg.model.path,
             max_batch_size=cfg.rollout.max_batch_size,
             torch_threads=cfg.cluster.torch_threads,
-            dtype=cfg.model.dtype,
+            dtype=cfg.rollout_dtype,
             attn_implementation=cfg.model.attn_implementation,
             device=cfg.cluster.device,
             tool_parser=cfg.rollout.tool_parser,
@@ -121,7 +121,7 @@ class TidalServers(RolloutServers):
             f"{cfg.runner.experiment}-weights",
             self.timeout,
             bucket_mb=cfg.rollout.weight_sync_bucket_mb,
-            dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype,
+            dtype=None if cfg.rollout_dtype == "auto" else cfg.rollout_dtype,
             device=cfg.cluster.device,
             folder=str(self.run_dir / "rollout_weights"),
         )
@@ -216,7 +216,7 @@ class VLLMServers(RolloutServers):
         """The run's keys in vLLM's words (later arguments win: rollout.vllm_args last)."""
         cfg = self.cfg
         return [
-            *("--dtype", cfg.model.dtype),
+            *("--dtype", cfg.rollout_dtype),
             *("--max-num-seqs", str(cfg.rollout.max_batch_size)),
             *cfg.rollout.vllm_args,
         ]
