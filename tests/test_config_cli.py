@@ -298,3 +298,29 @@ def test_sft_mistakes_are_one_named_line(tmp_path, capsys, argv, key, fix):
     code, err = run_cli(capsys, ["sft", str(REACH_VLA), *argv, f"runner.run_dir={runs}"])
     assert_one_named_line(code, err, key, fix)
     assert not runs.exists()
+
+
+class _Launched(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("overrides", "dtype"), [([], "float32"), (["rollout.dtype=bfloat16"], "bfloat16")]
+)
+def test_the_servers_run_in_rollout_dtype(monkeypatch, tmp_path, overrides, dtype):
+    """rollout.dtype reaches tidal's server group and vLLM's arguments; unset, model.dtype does."""
+    from tidal.rollout.servers import TidalServers, VLLMServers
+    from tidal.workers.inference_worker import InferenceServerWorker
+
+    cfg = load_config(LLMConfig, ARITH, overrides)
+    asked = {}
+
+    def create_group(*args, **kwargs):
+        asked.update(kwargs)
+        raise _Launched
+
+    monkeypatch.setattr(InferenceServerWorker, "create_group", create_group)
+    with pytest.raises(_Launched):
+        TidalServers(cfg, None, None, tmp_path).launch()
+    assert asked["dtype"] == dtype
+    assert VLLMServers(cfg, None, None, tmp_path).server_args()[:2] == ["--dtype", dtype]
