@@ -75,6 +75,19 @@ def test_load_causal_lm_options(model_dir):
     assert model.model.embed_tokens.weight.grad is not None
 
 
+def test_the_trainer_and_the_engine_load_without_a_progress_bar(model_dir, capfd):
+    """transformers draws a bar per load ("Loading weights: 100%|...") into every worker's log."""
+    from transformers.utils import logging as hf_logging
+
+    from tidal.inference import GenerationEngine
+
+    hf_logging.enable_progress_bar()
+    load_causal_lm(model_dir)
+    GenerationEngine(model_dir).close()
+    captured = capfd.readouterr()
+    assert "Loading weights" not in captured.err + captured.out
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 
 from tidal.extras import needs_extra
-from tidal.models.gguf import complete_tied_head, model_folder
+from tidal.models.gguf import load_pretrained, model_folder
 
 with needs_extra("llm", "the generation engine"):
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
 from tidal.inference.kv_cache import (
     PromptCache,
@@ -132,8 +132,7 @@ class GenerationEngine:
     ):
         self.model_dir = model_folder(model_dir)  # a GGUF file or packaged model: its folder
         self.device = torch.device(device)
-        loaded = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
-        self.model = complete_tied_head(loaded, self.model_dir)
+        self.model = load_pretrained(self.model_dir, dtype=dtype)
         self.model.to(self.device).eval()
         self._cache_key = cache_key(self.model)
         # a prefill samples from its last position only: the head's [B, L, vocab] logits

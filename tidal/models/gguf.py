@@ -174,6 +174,17 @@ def gguf_to_folder(file: str | Path, out: str | Path, key: str = "model.path") -
     tokenizer.save_pretrained(out)
 
 
+def load_pretrained(folder: str | Path, **options):
+    """The causal LM saved in ``folder`` (``from_pretrained`` with ``options``), its tied head
+    made sure of, loaded without transformers' per-tensor progress bar (a line of noise per
+    worker in a run's log)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return complete_tied_head(AutoModelForCausalLM.from_pretrained(folder, **options), folder)
+
+
 def complete_tied_head(model, folder: str | Path):
     """``model`` as loaded by ``from_pretrained``, its tied output head made sure of: transformers
     (5.25) now and then leaves a tied head untied on the meta device (seen in a long-lived test

@@ -17,7 +17,7 @@ import torch
 
 from tidal.extras import needs_extra
 from tidal.models.chat_template import render_chat
-from tidal.models.gguf import ModelSourceError, complete_tied_head, model_folder
+from tidal.models.gguf import ModelSourceError, load_pretrained, model_folder
 
 log = logging.getLogger(__name__)
 
@@ -150,13 +150,12 @@ def load_causal_lm(
     tokenizer = load_tokenizer(path, key)
     try:
         if weights:
-            model = AutoModelForCausalLM.from_pretrained(
+            model = load_pretrained(
                 path,
                 local_files_only=True,
                 dtype=DTYPES[dtype],
                 attn_implementation=attn_implementation,
             )
-            complete_tied_head(model, path)
         else:
             model = AutoModelForCausalLM.from_config(
                 config, dtype=config_dtype(config, dtype), attn_implementation=attn_implementation
