@@ -57,6 +57,8 @@ MISTAKES = [
     (CARTPOLE, ["reward.enabled=true", "reward.name=nope"], "reward.name", "scale"),
     (CARTPOLE, ["runner.loggers=[jsonl,csv]"], "runner.loggers", "tensorboard"),
     (CARTPOLE, ["cluster=local"], "cluster", "cluster.backend"),
+    (CARTPOLE, ["cluster.placement={env:'0'}"], "cluster.placement", "{env: '0'}"),
+    (CARTPOLE, ["cluster.placement={env: null}"], "cluster.placement.env", "cannot be null"),
     (CARTPOLE, ["rollout.weight_sync=nccl"], "rollout.weight_sync", "collective"),
     (CARTPOLE, ["algorithm.name=sac"], "algorithm.name", "Box"),
     (PENDULUM_SAC, ["algorithm.name=ppo"], "algorithm.critic_lr", "algorithm.name=sac"),

@@ -246,7 +246,14 @@ def explain(exc: OmegaConfBaseException, known: dict[str, str], where: str = "")
         kind = message.rsplit(" ", 1)[-1].lower()
         kind = {"float": "a number", "integer": "a whole number"}.get(kind, f"a {kind}")
         return f"{key}: expects {kind}{got}"
-    if "Incompatible value 'None'" in message:
+    if "is not Optional" in message and ":" in key:  # YAML's {a:b} is the key "a:b", no value
+        section = key[: key.index(":")].rpartition(".")[0]
+        name, _, rest = key[len(section) + 1 :].partition(":")
+        return (
+            f"{section}: YAML reads {name + ':' + rest!r} as one key without a value; in a "
+            f"mapping a colon needs a space after it ({{{name}: {rest}}})"
+        )
+    if "Incompatible value 'None'" in message or "is not Optional" in message:
         return f"{key}: cannot be null (got an empty value); give it a value, e.g. {key}=1"
     if "Dict[" in message or "is not a subclass of" in message or "DictConfig" in message:
         what = "a section" if "subclass" in message else "a mapping"
