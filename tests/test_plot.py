@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tidal.plot import PlotError, add_plot_parser, plot_runs
+from tidal.plot import PlotError, add_plot_parser, curve, plot_runs
 
 
 def _write_run(path: Path, slope: float, eval_every: int = 5, steps: int = 40) -> Path:
@@ -60,6 +60,18 @@ def test_chosen_keys_time_axis_and_output_file(runs, tmp_path):
     assert out == tmp_path / "out" / "loss.png"
     with Image.open(out) as image:
         assert image.size == (800, 320)
+
+
+def test_the_evaluation_before_training_is_plotted_at_zero_time_and_env_steps():
+    """The runner logs its step-0 evaluation alone (no env steps, no elapsed time yet)."""
+    rows = [
+        {"step": 0, "eval/success_rate": 0.4},
+        {"step": 10, "env_steps": 1000, "time/elapsed": 60.0, "eval/success_rate": 0.5},
+        {"step": 11, "eval/success_rate": 0.6},  # a later row without x stays out
+    ]
+    for x_column in ("time/elapsed", "env_steps"):
+        assert curve(rows, x_column, "eval/success_rate")[1] == [0.4, 0.5]
+    assert curve(rows, "time/elapsed", "eval/success_rate")[0] == [0, 60.0]
 
 
 def test_a_torn_last_line_is_skipped(tmp_path):

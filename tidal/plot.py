@@ -72,12 +72,14 @@ def default_keys(available: set[str]) -> list[str]:
 
 
 def curve(rows: list[dict], x_column: str, key: str) -> tuple[list[float], list[float]]:
-    """The (x, y) points of rows that have both as finite numbers."""
+    """The (x, y) points of rows that have both as finite numbers. The evaluation before the
+    first step (step 0) counts no env steps and no time yet: it is plotted at 0."""
     points = [
-        (row[x_column], row[key])
+        (row.get(x_column, 0 if row.get("step") == 0 else None), row[key])
         for row in rows
-        if _is_number(row.get(x_column)) and _is_number(row.get(key))
+        if _is_number(row.get(key))
     ]
+    points = [p for p in points if _is_number(p[0])]
     return [p[0] for p in points], [p[1] for p in points]
 
 
