@@ -14,6 +14,15 @@ def ray_session():
         yield
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny Llama of tidal.inference.tiny (seed 0), one per module; a module that needs
+    another model defines its own ``model_dir``."""
+    from tidal.inference.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("models") / "v0", seed=0)
+
+
 @pytest.fixture(scope="module", params=["local", "ray"])
 def cluster(request):
     """One cluster per backend per module (one Ray session for the whole module)."""

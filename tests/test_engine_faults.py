@@ -16,16 +16,6 @@ from tidal.inference import (
 )
 from tidal.inference.engine import EngineDied
 from tidal.inference.protocol import generate_all
-from tidal.inference.tiny import save_tiny_model
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("models") / "v0", seed=0)
-
-
-def run(coro):
-    return asyncio.run(coro)
 
 
 def test_an_engine_whose_thread_dies_fails_every_request_naming_the_error(model_dir):
@@ -46,17 +36,17 @@ def test_an_engine_whose_thread_dies_fails_every_request_naming_the_error(model_
 
     try:
         with pytest.raises(InferenceError, match="failed: the generation engine stopped .*CUDA"):
-            run(asyncio.wait_for(ask(streamed.extend), 30))
+            asyncio.run(asyncio.wait_for(ask(streamed.extend), 30))
         assert len(streamed) == 2  # what it generated before its thread died
         jobs = [([1, 2, 3], GenerationConfig(max_new_tokens=4), None)] * 3
         with pytest.raises(EngineDied, match="RuntimeError: CUDA error: an illegal memory"):
-            run(asyncio.wait_for(generate_all(engine, jobs), 30))
+            asyncio.run(asyncio.wait_for(generate_all(engine, jobs), 30))
         with pytest.raises(EngineDied, match="illegal memory access"):
             engine.submit([1, 2], GenerationConfig(max_new_tokens=2), lambda result: None)
         with pytest.raises(EngineDied):
             engine.pause(timeout=5)
         with pytest.raises(InferenceError, match="HTTP 500.*illegal memory access"):
-            run(asyncio.wait_for(ask(), 30))
+            asyncio.run(asyncio.wait_for(ask(), 30))
     finally:
         srv.stop()
 
@@ -102,7 +92,7 @@ def test_a_caller_that_goes_away_frees_its_rows_in_the_engine(model_dir):
             assert time.monotonic() < deadline, f"not cancelled: {engine.stats}"
             time.sleep(0.01)
         assert results[0].finish_reason == "abort" and len(results[0].output_ids) == 1
-        run(cancel_after_three_tokens())
+        asyncio.run(cancel_after_three_tokens())
         cancelled_soon(2)
         # the server stops at EOS unless told not to: a random model may draw it at once
         body = {
@@ -118,7 +108,9 @@ def test_a_caller_that_goes_away_frees_its_rows_in_the_engine(model_dir):
             httpx.post(srv.address + "/generate", json=body, timeout=httpx.Timeout(30, read=0.3))
         cancelled_soon(4)
         assert engine.stats["generated_tokens"] < 200  # of the 800 the four asked for
-        (result,) = run(generate_all(engine, [([1, 2], GenerationConfig(max_new_tokens=3), None)]))
+        (result,) = asyncio.run(
+            generate_all(engine, [([1, 2], GenerationConfig(max_new_tokens=3), None)])
+        )
         assert len(result.output_ids) == 3
         assert engine.stats["aborted"] == 0  # no pause aborted anything
     finally:
@@ -160,7 +152,9 @@ def test_abort_ends_its_own_request_queued_or_running(model_dir):
 
 def test_an_engine_that_dies_in_a_prefill_answers_the_requests_it_was_admitting(model_dir):
     engine = engine_that_dies_on_pass(model_dir, 2)  # the second request's prefill
-    first = run(generate_all(engine, [([1, 2], GenerationConfig(max_new_tokens=1), None)]))
+    first = asyncio.run(generate_all(engine, [([1, 2], GenerationConfig(max_new_tokens=1), None)]))
     assert len(first[0].output_ids) == 1
     with pytest.raises(EngineDied, match="illegal memory access"):
-        run(asyncio.wait_for(generate_all(engine, [([3, 4], GenerationConfig(), None)]), 10))
+        asyncio.run(
+            asyncio.wait_for(generate_all(engine, [([3, 4], GenerationConfig(), None)]), 10)
+        )

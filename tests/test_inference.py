@@ -16,15 +16,10 @@ from tidal.inference import (
     InferenceServer,
     ModelRequest,
 )
-from tidal.inference.tiny import save_tiny_model, tiny_llama
+from tidal.inference.tiny import tiny_llama
 
 KEY = "secret-key"
 EOS = 2
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("models") / "v0", seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -25,12 +25,6 @@ from tidal.inference import (
     ModelRequest,
     WeightsRejected,
 )
-from tidal.inference.tiny import save_tiny_model
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("models") / "v0", seed=0)
 
 
 @pytest.fixture(scope="module")
